@@ -1,0 +1,29 @@
+"""Gated DeltaNet in JAX.
+
+Dimension legend, used in every docstring and shape annotation:
+  B batch, T tokens, H query/key heads, HV value heads, K key dim, V value dim,
+  C chunk size, N chunks (or packed sequences, for ``cu_seqlens``), D model width.
+
+The memory state of one head is ``S [V, K]``: one row per value feature, one column per key
+feature (flash-linear-attention stores its transpose, ``[K, V]``).
+"""
+
+from gdn_jax.ops import (
+    default_scale,
+    gated_delta_rule,
+    gated_delta_rule_chunked,
+    gated_delta_rule_recurrent,
+    gated_delta_step,
+    gated_linear_attention,
+    l2_normalize,
+)
+
+__all__ = [
+    "default_scale",
+    "gated_delta_rule",
+    "gated_delta_rule_chunked",
+    "gated_delta_rule_recurrent",
+    "gated_delta_step",
+    "gated_linear_attention",
+    "l2_normalize",
+]

@@ -1,0 +1,17 @@
+"""Pure JAX functions for the gated delta rule; see ``gdn_jax`` for the dimension legend."""
+
+from gdn_jax.ops.api import gated_delta_rule, gated_linear_attention
+from gdn_jax.ops.chunked import gated_delta_rule_chunked
+from gdn_jax.ops.normalize import l2_normalize
+from gdn_jax.ops.recurrent import gated_delta_rule_recurrent
+from gdn_jax.ops.step import default_scale, gated_delta_step
+
+__all__ = [
+    "default_scale",
+    "gated_delta_rule",
+    "gated_delta_rule_chunked",
+    "gated_delta_rule_recurrent",
+    "gated_delta_step",
+    "gated_linear_attention",
+    "l2_normalize",
+]

@@ -1,0 +1,200 @@
+"""The batched, multi-head entry point in flash-linear-attention's layout.
+
+It checks shapes once, then maps the single-head forms over value heads and batch with
+``jax.vmap``; anything it computes, a user gets equally by vmapping
+``gated_delta_rule_chunked`` or ``gated_delta_rule_recurrent`` themselves.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from gdn_jax.ops import _checks
+from gdn_jax.ops.chunked import chunk_step, chunked_rule, linear_chunk_step
+from gdn_jax.ops.normalize import l2_normalize
+from gdn_jax.ops.recurrent import recurrent_core
+from gdn_jax.ops.step import compute_dtype, default_scale, linear_token_step, token_step
+from gdn_jax.ops.varlen import pack_layout
+
+
+def _check_batched(fn, q, k, v, log_alpha, beta, initial_state, cu_seqlens):
+    _checks.check_floating(
+        fn, q=q, k=k, v=v, log_alpha=log_alpha, beta=beta, initial_state=initial_state
+    )
+    _checks.check_same_dtype(fn, q=q, k=k, v=v)
+    _checks.check_rank(fn, "q", q, 4, "[B, T, H, K]")
+    _checks.check_rank(fn, "v", v, 4, "[B, T, HV, V]")
+    batch, seq_len, heads, key_dim = q.shape
+    v_heads, value_dim = v.shape[2], v.shape[3]
+    _checks.check_shape(fn, "k", k, q.shape, "[B, T, H, K] like q")
+    _checks.check_shape(fn, "v", v, (batch, seq_len, v_heads, value_dim), "[B, T, HV, V]")
+    _checks.check_shape(fn, "log_alpha", log_alpha, (batch, seq_len, v_heads), "[B, T, HV]")
+    _checks.check_shape(fn, "beta", beta, (batch, seq_len, v_heads), "[B, T, HV]")
+    if v_heads % heads:
+        raise ValueError(
+            f"{fn}: value heads HV={v_heads} (v.shape={v.shape}) must be a multiple of "
+            f"query/key heads H={heads} (q.shape={q.shape})"
+        )
+    if seq_len < 1:
+        raise ValueError(f"{fn}: need at least one token, got q.shape={q.shape}")
+    num_states = batch
+    if cu_seqlens is not None:
+        if batch != 1:
+            raise ValueError(
+                f"{fn}: cu_seqlens packs sequences along T and needs B == 1, got q.shape={q.shape}"
+            )
+        _checks.check_cu_seqlens(fn, cu_seqlens, seq_len)
+        num_states = cu_seqlens.shape[0] - 1
+    if initial_state is not None:
+        layout = "[N, HV, V, K]" if cu_seqlens is not None else "[B, HV, V, K]"
+        _checks.check_shape(
+            fn, "initial_state", initial_state, (num_states, v_heads, value_dim, key_dim), layout
+        )
+
+
+def gated_delta_rule(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T HV V"],
+    log_alpha: Float[Array, "B T HV"],
+    beta: Float[Array, "B T HV"],
+    *,
+    scale: float | None = None,
+    initial_state: Float[Array, "B HV V K"] | None = None,
+    impl: str = "chunked",
+    chunk_size: int = 64,
+    cu_seqlens: Int[Array, " N+1"] | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV V K"]]:
+    """Gated delta rule over a batch of sequences and heads.
+
+    Per value head and sequence this is ``gated_delta_rule_chunked`` (or ``_recurrent``):
+    ``S_t = alpha_t S_{t-1} + beta_t (v_t - alpha_t S_{t-1} k_t) k_t^T``,
+    ``y_t = S_t (scale q_t)``, ``alpha_t = exp(log_alpha_t)``, states ``[V, K]``.
+
+    Args:
+      q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; one floating dtype for all three.
+        ``HV`` is a multiple of ``H``: value head ``i`` reads query/key head ``i // (HV // H)``.
+      log_alpha, beta: ``[B, T, HV]``, log-space decay (``<= 0``) and activated strength.
+      scale: query scale; ``None`` means ``K ** -0.5``.
+      initial_state: ``[B, HV, V, K]``, or ``[N, HV, V, K]`` with ``cu_seqlens``; ``None`` is
+        zeros. flash-linear-attention's states are ``[.., K, V]``: pass ``swapaxes(-1, -2)``.
+      impl: ``"chunked"`` (train with this) or ``"recurrent"`` (the token-by-token reference).
+      chunk_size: 16, 32, 64 or 128 (chunked only).
+      cu_seqlens: ``[N+1]`` int offsets of ``N`` sequences packed along ``T`` (needs ``B == 1``).
+        Each sequence starts from its own initial state and returns its own final state, as
+        if run alone. It may be traced; its values are checked only when concrete.
+      use_qk_l2norm: L2-normalise q and k over ``K`` (eps 1e-6) inside the op.
+
+    Returns:
+      ``(o [B, T, HV, V], final_state)``: ``o`` in the input dtype; ``final_state`` float32
+      (float64 for float64 input), ``[B, HV, V, K]`` or ``[N, HV, V, K]`` with ``cu_seqlens``.
+    """
+    options = dict(scale=scale, initial_state=initial_state, impl=impl, chunk_size=chunk_size)
+    options.update(cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
+    return _batched("gated_delta_rule", True, q, k, v, log_alpha, beta, **options)
+
+
+def gated_linear_attention(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T HV V"],
+    log_alpha: Float[Array, "B T HV"],
+    beta: Float[Array, "B T HV"],
+    *,
+    scale: float | None = None,
+    initial_state: Float[Array, "B HV V K"] | None = None,
+    impl: str = "chunked",
+    chunk_size: int = 64,
+    cu_seqlens: Int[Array, " N+1"] | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV V K"]]:
+    """The same recurrence without the delta correction: ``S_t = alpha_t S_{t-1} +
+    beta_t v_t k_t^T``, ``y_t = S_t (scale q_t)``.
+
+    With ``log_alpha`` it is gated linear attention with a scalar gate per head (Mamba-2's
+    form); with ``log_alpha = 0`` and ``beta = 1`` plain causal linear attention. Arguments,
+    layouts and results are those of ``gated_delta_rule``.
+    """
+    options = dict(scale=scale, initial_state=initial_state, impl=impl, chunk_size=chunk_size)
+    options.update(cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
+    return _batched("gated_linear_attention", False, q, k, v, log_alpha, beta, **options)
+
+
+def _batched(
+    fn,
+    delta,
+    q,
+    k,
+    v,
+    log_alpha,
+    beta,
+    *,
+    scale,
+    initial_state,
+    impl,
+    chunk_size,
+    cu_seqlens,
+    use_qk_l2norm,
+):
+    """Shared body of ``gated_delta_rule`` (``delta=True``) and ``gated_linear_attention``."""
+    _check_batched(fn, q, k, v, log_alpha, beta, initial_state, cu_seqlens)
+    _checks.check_impl(fn, impl)
+    if impl == "chunked":
+        _checks.check_chunk_size(fn, chunk_size)
+    batch, seq_len, heads, key_dim = q.shape
+    v_heads, value_dim = v.shape[2], v.shape[3]
+    scale = default_scale(key_dim) if scale is None else scale
+    dt = compute_dtype(q, log_alpha, beta, initial_state)
+    out_dtype = v.dtype
+
+    q, k = q.astype(dt), k.astype(dt)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    if v_heads != heads:
+        q, k = (jnp.repeat(x, v_heads // heads, axis=2) for x in (q, k))
+    q = q * scale
+    v, log_alpha, beta = v.astype(dt), log_alpha.astype(dt), beta.astype(dt)
+
+    num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if initial_state is None:
+        initial_state = jnp.zeros((num_states, v_heads, value_dim, key_dim), dt)
+    initial_state = initial_state.astype(dt)
+
+    if cu_seqlens is None:
+        layout = None
+    else:
+        layout = pack_layout(cu_seqlens, seq_len, chunk_size if impl == "chunked" else 1)
+
+    if impl == "chunked":
+        one_head = functools.partial(
+            chunked_rule,
+            chunk_size=chunk_size,
+            layout=layout,
+            step=chunk_step if delta else linear_chunk_step,
+        )
+    else:
+        resets = None if layout is None else layout.resets
+        step = token_step if delta else linear_token_step
+
+        def one_head(q, k, v, log_alpha, beta, initial_states):
+            return recurrent_core(q, k, v, log_alpha, beta, initial_states, resets, step)
+
+    if cu_seqlens is None:
+        # Each (batch, head) is one sequence with one initial state: [V, K] -> [1, V, K].
+        def one_sequence(q, k, v, log_alpha, beta, state):
+            y, finals = one_head(q, k, v, log_alpha, beta, state[None])
+            return y, finals[0]
+
+        over_heads = jax.vmap(one_sequence, in_axes=(1, 1, 1, 1, 1, 0), out_axes=(1, 0))
+        out, final = jax.vmap(over_heads)(q, k, v, log_alpha, beta, initial_state)
+    else:
+        # B == 1; each head carries the N packed sequences' states: [N, HV, V, K].
+        over_heads = jax.vmap(one_head, in_axes=(1, 1, 1, 1, 1, 1), out_axes=(1, 1))
+        out, final = over_heads(q[0], k[0], v[0], log_alpha[0], beta[0], initial_state)
+        out = out[None]
+    return out.astype(out_dtype), final

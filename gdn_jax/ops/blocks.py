@@ -1,0 +1,110 @@
+"""Scanning a state update over blocks (tokens or chunks), with resets for packed sequences.
+
+Both the recurrent form (a block is one token) and the chunked form (a block is ``C``
+tokens) are a ``jax.lax.scan`` of a ``step(state, *block) -> (new_state, y)`` over ``N``
+blocks. Packed sequences add two integer arrays over the blocks:
+
+- ``start_seq[n] = m`` when block ``n`` is the first block of sequence ``m`` (else -1): the
+  state is replaced by ``initial_states[m]`` before the block;
+- ``end_seq[n] = m`` when block ``n`` is the last block of sequence ``m`` (else -1): the state
+  after the block is sequence ``m``'s final state.
+
+Blocks never straddle two sequences (the chunked form lays each sequence out from a chunk
+boundary, see ``varlen.py``). Without ``resets`` there is one sequence over all blocks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def scan_blocks(step, blocks, initial_states, resets=None, *, keep_starts=False):
+    """Run ``step`` over the blocks.
+
+    Args:
+      step: ``step(state [V, K], *block) -> (new_state [V, K], y)``.
+      blocks: tuple of arrays with a leading block axis ``N``.
+      initial_states: ``[M, V, K]``, one per sequence (``M = 1`` without resets).
+      resets: ``None`` or ``(start_seq [N], end_seq [N])``.
+      keep_starts: also return the state at each block's start (after any reset). The
+        chunked backward keeps these, one state per chunk; the recurrent form must not,
+        since that would be one state per token.
+
+    Returns:
+      ``(ys [N, ...], finals [M, V, K])``, plus ``starts [N, V, K]`` when ``keep_starts``.
+    """
+
+    def emit(y, state):
+        return (y, state) if keep_starts else y
+
+    if resets is None:
+
+        def body(state, block):
+            new_state, y = step(state, *block)
+            return new_state, emit(y, state)
+
+        final, out = jax.lax.scan(body, initial_states[0], blocks)
+        finals = final[None]
+    else:
+
+        def body(carry, x):
+            state, finals = carry
+            (start, end), block = x
+            state = jnp.where(start >= 0, initial_states[jnp.maximum(start, 0)], state)
+            new_state, y = step(state, *block)
+            m = jnp.maximum(end, 0)
+            finals = finals.at[m].set(jnp.where(end >= 0, new_state, finals[m]))
+            return (new_state, finals), emit(y, state)
+
+        # A sequence with no tokens never ends a block and keeps its initial state.
+        carry = (jnp.zeros_like(initial_states[0]), initial_states)
+        (_, finals), out = jax.lax.scan(body, carry, (resets, blocks))
+    return (*out, finals) if keep_starts else (out, finals)
+
+
+def scan_blocks_backward(step, blocks, starts, initial_states, resets, d_ys, d_finals):
+    """Reverse-mode of ``scan_blocks`` that recomputes each block from its start state.
+
+    Only ``starts`` (one state per block) is stored between the forward and the backward;
+    each block's intermediates are rebuilt by ``jax.vjp`` of ``step`` inside a reverse scan,
+    so the backward holds one block's worth of intermediates at a time.
+
+    Returns:
+      ``(d_blocks, d_initial_states)`` with the structures of ``blocks`` and
+      ``initial_states``.
+    """
+
+    def block_vjp(d_new_state, start_state, d_y, block):
+        _, pullback = jax.vjp(step, start_state, *block)
+        d_start, *d_block = pullback((d_new_state, d_y))
+        return d_start, tuple(d_block)
+
+    if resets is None:
+
+        def body(d_state, x):
+            start_state, d_y, block = x
+            return block_vjp(d_state, start_state, d_y, block)
+
+        d_state, d_blocks = jax.lax.scan(body, d_finals[0], (starts, d_ys, blocks), reverse=True)
+        return d_blocks, d_state[None]
+
+    def body(carry, x):
+        d_state, d_init = carry
+        (start, end), start_state, d_y, block = x
+        d_state = d_state + jnp.where(end >= 0, d_finals[jnp.maximum(end, 0)], 0)
+        d_start, d_block = block_vjp(d_state, start_state, d_y, block)
+        m = jnp.maximum(start, 0)
+        d_init = d_init.at[m].add(jnp.where(start >= 0, d_start, 0))
+        # A reset cuts the dependence on the previous block's state.
+        return (jnp.where(start >= 0, 0, d_start), d_init), d_block
+
+    num_seqs = initial_states.shape[0]
+    start_seq, end_seq = resets
+    ends = jnp.where(end_seq >= 0, end_seq, num_seqs)  # out of range for "ends nothing"
+    ends_somewhere = jnp.zeros(num_seqs, bool).at[ends].set(True, mode="drop")
+    # Empty sequences pass their initial state straight through to their final state.
+    d_init = jnp.where(ends_somewhere[:, None, None], 0, d_finals)
+    carry = (jnp.zeros_like(initial_states[0]), d_init)
+    (_, d_init), d_blocks = jax.lax.scan(body, carry, (resets, starts, d_ys, blocks), reverse=True)
+    return d_blocks, d_init

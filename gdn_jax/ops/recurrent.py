@@ -1,0 +1,64 @@
+"""The gated delta rule token by token: ``gated_delta_step`` under ``jax.lax.scan``.
+
+This is the readable reference form. Its forward is cheap, but reverse-mode autodiff keeps
+one ``[V, K]`` state per token (``T * V * K`` floats per head), so train with the chunked form.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from gdn_jax.ops import _checks
+from gdn_jax.ops.blocks import scan_blocks
+from gdn_jax.ops.step import compute_dtype, default_scale, token_step
+
+
+def recurrent_core(q, k, v, log_alpha, beta, initial_states, resets=None, step=token_step):
+    """Scan ``step`` over tokens on compute-dtype arrays (``q`` pre-scaled); see
+    ``scan_blocks``."""
+    return scan_blocks(step, (q, k, v, log_alpha, beta), initial_states, resets)
+
+
+def gated_delta_rule_recurrent(
+    q: Float[Array, "T K"],
+    k: Float[Array, "T K"],
+    v: Float[Array, "T V"],
+    log_alpha: Float[Array, " T"],
+    beta: Float[Array, " T"],
+    *,
+    scale: float | None = None,
+    initial_state: Float[Array, "V K"] | None = None,
+) -> tuple[Float[Array, "T V"], Float[Array, "V K"]]:
+    """One head, one sequence, one token at a time.
+
+    For ``t = 1..T``: ``S_t = alpha_t S_{t-1} + beta_t (v_t - alpha_t S_{t-1} k_t) k_t^T`` and
+    ``y_t = S_t (scale q_t)``, with ``alpha_t = exp(log_alpha_t)`` and ``S_0 = initial_state``
+    (zeros when ``None``).
+
+    Args:
+      q, k: ``[T, K]``; v: ``[T, V]``; all three in one floating dtype.
+      log_alpha: ``[T]`` decay gates in log space (``<= 0``).
+      beta: ``[T]`` writing strengths, already activated.
+      scale: query scale; ``None`` means ``K ** -0.5``.
+      initial_state: ``[V, K]`` or ``None``.
+
+    Returns:
+      ``(y [T, V], final_state [V, K])``: ``y`` in the input dtype, the state in float32
+      (float64 for float64 input).
+    """
+    _checks.check_single_head("gated_delta_rule_recurrent", q, k, v, log_alpha, beta, initial_state)
+    key_dim, value_dim = q.shape[1], v.shape[1]
+    scale = default_scale(key_dim) if scale is None else scale
+    dt = compute_dtype(q, log_alpha, beta, initial_state)
+    if initial_state is None:
+        initial_state = jnp.zeros((value_dim, key_dim), dt)
+    y, finals = recurrent_core(
+        q.astype(dt) * scale,
+        k.astype(dt),
+        v.astype(dt),
+        log_alpha.astype(dt),
+        beta.astype(dt),
+        initial_state.astype(dt)[None],
+    )
+    return y.astype(v.dtype), finals[0]

@@ -1,0 +1,92 @@
+"""One token of the gated delta rule (Yang, Kautz & Hatamizadeh, ICLR 2025, Eq. 10)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from gdn_jax.ops import _checks
+
+
+def default_scale(key_dim: int) -> float:
+    """The query scale every op uses when ``scale=None``: ``K ** -0.5``, as in attention."""
+    return key_dim**-0.5
+
+
+def compute_dtype(*arrays) -> jnp.dtype:
+    """float32, or float64 when any input is float64: the state never drops below float32."""
+    if any(x is not None and jnp.asarray(x).dtype == jnp.float64 for x in arrays):
+        return jnp.dtype(jnp.float64)
+    return jnp.dtype(jnp.float32)
+
+
+def token_step(state, q, k, v, log_alpha, beta):
+    """The update on arrays already in the compute dtype, ``q`` already scaled.
+
+    Decay, then correct along the key, then read with the query:
+        D = alpha S;  S' = D + beta (v - D k) k^T;  y = S' q.
+    The error form costs two matrix-vector products and one outer product; the factored
+    form ``S (alpha (I - beta k k^T)) + beta v k^T`` would cost a matrix-matrix product.
+    """
+    decayed = jnp.exp(log_alpha) * state
+    error = v - decayed @ k
+    new_state = decayed + beta * jnp.outer(error, k)
+    return new_state, new_state @ q
+
+
+def linear_token_step(state, q, k, v, log_alpha, beta):
+    """``token_step`` without the delta correction: ``S' = alpha S + beta v k^T``."""
+    new_state = jnp.exp(log_alpha) * state + beta * jnp.outer(v, k)
+    return new_state, new_state @ q
+
+
+def gated_delta_step(
+    state: Float[Array, "V K"],
+    q: Float[Array, " K"],
+    k: Float[Array, " K"],
+    v: Float[Array, " V"],
+    log_alpha: Float[Array, ""],
+    beta: Float[Array, ""],
+    *,
+    scale: float | None = None,
+) -> tuple[Float[Array, "V K"], Float[Array, " V"]]:
+    """Advance one head's memory by one token and read it.
+
+    ``S_t = alpha_t S_{t-1} + beta_t (v_t - alpha_t S_{t-1} k_t) k_t^T``, ``y_t = S_t (scale q_t)``
+    with ``alpha_t = exp(log_alpha_t)``. This is what a decoder calls per token.
+
+    Args:
+      state: memory ``[V, K]``, one row per value feature (flash-linear-attention stores the
+        transpose, ``[K, V]``).
+      q, k: query and key ``[K]``.
+      v: value ``[V]``; q, k and v share one dtype.
+      log_alpha: scalar decay gate in log space, ``<= 0``.
+      beta: scalar writing strength, already activated (in ``[0, 1]``, up to 2 with negative
+        eigenvalues).
+      scale: query scale; ``None`` means ``K ** -0.5``.
+
+    Returns:
+      ``(new_state, y)``: the state in float32 (float64 for float64 input) and ``y [V]`` in
+      the dtype of ``v``.
+    """
+    fn = "gated_delta_step"
+    _checks.check_floating(fn, state=state, q=q, k=k, v=v, log_alpha=log_alpha, beta=beta)
+    _checks.check_same_dtype(fn, q=q, k=k, v=v)
+    _checks.check_rank(fn, "q", q, 1, "[K]")
+    _checks.check_rank(fn, "v", v, 1, "[V]")
+    (key_dim,), (value_dim,) = q.shape, v.shape
+    _checks.check_shape(fn, "k", k, (key_dim,), "[K] like q")
+    _checks.check_shape(fn, "state", state, (value_dim, key_dim), "[V, K]")
+    _checks.check_shape(fn, "log_alpha", log_alpha, (), "a scalar")
+    _checks.check_shape(fn, "beta", beta, (), "a scalar")
+    scale = default_scale(key_dim) if scale is None else scale
+    dt = compute_dtype(state, q, log_alpha, beta)
+    new_state, y = token_step(
+        state.astype(dt),
+        q.astype(dt) * scale,
+        k.astype(dt),
+        v.astype(dt),
+        jnp.asarray(log_alpha, dt),
+        jnp.asarray(beta, dt),
+    )
+    return new_state, y.astype(v.dtype)

@@ -1,0 +1,61 @@
+"""Packed variable-length sequences (``cu_seqlens``) laid out for a block scan.
+
+Sequence ``m`` owns tokens ``cu_seqlens[m] : cu_seqlens[m+1]`` of the packed axis. To run
+the chunked form without letting a chunk straddle two sequences, each sequence is moved to
+start on a block boundary of a slightly longer axis; the gaps hold inert tokens (zero
+inputs, ``log_alpha = 0``, ``beta = 0``) that leave the state as it is. The longer axis has
+a static size, ``(T + N * (C - 1)) // C`` blocks, so ``cu_seqlens`` may be traced: packing
+can change from batch to batch without recompiling. With blocks of one token (the
+recurrent form) the layout is the identity.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+
+class PackedLayout(NamedTuple):
+    """Where each packed token sits on the block-aligned axis, and the per-block resets."""
+
+    positions: Int[Array, " T"]
+    num_blocks: int
+    block_size: int
+    resets: tuple[Int[Array, " NB"], Int[Array, " NB"]]
+
+    def scatter(self, x):
+        """``x [T, ...]`` onto the aligned axis ``[NB * block_size, ...]``, gaps zero."""
+        size = self.num_blocks * self.block_size
+        return jnp.zeros((size, *x.shape[1:]), x.dtype).at[self.positions].set(x)
+
+    def gather(self, y):
+        """Back from the aligned axis to the packed ``[T, ...]``."""
+        return y[self.positions]
+
+
+def pack_layout(cu_seqlens: Int[Array, " N+1"], seq_len: int, block_size: int) -> PackedLayout:
+    """The aligned layout of ``N`` packed sequences over ``seq_len`` tokens."""
+    num_seqs = cu_seqlens.shape[0] - 1
+    cu = cu_seqlens.astype(jnp.int32)
+    lengths = cu[1:] - cu[:-1]
+    blocks_per_seq = -(-lengths // block_size)
+    first_block = jnp.cumsum(blocks_per_seq) - blocks_per_seq
+    num_blocks = max(1, (seq_len + num_seqs * (block_size - 1)) // block_size)
+
+    t = jnp.arange(seq_len, dtype=jnp.int32)
+    # With empty sequences several cu entries coincide; 'right' picks the one that owns t.
+    seq = jnp.searchsorted(cu, t, side="right") - 1
+    positions = first_block[seq] * block_size + t - cu[seq]
+
+    ids = jnp.arange(num_seqs, dtype=jnp.int32)
+    nonempty = lengths > 0
+
+    def mark(blocks):
+        # Empty sequences own no block; their index is sent out of range and dropped.
+        where = jnp.where(nonempty, blocks, num_blocks)
+        return jnp.full(num_blocks, -1, jnp.int32).at[where].set(ids, mode="drop")
+
+    resets = (mark(first_block), mark(first_block + blocks_per_seq - 1))
+    return PackedLayout(positions, num_blocks, block_size, resets)

@@ -1,0 +1,58 @@
+"""A float64 NumPy loop written straight from the gated delta rule, and test inputs."""
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def gated_delta_reference(q, k, v, log_alpha, beta, *, scale, initial_state=None, delta=True):
+    """S_t = a_t S_{t-1} + b_t (v_t - a_t S_{t-1} k_t) k_t^T;  y_t = S_t (scale q_t).
+
+    With delta=False the correction is dropped: S_t = a_t S_{t-1} + b_t v_t k_t^T.
+    """
+    q, k, v, log_alpha, beta = (np.asarray(x, np.float64) for x in (q, k, v, log_alpha, beta))
+    seq_len, key_dim = q.shape
+    state = np.zeros((v.shape[1], key_dim))
+    if initial_state is not None:
+        state = np.array(initial_state, np.float64)
+    ys = []
+    for t in range(seq_len):
+        alpha = np.exp(log_alpha[t])
+        decayed = alpha * state
+        written = v[t] - decayed @ k[t] if delta else v[t]
+        state = decayed + beta[t] * np.outer(written, k[t])
+        ys.append(state @ (scale * q[t]))
+    return np.stack(ys), state
+
+
+def random_inputs(
+    seed,
+    seq_len,
+    key_dim,
+    value_dim,
+    *,
+    dtype=jnp.float32,
+    lead=(),
+    heads=None,
+    log_alpha_range=(-1.0, 0.0),
+    beta_range=(0.0, 1.0),
+    unit_keys=True,
+):
+    """q, k [*lead, T, (H,) K], v [*lead, T, (HV,) V], gates [*lead, T, (HV,)] as jnp arrays.
+
+    `heads` is None for the single-head layout or (H, HV) for the batched one.
+    """
+    rng = np.random.default_rng(seed)
+    qk_heads = () if heads is None else (heads[0],)
+    v_heads = () if heads is None else (heads[1],)
+    q = rng.standard_normal((*lead, seq_len, *qk_heads, key_dim))
+    k = rng.standard_normal((*lead, seq_len, *qk_heads, key_dim))
+    if unit_keys:
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((*lead, seq_len, *v_heads, value_dim))
+    log_alpha = rng.uniform(*log_alpha_range, (*lead, seq_len, *v_heads))
+    beta = rng.uniform(*beta_range, (*lead, seq_len, *v_heads))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v, log_alpha, beta))
+
+
+def random_state(seed, *shape, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)

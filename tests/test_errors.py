@@ -1,0 +1,160 @@
+"""Bad input raises ValueError at trace time, naming the argument and showing shapes."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from reference import random_inputs
+
+import gdn_jax
+
+
+def batched_inputs(batch=1, seq_len=8, heads=2, v_heads=2, key_dim=4, value_dim=3):
+    return list(
+        random_inputs(0, seq_len, key_dim, value_dim, lead=(batch,), heads=(heads, v_heads))
+    )
+
+
+def call(args, **kw):
+    return gdn_jax.gated_delta_rule(*args, **kw)
+
+
+@pytest.mark.parametrize(
+    ("index", "shape", "message"),
+    [
+        (0, (1, 8, 2), r"q must be \[B, T, H, K\] \(rank 4\), got shape \(1, 8, 2\)"),
+        (
+            1,
+            (1, 8, 2, 5),
+            r"k must have shape \[B, T, H, K\] like q = \(1, 8, 2, 4\), got \(1, 8, 2, 5\)",
+        ),
+        (1, (1, 7, 2, 4), r"k must have shape .* got \(1, 7, 2, 4\)"),
+        (
+            2,
+            (1, 9, 2, 3),
+            r"v must have shape \[B, T, HV, V\] = \(1, 8, 2, 3\), got \(1, 9, 2, 3\)",
+        ),
+        (3, (1, 8, 3), r"log_alpha must have shape \[B, T, HV\] = \(1, 8, 2\), got \(1, 8, 3\)"),
+        (4, (1, 8), r"beta must have shape \[B, T, HV\] = \(1, 8, 2\), got \(1, 8\)"),
+    ],
+)
+def test_shape_mismatches(index, shape, message):
+    args = batched_inputs()
+    args[index] = jnp.zeros(shape, jnp.float32)
+    with pytest.raises(ValueError, match=message):
+        call(args)
+
+
+def test_value_heads_must_be_a_multiple_of_query_heads():
+    args = batched_inputs(heads=2, v_heads=3)
+    with pytest.raises(ValueError, match=r"HV=3 .* multiple of query/key heads H=2"):
+        call(args)
+
+
+def test_initial_state_shape():
+    args = batched_inputs()
+    with pytest.raises(
+        ValueError,
+        match=r"initial_state must have shape \[B, HV, V, K\] = \(1, 2, 3, 4\), got \(1, 2, 4, 3\)",
+    ):
+        call(args, initial_state=jnp.zeros((1, 2, 4, 3)))
+
+
+def test_cu_seqlens_needs_batch_one():
+    args = batched_inputs(batch=2)
+    with pytest.raises(ValueError, match=r"cu_seqlens .* needs B == 1, got q.shape=\(2, 8, 2, 4\)"):
+        call(args, cu_seqlens=jnp.asarray([0, 8], jnp.int32))
+
+
+@pytest.mark.parametrize(
+    ("cu", "message"),
+    [
+        (jnp.asarray([0, 3, 7], jnp.int32), r"rise from 0 to T=8 .* got \[0, 3, 7\]"),
+        (jnp.asarray([0, 5, 3, 8], jnp.int32), r"without decreasing, got \[0, 5, 3, 8\]"),
+        (jnp.asarray([0.0, 8.0]), r"cu_seqlens must be integer, got dtype float"),
+        (jnp.asarray([[0, 8]], jnp.int32), r"cu_seqlens must be a 1-D int array"),
+    ],
+)
+def test_bad_cu_seqlens(cu, message):
+    with pytest.raises(ValueError, match=message):
+        call(batched_inputs(), cu_seqlens=cu)
+
+
+def test_packed_initial_state_is_per_sequence():
+    with pytest.raises(
+        ValueError, match=r"initial_state must have shape \[N, HV, V, K\] = \(2, 2, 3, 4\)"
+    ):
+        call(
+            batched_inputs(),
+            cu_seqlens=jnp.asarray([0, 4, 8], jnp.int32),
+            initial_state=jnp.zeros((1, 2, 3, 4)),
+        )
+
+
+@pytest.mark.parametrize("chunk_size", [8, 48, 256])
+def test_unsupported_chunk_size(chunk_size):
+    with pytest.raises(
+        ValueError, match=rf"chunk_size={chunk_size} must be one of \(16, 32, 64, 128\)"
+    ):
+        call(batched_inputs(), chunk_size=chunk_size)
+    q, k, v, la, b = random_inputs(0, 8, 4, 4)
+    with pytest.raises(ValueError, match="chunk_size"):
+        gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, chunk_size=chunk_size)
+
+
+def test_unknown_impl():
+    with pytest.raises(
+        ValueError, match=r"impl='pallas' must be one of \('chunked', 'recurrent'\)"
+    ):
+        call(batched_inputs(), impl="pallas")
+
+
+def test_integer_inputs():
+    args = batched_inputs()
+    args[0] = jnp.zeros((1, 8, 2, 4), jnp.int32)
+    with pytest.raises(ValueError, match="q must be a floating array, got dtype int32"):
+        call(args)
+    q, k, v, la, b = random_inputs(0, 8, 4, 4)
+    with pytest.raises(ValueError, match="beta must be a floating array"):
+        gdn_jax.gated_delta_rule_recurrent(q, k, v, la, jnp.ones(8, jnp.int32))
+
+
+def test_mixed_qkv_dtypes():
+    args = batched_inputs()
+    args[2] = args[2].astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match="q, k, v must share one dtype"):
+        call(args)
+
+
+def test_single_head_shapes():
+    q, k, v, la, b = random_inputs(0, 8, 4, 3)
+    with pytest.raises(
+        ValueError,
+        match=r"gated_delta_rule_chunked: k must have shape \[T, K\] like q = \(8, 4\), got \(8, 5\)",
+    ):
+        gdn_jax.gated_delta_rule_chunked(q, jnp.zeros((8, 5), jnp.float32), v, la, b)
+    with pytest.raises(
+        ValueError,
+        match=r"gated_delta_rule_recurrent: initial_state must have shape \[V, K\] = \(3, 4\), got \(4, 3\)",
+    ):
+        gdn_jax.gated_delta_rule_recurrent(
+            q, k, v, la, b, initial_state=jnp.zeros((4, 3), jnp.float32)
+        )
+    with pytest.raises(ValueError, match=r"log_alpha must have shape \[T\] = \(8,\), got \(8, 1\)"):
+        gdn_jax.gated_delta_rule_recurrent(q, k, v, la[:, None], b)
+
+
+def test_step_shapes():
+    state = jnp.zeros((3, 4))
+    q, k, v = jnp.zeros(4), jnp.zeros(4), jnp.zeros(3)
+    with pytest.raises(
+        ValueError, match=r"state must have shape \[V, K\] = \(3, 4\), got \(4, 3\)"
+    ):
+        gdn_jax.gated_delta_step(state.T, q, k, v, jnp.zeros(()), jnp.zeros(()))
+    with pytest.raises(ValueError, match=r"beta must have shape a scalar = \(\), got \(1,\)"):
+        gdn_jax.gated_delta_step(state, q, k, v, jnp.zeros(()), jnp.zeros(1))
+
+
+def test_errors_are_raised_while_tracing_under_jit():
+    args = batched_inputs(heads=2, v_heads=3)
+    with pytest.raises(ValueError, match="multiple of query/key heads"):
+        jax.jit(gdn_jax.gated_delta_rule).lower(*args)
