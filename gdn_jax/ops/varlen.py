@@ -41,13 +41,11 @@ def pack_layout(cu_seqlens: Int[Array, " N+1"], seq_len: int, block_size: int) -
     cu = cu_seqlens.astype(jnp.int32)
     lengths = cu[1:] - cu[:-1]
     blocks_per_seq = -(-lengths // block_size)
-    first_block = jnp.cumsum(blocks_per_seq) - blocks_per_seq
+    first_block = jnp.cumsum(blocks_per_seq, dtype=jnp.int32) - blocks_per_seq
     num_blocks = max(1, (seq_len + num_seqs * (block_size - 1)) // block_size)
 
-    t = jnp.arange(seq_len, dtype=jnp.int32)
-    # With empty sequences several cu entries coincide; 'right' picks the one that owns t.
-    seq = jnp.searchsorted(cu, t, side="right") - 1
-    positions = first_block[seq] * block_size + t - cu[seq]
+    seq, offset = segment_positions(cu, seq_len)
+    positions = first_block[seq] * block_size + offset
 
     ids = jnp.arange(num_seqs, dtype=jnp.int32)
     nonempty = lengths > 0
@@ -59,3 +57,12 @@ def pack_layout(cu_seqlens: Int[Array, " N+1"], seq_len: int, block_size: int) -
 
     resets = (mark(first_block), mark(first_block + blocks_per_seq - 1))
     return PackedLayout(positions, num_blocks, block_size, resets)
+
+
+def segment_positions(cu_seqlens: Int[Array, " N+1"], seq_len: int):
+    """For each packed token: the index of its sequence and its position inside it, ``[T]``."""
+    t = jnp.arange(seq_len, dtype=jnp.int32)
+    cu = cu_seqlens.astype(jnp.int32)
+    # With empty sequences several cu entries coincide; 'right' picks the one that owns t.
+    seq = jnp.searchsorted(cu, t, side="right") - 1
+    return seq, t - cu[seq]

@@ -1,0 +1,28 @@
+"""Recall baselines built from GatedDeltaNet's block with one part of the recurrence removed.
+
+Everything else (projections, short convolutions, q/k L2 norm, gated output norm) stays, so
+a comparison isolates the recurrence itself.
+"""
+
+from gdn_jax.layers.gated_deltanet import GatedDeltaNet
+
+
+class DeltaNet(GatedDeltaNet):
+    """DeltaNet (Schlag et al., 2021; Yang et al., 2024): no decay gate, ``alpha = 1``:
+    ``S_t = S_{t-1} + beta_t (v_t - S_{t-1} k_t) k_t^T``."""
+
+    decay = False
+
+
+class GatedLinearAttention(GatedDeltaNet):
+    """Linear attention with a scalar decay gate per head and token, Mamba-2 style (not GLA's
+    per-feature gate): ``S_t = alpha_t S_{t-1} + v_t k_t^T``."""
+
+    delta = False
+
+
+class LinearAttention(GatedDeltaNet):
+    """Plain causal linear attention, neither decay nor correction: ``S_t = S_{t-1} + v_t k_t^T``."""
+
+    decay = False
+    delta = False

@@ -1,0 +1,24 @@
+"""The feed-forward half of a block."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from flax import nnx
+
+
+class SwiGLU(nnx.Module):
+    """``down(silu(gate(x)) * up(x))`` (Shazeer, 2020), bias-free."""
+
+    def __init__(self, hidden_size, intermediate_size, *, dtype, param_dtype, kernel_init, rngs):
+        linear = functools.partial(
+            nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+            kernel_init=kernel_init, rngs=rngs,
+        )  # fmt: skip
+        self.gate_proj = linear(hidden_size, intermediate_size)
+        self.up_proj = linear(hidden_size, intermediate_size)
+        self.down_proj = linear(intermediate_size, hidden_size)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,246 @@
+"""The Flax layers: wiring against a NumPy reference, padding, packing, decoding, counts."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from reference import gated_delta_reference
+from tolerance import assert_close
+
+from gdn_jax.layers import (
+    DeltaNet,
+    GatedDeltaNet,
+    GatedLinearAttention,
+    LinearAttention,
+    NoWeightDecay,
+    SoftmaxAttention,
+)
+
+RECURRENT = [GatedDeltaNet, DeltaNet, GatedLinearAttention, LinearAttention]
+HIDDEN = 16
+
+
+def make(cls, **kw):
+    if cls is SoftmaxAttention:
+        return cls(HIDDEN, 2, 8, rngs=nnx.Rngs(0))
+    options = dict(num_heads=2, head_dim=4, expand_v=2.0, num_v_heads=4, chunk_size=16)
+    options.update(kw)
+    return cls(HIDDEN, rngs=nnx.Rngs(0), **options)
+
+
+def inputs(seed, batch, seq_len):
+    return jnp.asarray(
+        np.random.default_rng(seed).standard_normal((batch, seq_len, HIDDEN)), jnp.float32
+    )
+
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def reference_layer(layer, x):
+    """The layer's forward for one sequence ``x [T, D]``, in float64 NumPy, from its params."""
+    kernel = lambda proj: np.asarray(proj.kernel[...], np.float64)  # noqa: E731
+    seq_len = x.shape[0]
+    x = np.asarray(x, np.float64)
+
+    def conv(z, module):
+        w = np.asarray(module.weight[...], np.float64)
+        padded = np.concatenate([np.zeros((w.shape[0] - 1, z.shape[1])), z])
+        return silu(sum(w[i] * padded[i : i + seq_len] for i in range(w.shape[0])))
+
+    q = conv(x @ kernel(layer.q_proj), layer.q_conv1d).reshape(seq_len, layer.num_heads, -1)
+    k = conv(x @ kernel(layer.k_proj), layer.k_conv1d).reshape(seq_len, layer.num_heads, -1)
+    v = conv(x @ kernel(layer.v_proj), layer.v_conv1d).reshape(seq_len, layer.num_v_heads, -1)
+    q, k = (z / np.sqrt(np.sum(z * z, -1, keepdims=True) + 1e-6) for z in (q, k))
+    shape = (seq_len, layer.num_v_heads)
+    beta = 1 / (1 + np.exp(-(x @ kernel(layer.b_proj)))) if layer.delta else np.ones(shape)
+    beta = 2 * beta if layer.allow_neg_eigval else beta
+    log_alpha = np.zeros(shape)
+    if layer.decay:
+        gate = x @ kernel(layer.a_proj) + np.asarray(layer.dt_bias[...], np.float64)
+        log_alpha = -np.exp(np.asarray(layer.A_log[...], np.float64)) * np.log1p(np.exp(gate))
+    group = layer.num_v_heads // layer.num_heads
+    o = np.stack(
+        [
+            gated_delta_reference(
+                q[:, h // group], k[:, h // group], v[:, h], log_alpha[:, h], beta[:, h],
+                scale=layer.head_dim**-0.5, delta=layer.delta,
+            )[0]
+            for h in range(layer.num_v_heads)
+        ],
+        axis=1,
+    )  # fmt: skip
+    o = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + 1e-5) * np.asarray(layer.o_norm.scale[...])
+    o = o * silu(x @ kernel(layer.g_proj)).reshape(o.shape)
+    return o.reshape(seq_len, -1) @ kernel(layer.o_proj)
+
+
+@pytest.mark.parametrize("cls", RECURRENT)
+def test_layer_matches_numpy_reference(cls):
+    layer = make(cls, allow_neg_eigval=cls is GatedDeltaNet)
+    x = inputs(0, 2, 37)
+    y = nnx.jit(lambda layer, x: layer(x))(layer, x)
+    for b in range(2):
+        assert_close(y[b], reference_layer(layer, x[b]), jnp.float32)
+
+
+@pytest.mark.parametrize("cls", [GatedDeltaNet, LinearAttention])
+def test_chunked_and_recurrent_layers_agree_with_gradients(cls):
+    chunked, recurrent = make(cls), make(cls, impl="recurrent")
+    x = inputs(1, 2, 40)
+
+    def loss(layer, x):
+        return jnp.sum(layer(x) ** 2)
+
+    grad = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))
+    (l_c, (g_c, gx_c)), (l_r, (g_r, gx_r)) = grad(chunked, x), grad(recurrent, x)
+    assert_close(l_c, l_r, jnp.float32)
+    assert_close(gx_c, gx_r, jnp.float32)
+    for a, e in zip(jax.tree.leaves(g_c), jax.tree.leaves(g_r), strict=True):
+        assert_close(a, e, jnp.float32)
+
+
+def fla_parameter_count(hidden, heads, head_dim, expand_v, v_heads, conv, use_gate, conv_bias):
+    """flash-linear-attention GatedDeltaNet's parameter count, from its layer definition."""
+    key_dim, head_v = heads * head_dim, int(head_dim * expand_v)
+    value_dim = v_heads * head_v
+    count = 2 * hidden * key_dim + hidden * value_dim  # q, k, v projections
+    count += 2 * hidden * v_heads  # a_proj, b_proj
+    count += 2 * v_heads  # A_log, dt_bias
+    count += (2 * key_dim + value_dim) * (conv + int(conv_bias))  # three depthwise convs
+    count += hidden * value_dim if use_gate else 0  # g_proj
+    count += head_v  # o_norm weight, shared by heads
+    return count + value_dim * hidden  # o_proj
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(hidden_size=64, num_heads=2, head_dim=16, expand_v=2.0),
+        dict(hidden_size=48, num_heads=3, head_dim=8, expand_v=1.0, num_v_heads=6),
+        dict(hidden_size=32, num_heads=1, head_dim=20, expand_v=1.5, use_gate=False, conv_size=3),
+        dict(hidden_size=32, num_heads=2, head_dim=8, conv_bias=True),
+    ],
+)
+def test_parameter_count_matches_flash_linear_attention(config):
+    layer = GatedDeltaNet(**config, rngs=nnx.Rngs(0))
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(layer, nnx.Param)))
+    expected = fla_parameter_count(
+        config["hidden_size"], config["num_heads"], config["head_dim"], config.get("expand_v", 2.0),
+        config.get("num_v_heads", config["num_heads"]), config.get("conv_size", 4),
+        config.get("use_gate", True), config.get("conv_bias", False),
+    )  # fmt: skip
+    assert count == expected
+
+
+def test_gate_parameters_are_initialised_and_excluded_from_decay():
+    layer = GatedDeltaNet(64, 4, 16, num_v_heads=64, rngs=nnx.Rngs(3))
+    decay_free = nnx.state(layer, NoWeightDecay)
+    assert set(decay_free.keys()) == {"A_log", "dt_bias"}
+    a = np.exp(np.asarray(layer.A_log[...]))
+    assert np.all((a > 0) & (a <= 16))
+    dt = np.log1p(np.exp(np.asarray(layer.dt_bias[...])))  # softplus(dt_bias) = dt
+    assert np.all((dt >= 1e-3 * 0.999) & (dt <= 1e-1 * 1.001))
+    assert len(set(np.round(dt, 6))) > 1  # drawn, not a constant
+
+
+@pytest.mark.parametrize("cls", RECURRENT + [SoftmaxAttention])
+def test_padding_does_not_change_real_tokens(cls):
+    # Row 0 is left-padded, row 1 right-padded; both hold the same real tokens.
+    layer = make(cls)
+    real, pad = 23, 9
+    x = inputs(2, 1, real)
+    noise = inputs(3, 2, pad) * 10  # whatever sits in the padding must not matter
+    padded = jnp.concatenate(
+        [jnp.concatenate([noise[:1], x], 1), jnp.concatenate([x, noise[1:]], 1)]
+    )
+    mask = np.ones((2, real + pad), np.int32)
+    mask[0, :pad], mask[1, real:] = 0, 0
+    y_padded = nnx.jit(lambda layer, x, mask: layer(x, mask=mask))(layer, padded, mask)
+    y = nnx.jit(lambda layer, x: layer(x))(layer, x)
+    assert_close(y_padded[:1, pad:], y, jnp.float32, "left padding")
+    assert_close(y_padded[1:, :real], y, jnp.float32, "right padding")
+
+
+@pytest.mark.parametrize("cls", RECURRENT + [SoftmaxAttention])
+def test_packed_sequences_equal_separate_runs(cls):
+    layer = make(cls)
+    cu = [0, 21, 21, 50]  # an empty sequence between two others
+    x = inputs(4, 1, 50)
+    packed = nnx.jit(lambda layer, x, cu: layer(x, cu_seqlens=cu))
+    y = packed(layer, x, jnp.asarray(cu, jnp.int32))
+    alone = nnx.jit(lambda layer, x: layer(x))
+    for lo, hi in ((0, 21), (21, 50)):
+        assert_close(y[:, lo:hi], alone(layer, x[:, lo:hi]), jnp.float32, f"tokens {lo}:{hi}")
+
+
+@pytest.mark.parametrize("cls", RECURRENT + [SoftmaxAttention])
+def test_prefill_then_steps_equals_parallel_forward(cls):
+    layer = make(cls)
+    batch, prompt, total = 2, 11, 19
+    x = inputs(5, batch, total)
+    mask = jnp.ones((batch, total), jnp.int32).at[1, :5].set(0)  # row 1 is left-padded
+    full = nnx.jit(lambda layer, x, m: layer(x, mask=m))(layer, x, mask)
+    cache = layer.init_cache(batch, total)
+    prefill = nnx.jit(lambda layer, x, c, m: layer.prefill(x, c, mask=m))
+    y, cache = prefill(layer, x[:, :prompt], cache, mask[:, :prompt])
+    outs = [y]
+    step = nnx.jit(lambda layer, x, c: layer.step(x, c))
+    for t in range(prompt, total):
+        y, cache = step(layer, x[:, t : t + 1], cache)
+        outs.append(y)
+    decoded = jnp.concatenate(outs, axis=1)
+    real = np.asarray(mask, bool)
+    assert_close(np.asarray(decoded)[real], np.asarray(full)[real], jnp.float32)
+
+
+def test_padded_prefill_leaves_the_state_of_the_unpadded_prompt():
+    layer = make(GatedDeltaNet)
+    x = inputs(6, 1, 14)
+    prefill = nnx.jit(lambda layer, x, m: layer.prefill(x, mask=m))
+    _, cache = prefill(layer, x, jnp.ones((1, 14), jnp.int32))
+    padded = jnp.concatenate([jnp.ones((1, 6, HIDDEN), jnp.float32), x], axis=1)
+    mask = jnp.concatenate([jnp.zeros((1, 6)), jnp.ones((1, 14))], axis=1).astype(jnp.int32)
+    _, cache_padded = prefill(layer, padded, mask)
+    assert_close(cache_padded.state, cache.state, jnp.float32)
+    for a, e in zip(cache_padded.conv, cache.conv, strict=True):
+        assert_close(a, e, jnp.float32)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            dict(num_heads=2, head_dim=4, num_v_heads=3),
+            r"num_v_heads=3 must be a multiple of num_heads=2",
+        ),
+        (dict(num_heads=2, head_dim=4, chunk_size=20), r"chunk_size=20 must be one of"),
+        (dict(num_heads=2, head_dim=4, impl="fast"), r"impl='fast' must be one of"),
+        (
+            dict(num_heads=2, head_dim=3, expand_v=0.5),
+            r"head_dim \* expand_v = 3 \* 0.5 must be a positive integer",
+        ),
+        (dict(num_heads=0, head_dim=4), r"num_heads=0 must be a positive integer"),
+    ],
+)
+def test_bad_layer_config_raises_at_build(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GatedDeltaNet(HIDDEN, rngs=nnx.Rngs(0), **kwargs)
+    with pytest.raises(ValueError, match="head_dim=7 must be even"):
+        SoftmaxAttention(HIDDEN, 2, 7, rngs=nnx.Rngs(0))
+
+
+def test_split_merge_and_plain_jit():
+    layer = make(GatedDeltaNet)
+    graphdef, state = nnx.split(layer)
+
+    @functools.partial(jax.jit, donate_argnums=())
+    def apply(state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    x = inputs(7, 2, 20)
+    assert_close(apply(state, x)[0], reference_layer(layer, x[0]), jnp.float32)
