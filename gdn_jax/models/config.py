@@ -1,0 +1,127 @@
+"""The language model's configuration: data, validated when the model is built."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from gdn_jax.ops._checks import SUPPORTED_CHUNK_SIZES, SUPPORTED_IMPLS
+
+MIXERS = ("gdn", "deltanet", "gated_linear", "linear", "attention")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A stack of pre-norm blocks; every field is checked by ``validate``."""
+
+    # Token ids are [0, vocab_size).
+    vocab_size: int = 8192
+    # Width D of the residual stream.
+    d_model: int = 64
+    # Token mixer of each layer, from MIXERS; the number of layers is len(mixers). A hybrid
+    # stack is a mixed list, e.g. ("gdn", "gdn", "attention").
+    mixers: tuple[str, ...] = ("gdn", "gdn")
+    # Query/key heads H of every mixer.
+    num_heads: int = 2
+    # Key dim K per head (and attention's head dim); None means d_model // num_heads.
+    head_dim: int | None = None
+    # Recurrent mixers: value head dim V = head_dim * expand_v (flash-linear-attention uses 2).
+    expand_v: float = 1.0
+    # Recurrent mixers: value heads HV, a multiple of num_heads; None means num_heads.
+    num_v_heads: int | None = None
+    # Recurrent mixers: gate the output norm with silu(g_proj(x)).
+    use_gate: bool = True
+    # Recurrent mixers: causal depthwise convolution on q, k, v.
+    use_short_conv: bool = True
+    # Width of that convolution.
+    conv_size: int = 4
+    # Delta-rule mixers: beta in [0, 2] instead of [0, 1] (negative eigenvalues).
+    allow_neg_eigval: bool = False
+    # Chunk size C of the chunked recurrence.
+    chunk_size: int = 64
+    # "chunked" (train with this) or "recurrent" (the token-by-token reference).
+    impl: str = "chunked"
+    # Attention: sliding window in tokens, or None for full causal attention.
+    window: int | None = None
+    # Attention: RoPE base.
+    rope_theta: float = 10000.0
+    # Whether blocks have the SwiGLU MLP after the mixer (recall studies often drop it).
+    use_mlp: bool = True
+    # MLP inner width; None means 8/3 * d_model rounded up to a multiple of 8.
+    mlp_hidden: int | None = None
+    # Share the embedding matrix with the output head.
+    tie_embeddings: bool = False
+    # Epsilon of every RMSNorm.
+    norm_eps: float = 1e-5
+    # Std of the normal init of projections and embeddings (flash-linear-attention: 0.02).
+    init_std: float = 0.02
+    # Activation and parameter dtypes.
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    def validate(self) -> ModelConfig:
+        """Raise ``ValueError`` naming the first bad field; return ``self`` when all are fine."""
+
+        def fail(field, message):
+            raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}: {message}")
+
+        for field in ("vocab_size", "d_model", "num_heads", "conv_size"):
+            if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
+                fail(field, "must be a positive integer")
+        if not self.mixers:
+            fail("mixers", f"needs at least one layer, each one of {MIXERS}")
+        for name in self.mixers:
+            if name not in MIXERS:
+                fail("mixers", f"unknown mixer {name!r}; allowed: {MIXERS}")
+        if self.head_dim is None and self.d_model % self.num_heads:
+            fail("num_heads", f"must divide d_model={self.d_model} when head_dim is None")
+        if self.head_dim is not None and self.head_dim < 1:
+            fail("head_dim", "must be a positive integer or None")
+        head_v_dim = self.key_head_dim * self.expand_v
+        if head_v_dim < 1 or not float(head_v_dim).is_integer():
+            fail("expand_v", f"head_dim * expand_v = {head_v_dim} must be a positive integer")
+        if self.num_v_heads is not None and (
+            self.num_v_heads < 1 or self.num_v_heads % self.num_heads
+        ):
+            fail("num_v_heads", f"must be a positive multiple of num_heads={self.num_heads}")
+        if "attention" in self.mixers and self.key_head_dim % 2:
+            fail("head_dim", "attention layers need an even head dim for RoPE")
+        if self.chunk_size not in SUPPORTED_CHUNK_SIZES:
+            fail("chunk_size", f"allowed: {SUPPORTED_CHUNK_SIZES}")
+        if self.impl not in SUPPORTED_IMPLS:
+            fail("impl", f"allowed: {SUPPORTED_IMPLS}")
+        if self.window is not None and self.window < 1:
+            fail("window", "must be >= 1 or None")
+        if self.mlp_hidden is not None and self.mlp_hidden < 1:
+            fail("mlp_hidden", "must be a positive integer or None")
+        for field in ("dtype", "param_dtype"):
+            if getattr(self, field) not in DTYPES:
+                fail(field, f"allowed: {DTYPES}")
+        for field in ("norm_eps", "init_std", "rope_theta"):
+            if not getattr(self, field) > 0:
+                fail(field, "must be positive")
+        return self
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.mixers)
+
+    @property
+    def key_head_dim(self) -> int:
+        return self.d_model // self.num_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def mlp_width(self) -> int:
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        return -(-(8 * self.d_model // 3) // 8) * 8
+
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def jnp_param_dtype(self):
+        return jnp.dtype(self.param_dtype)

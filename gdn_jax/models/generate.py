@@ -1,0 +1,68 @@
+"""Autoregressive generation under ``jax.jit``: prefill the prompt, then scan token steps."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def _pick(logits, key, temperature):
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature"))
+def _generate(graphdef, state, prompt, mask, key, *, max_new_tokens, temperature):
+    model = nnx.merge(graphdef, state)
+    batch, prompt_len = prompt.shape
+    cache = model.init_cache(batch, prompt_len + max_new_tokens)
+    logits, cache = model.prefill(prompt, cache, mask=mask)
+    keys = jax.random.split(key, max_new_tokens)
+    first = _pick(logits[:, -1].astype(jnp.float32), keys[0], temperature)
+
+    def body(carry, key):
+        token, cache = carry
+        logits, cache = model.step(token[:, None], cache)
+        following = _pick(logits[:, 0].astype(jnp.float32), key, temperature)
+        return (following, cache), following
+
+    _, rest = jax.lax.scan(body, (first, cache), keys[1:])
+    return jnp.concatenate([first[:, None], rest.T], axis=1)
+
+
+def generate(model, prompt, *, mask=None, max_new_tokens: int, temperature: float = 0.0, key=None):
+    """Continue ``prompt [B, T]`` by ``max_new_tokens`` tokens.
+
+    Args:
+      model: a ``LanguageModel``.
+      prompt: int tokens ``[B, T]``; rows of different lengths are left-padded, with ``mask``
+        ``[B, T]`` set to 0 on the padding.
+      max_new_tokens: how many tokens to generate (>= 1).
+      temperature: 0 for greedy decoding, else sampling from ``softmax(logits / temperature)``.
+      key: PRNG key, needed when sampling.
+
+    Returns:
+      The generated tokens ``[B, max_new_tokens]`` (int32). One compilation per model
+      structure, prompt shape, ``max_new_tokens`` and ``temperature``.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1")
+    if temperature < 0:
+        raise ValueError(f"generate: temperature={temperature} must be >= 0")
+    if temperature > 0 and key is None:
+        raise ValueError("generate: sampling (temperature > 0) needs a PRNG key")
+    if mask is not None and mask.shape != prompt.shape:
+        raise ValueError(
+            f"generate: mask.shape={mask.shape} must equal prompt.shape={prompt.shape}"
+        )
+    key = jax.random.key(0) if key is None else key
+    mask = jnp.ones(prompt.shape, jnp.int32) if mask is None else mask
+    graphdef, state = nnx.split(model)
+    return _generate(
+        graphdef, state, prompt, mask, key,
+        max_new_tokens=max_new_tokens, temperature=float(temperature),
+    )  # fmt: skip

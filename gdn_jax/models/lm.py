@@ -1,0 +1,139 @@
+"""A causal language model whose blocks use any registered token mixer."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from gdn_jax.layers import (
+    DeltaNet,
+    GatedDeltaNet,
+    GatedLinearAttention,
+    LinearAttention,
+    SoftmaxAttention,
+    SwiGLU,
+)
+from gdn_jax.models.config import ModelConfig
+
+RECURRENT_MIXERS = {
+    "gdn": GatedDeltaNet,
+    "deltanet": DeltaNet,
+    "gated_linear": GatedLinearAttention,
+    "linear": LinearAttention,
+}
+
+
+def build_mixer(config: ModelConfig, name: str, *, rngs: nnx.Rngs):
+    """The mixer registry: a name from ``MIXERS`` to a layer built from ``config``."""
+    common = dict(
+        dtype=config.jnp_dtype,
+        param_dtype=config.jnp_param_dtype,
+        kernel_init=nnx.initializers.normal(config.init_std),
+        rngs=rngs,
+    )
+    if name == "attention":
+        return SoftmaxAttention(
+            config.d_model, config.num_heads, config.key_head_dim,
+            window=config.window, rope_theta=config.rope_theta, **common,
+        )  # fmt: skip
+    return RECURRENT_MIXERS[name](
+        config.d_model, config.num_heads, config.key_head_dim,
+        expand_v=config.expand_v, num_v_heads=config.num_v_heads, use_gate=config.use_gate,
+        use_short_conv=config.use_short_conv, conv_size=config.conv_size,
+        allow_neg_eigval=config.allow_neg_eigval, norm_eps=config.norm_eps,
+        chunk_size=config.chunk_size, impl=config.impl, **common,
+    )  # fmt: skip
+
+
+class Block(nnx.Module):
+    """``x + mixer(norm(x))``, then ``x + mlp(norm(x))`` when the config has an MLP."""
+
+    def __init__(self, config: ModelConfig, mixer: str, *, rngs: nnx.Rngs):
+        norm = dict(
+            epsilon=config.norm_eps, dtype=config.jnp_dtype, param_dtype=config.jnp_param_dtype
+        )
+        self.mixer_norm = nnx.RMSNorm(config.d_model, **norm, rngs=rngs)
+        self.mixer = build_mixer(config, mixer, rngs=rngs)
+        # Assigned once each: NNX fixes an attribute's data/static status at first assignment.
+        self.mlp_norm = nnx.RMSNorm(config.d_model, **norm, rngs=rngs) if config.use_mlp else None
+        mlp = SwiGLU(
+            config.d_model, config.mlp_width, dtype=config.jnp_dtype,
+            param_dtype=config.jnp_param_dtype,
+            kernel_init=nnx.initializers.normal(config.init_std), rngs=rngs,
+        ) if config.use_mlp else None  # fmt: skip
+        self.mlp = mlp
+
+    def _mlp(self, x):
+        return x if self.mlp is None else x + self.mlp(self.mlp_norm(x))
+
+    def __call__(self, x, *, mask=None, cu_seqlens=None):
+        return self._mlp(x + self.mixer(self.mixer_norm(x), mask=mask, cu_seqlens=cu_seqlens))
+
+    def prefill(self, x, cache, *, mask=None):
+        y, cache = self.mixer.prefill(self.mixer_norm(x), cache, mask=mask)
+        return self._mlp(x + y), cache
+
+    def step(self, x, cache):
+        y, cache = self.mixer.step(self.mixer_norm(x), cache)
+        return self._mlp(x + y), cache
+
+
+class LanguageModel(nnx.Module):
+    """Token embedding, ``len(config.mixers)`` blocks, final RMSNorm, LM head.
+
+    ``__call__`` maps tokens ``[B, T]`` to logits ``[B, T, vocab]``; ``hidden`` and ``logits``
+    split that in two so a loss can apply the head only where there are labels. Decoding:
+    ``init_cache``, ``prefill`` a (left-padded) prompt, then ``step`` one token at a time.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config.validate()
+        self.embed = nnx.Embed(
+            config.vocab_size, config.d_model, dtype=config.jnp_dtype,
+            param_dtype=config.jnp_param_dtype,
+            embedding_init=nnx.initializers.normal(config.init_std), rngs=rngs,
+        )  # fmt: skip
+        self.blocks = nnx.List([Block(config, name, rngs=rngs) for name in config.mixers])
+        self.norm = nnx.RMSNorm(
+            config.d_model, epsilon=config.norm_eps, dtype=config.jnp_dtype,
+            param_dtype=config.jnp_param_dtype, rngs=rngs,
+        )  # fmt: skip
+        head = nnx.Linear(
+            config.d_model, config.vocab_size, use_bias=False, dtype=config.jnp_dtype,
+            param_dtype=config.jnp_param_dtype,
+            kernel_init=nnx.initializers.normal(config.init_std), rngs=rngs,
+        ) if not config.tie_embeddings else None  # fmt: skip
+        self.lm_head = head
+
+    def hidden(self, tokens, *, mask=None, cu_seqlens=None):
+        """Final normalised hidden states ``[B, T, D]``."""
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, mask=mask, cu_seqlens=cu_seqlens)
+        return self.norm(x)
+
+    def logits(self, hidden):
+        """The LM head on hidden states of any leading shape ``[..., D] -> [..., vocab]``."""
+        return self.embed.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+
+    def __call__(self, tokens, *, mask=None, cu_seqlens=None):
+        return self.logits(self.hidden(tokens, mask=mask, cu_seqlens=cu_seqlens))
+
+    def init_cache(self, batch_size: int, max_len: int) -> tuple:
+        """Per-layer caches; ``max_len`` bounds prompt plus generated tokens (attention only)."""
+        return tuple(block.mixer.init_cache(batch_size, max_len) for block in self.blocks)
+
+    def prefill(self, tokens, cache, *, mask=None):
+        """Run a prompt ``[B, T]`` (left-padded with ``mask``): ``(logits, cache)``."""
+        x, new_cache = self.embed(tokens), []
+        for block, layer_cache in zip(self.blocks, cache, strict=True):
+            x, layer_cache = block.prefill(x, layer_cache, mask=mask)
+            new_cache.append(layer_cache)
+        return self.logits(self.norm(x)), tuple(new_cache)
+
+    def step(self, tokens, cache):
+        """One token per row ``[B, 1]``: ``(logits [B, 1, vocab], cache)``."""
+        x, new_cache = self.embed(tokens), []
+        for block, layer_cache in zip(self.blocks, cache, strict=True):
+            x, layer_cache = block.step(x, layer_cache)
+            new_cache.append(layer_cache)
+        return self.logits(self.norm(x)), tuple(new_cache)
