@@ -122,7 +122,7 @@ def test_packed_chunked_matches_packed_recurrent():
     cu = jnp.asarray([0, 3, 77, 78, 150], jnp.int32)
     inputs, state, _ = packed_and_separate([0, 3, 77, 78, 150], "chunked")
     run = functools.partial(rule, *inputs, initial_state=state, cu_seqlens=cu)
-    for chunk_size in (16, 32, 64, 128):
+    for chunk_size in (16, 128):  # the smallest and largest; test_forward covers every size
         out_c, fin_c = run(impl="chunked", chunk_size=chunk_size)
         out_r, fin_r = run(impl="recurrent")
         assert_close(out_c, out_r, jnp.float32, f"C={chunk_size}")

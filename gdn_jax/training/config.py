@@ -1,0 +1,175 @@
+"""Run configuration: frozen dataclasses filled from YAML and ``--set key=value`` overrides.
+
+Every key is checked against the dataclass fields and every value against the field's type
+at start-up, so a typo fails before anything compiles, with the dotted name in the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+
+import yaml
+
+from gdn_jax.data.mqar import MQARConfig
+from gdn_jax.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, evaluation and bookkeeping of one run."""
+
+    # Seed of parameter init and of the train/test data streams (split with split_seeds).
+    seed: int = 0
+    # Optimizer steps; the learning-rate schedule spans them all.
+    steps: int = 2000
+    # Examples per step, split across devices (must divide by the device count).
+    batch_size: int = 64
+    # Peak AdamW learning rate, reached after warmup_steps, then cosine decay.
+    learning_rate: float = 3e-3
+    # Linear warmup from 0 to learning_rate.
+    warmup_steps: int = 100
+    # The cosine decay ends at learning_rate * final_lr_ratio.
+    final_lr_ratio: float = 0.0
+    # AdamW weight decay on matrices only (not gates, norms, biases).
+    weight_decay: float = 0.1
+    # AdamW moment decay rates.
+    adam_b1: float = 0.9
+    adam_b2: float = 0.98
+    # Clip the global gradient norm to this value.
+    grad_clip: float = 1.0
+    # Evaluate on the held-out set every this many steps (and at the end).
+    eval_every: int = 100
+    # Held-out examples, from the test seed.
+    eval_examples: int = 2000
+    # Stop once held-out accuracy reaches this (None: run all steps).
+    target_accuracy: float | None = None
+    # Save a checkpoint every this many steps (and at the end).
+    checkpoint_every: int = 500
+    # Checkpoints kept on disk.
+    keep_checkpoints: int = 2
+    # Apply the LM head only at labelled positions (MQAR supervises num_kv_pairs of seq_len).
+    logits_at_labels: bool = True
+    # Where checkpoints, metrics.jsonl, the plot and the resolved config go.
+    out_dir: str = "runs/mqar_gdn"
+    # Show a progress bar.
+    progress: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything a run needs: the model, the MQAR task and the training loop."""
+
+    model: ModelConfig = ModelConfig()
+    data: MQARConfig = MQARConfig()
+    train: TrainConfig = TrainConfig()
+
+    def validate(self) -> Config:
+        self.model.validate()
+        self.data.validate()
+        t = self.train
+        positive = ("steps", "batch_size", "eval_every", "eval_examples", "checkpoint_every")
+        for field in (*positive, "keep_checkpoints"):
+            if getattr(t, field) < 1:
+                raise ValueError(f"train.{field}={getattr(t, field)} must be >= 1")
+        for field in ("learning_rate", "grad_clip"):
+            if not getattr(t, field) > 0:
+                raise ValueError(f"train.{field}={getattr(t, field)} must be positive")
+        if not 0 <= t.warmup_steps < t.steps:
+            raise ValueError(f"train.warmup_steps={t.warmup_steps} must be in [0, steps)")
+        for field in ("adam_b1", "adam_b2", "final_lr_ratio"):
+            if not 0 <= getattr(t, field) < 1 + (field == "final_lr_ratio"):
+                raise ValueError(f"train.{field}={getattr(t, field)} is out of range")
+        if t.weight_decay < 0:
+            raise ValueError(f"train.weight_decay={t.weight_decay} must be >= 0")
+        if t.target_accuracy is not None and not 0 < t.target_accuracy <= 1:
+            raise ValueError(f"train.target_accuracy={t.target_accuracy} must be in (0, 1]")
+        if self.model.vocab_size != self.data.vocab_size:
+            raise ValueError(
+                f"model.vocab_size={self.model.vocab_size} must equal "
+                f"data.vocab_size={self.data.vocab_size}"
+            )
+        return self
+
+
+def _convert(value, annotation, name):
+    """``value`` (from YAML) as the type ``annotation``, or a ValueError naming ``name``."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            return _convert(value, arg, name)
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise ValueError(f"{name} must be a mapping of {annotation.__name__} fields")
+        return from_dict(annotation, value, prefix=f"{name}.")
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"{name}={value!r} must be a list")
+        return tuple(_convert(v, args[0], f"{name}[{i}]") for i, v in enumerate(value))
+    if annotation is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if annotation is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-2 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if annotation in (int, str, bool) and type(value) is annotation:
+        return value
+    raise ValueError(
+        f"{name}={value!r} must be of type {getattr(annotation, '__name__', annotation)}"
+    )
+
+
+def from_dict(cls, data: dict, *, prefix: str = ""):
+    """Build dataclass ``cls`` from a nested dict; unknown keys and bad values raise."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ValueError(
+            f"unknown config key(s) {[prefix + k for k in unknown]}; "
+            f"{cls.__name__} has {sorted(prefix + f for f in fields)}"
+        )
+    return cls(**{k: _convert(v, hints[k], prefix + k) for k, v in data.items()})
+
+
+def _set(tree: dict, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        tree = tree.setdefault(key, {})
+        if not isinstance(tree, dict):
+            raise ValueError(f"--set {dotted}: {key} is not a section")
+    tree[leaf] = value
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read ``path`` (YAML, or defaults when None), apply ``key.sub=value`` overrides (values
+    parsed as YAML: ``64``, ``3e-3``, ``[gdn, attention]``, ``null``), check everything."""
+    data = {}
+    if path is not None:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the top level must be a mapping of model/data/train")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r} must look like section.field=value")
+        _set(data, key.strip(), yaml.safe_load(raw))
+    return from_dict(Config, data).validate()
+
+
+def to_dict(config: Config) -> dict:
+    """The resolved config as plain YAML-able data (tuples as lists)."""
+
+    def plain(x):
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return list(map(plain, x)) if isinstance(x, tuple | list) else x
+
+    return plain(dataclasses.asdict(config))

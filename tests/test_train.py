@@ -1,0 +1,228 @@
+"""train.py and the training loop: configs, loss paths, resume, NaN stop, data parallelism."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from tolerance import assert_close
+
+from gdn_jax.data.mqar import MQARConfig, make_mqar
+from gdn_jax.layers import NoWeightDecay
+from gdn_jax.models import LanguageModel, ModelConfig
+from gdn_jax.training.config import Config, TrainConfig, load_config
+from gdn_jax.training.loop import NonFiniteLossError, run
+from gdn_jax.training.optim import weight_decay_mask
+from gdn_jax.training.step import loss_and_accuracy, make_batch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def standard_dtype_promotion():
+    # optax's Adam bias correction mixes a Python float with its int32 step count, which the
+    # strict promotion of conftest.py rejects; our own code stays checked by the other tests.
+    with jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+# A model small enough to train in seconds; the recurrent impl compiles about 3x faster than
+# the chunked one, and here the loop, not the op, is under test.
+TINY = [
+    "model.vocab_size=64", "data.vocab_size=64", "model.d_model=16", "model.mixers=[gdn]",
+    "model.chunk_size=16", "model.impl=recurrent", "data.seq_len=32", "data.num_kv_pairs=4", "train.batch_size=8",
+    "train.steps=12", "train.warmup_steps=2", "train.eval_every=6", "train.eval_examples=16",
+    "train.checkpoint_every=4", "train.progress=false",
+]  # fmt: skip
+
+
+def tiny(tmp_path, *extra):
+    return load_config(None, [*TINY, f"train.out_dir={tmp_path}", *extra])
+
+
+def test_every_shipped_config_loads():
+    names = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
+    assert {
+        "mqar_gdn",
+        "mqar_deltanet",
+        "mqar_gated_linear",
+        "mqar_linear",
+        "mqar_attention",
+    } <= set(names)
+    for name in names:
+        config = load_config(REPO / "configs" / f"{name}.yaml")
+        assert isinstance(config, Config)
+    default = load_config(REPO / "configs" / "mqar_gdn.yaml")
+    assert default.data == MQARConfig(vocab_size=8192, seq_len=256, num_kv_pairs=16)
+    assert default.model.mixers == ("gdn", "gdn")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.d_modle=3", r"unknown config key\(s\) \['model.d_modle'\]"),
+        ("optim.lr=3", r"unknown config key\(s\) \['optim'\]"),
+        ("train.steps=ten", r"train.steps='ten' must be of type int"),
+        ("train.learning_rate=-1", r"train.learning_rate=-1.0 must be positive"),
+        ("model.mixers=[gdn, rnn]", r"ModelConfig.mixers=.*unknown mixer 'rnn'"),
+        ("data.seq_len=33", r"seq_len=33 must be even"),
+        ("model.vocab_size=100", r"model.vocab_size=100 must equal data.vocab_size=64"),
+        ("train.steps", r"must look like section.field=value"),
+    ],
+)
+def test_bad_overrides_fail_at_start_up(tmp_path, override, message):
+    with pytest.raises(ValueError, match=message):
+        tiny(tmp_path, override)
+
+
+def test_train_script_reports_config_errors():
+    result = subprocess.run(
+        [sys.executable, "train.py", "--set", "model.d_modle=3"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "model.d_modle" in result.stderr
+
+
+def test_logits_at_labels_equal_full_logits():
+    model = LanguageModel(
+        ModelConfig(vocab_size=64, d_model=16, mixers=("gdn",), chunk_size=16), rngs=nnx.Rngs(0)
+    )
+    inputs, labels = make_mqar(
+        MQARConfig(vocab_size=64, seq_len=32, num_kv_pairs=4), num_examples=5, seed=1
+    )
+    batch = make_batch(inputs, labels)
+    both = nnx.jit(lambda model, batch: [
+        loss_and_accuracy(model, batch, logits_at_labels=at_labels) for at_labels in (True, False)
+    ])  # fmt: skip
+    (loss_a, acc_a), (loss_b, acc_b) = both(model, batch)
+    assert_close(loss_a, loss_b, jnp.float32)
+    np.testing.assert_array_equal(acc_a, acc_b)
+
+
+def test_weight_decay_skips_gates_norms_and_vectors():
+    model = LanguageModel(ModelConfig(vocab_size=64, d_model=16, mixers=("gdn",)), rngs=nnx.Rngs(0))
+    _, params = nnx.split(model)
+    mask = weight_decay_mask(params)
+    mixer = mask["blocks"][0]["mixer"]
+    assert mixer["q_proj"]["kernel"] and mixer["q_conv1d"]["weight"] and mask["embed"]["embedding"]
+    assert not mixer["A_log"] and not mixer["dt_bias"] and not mixer["o_norm"]["scale"]
+    assert not mask["norm"]["scale"] and not mask["blocks"][0]["mixer_norm"]["scale"]
+    assert isinstance(model.blocks[0].mixer.A_log, NoWeightDecay)
+
+
+def test_short_run_learns_and_writes_its_outputs(tmp_path):
+    summary = run(tiny(tmp_path, "train.steps=30", "train.learning_rate=1e-2"))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 31))
+    assert np.mean([r["loss"] for r in train[-5:]]) < np.mean([r["loss"] for r in train[:5]])
+    assert summary["final_step"] == 30 and 0 <= summary["eval_accuracy"] <= 1
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert (tmp_path / "config.yaml").exists()
+
+
+RUN_IN_SUBPROCESS = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    from gdn_jax.training.config import load_config
+    from gdn_jax.training.loop import run
+
+    def kill_at_10(step, metrics):
+        if step == 10:  # after the step-8 checkpoint was started, before the step-12 one
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    overrides, resume, kill = json.loads(sys.argv[1]), sys.argv[2] == "resume", sys.argv[3] == "kill"
+    print(json.dumps(run(load_config(None, overrides), resume=resume,
+                         callbacks=[kill_at_10] if kill else [])))
+    """
+)
+
+
+def train_subprocess(out_dir, *, resume=False, kill=False):
+    # Every run of this comparison runs in a fresh interpreter, outside conftest's float64
+    # mode, so the three see the same JAX settings.
+    overrides = json.dumps([*TINY, f"train.out_dir={out_dir}"])
+    result = subprocess.run(
+        [sys.executable, "-c", RUN_IN_SUBPROCESS, overrides, "resume" if resume else "-",
+         "kill" if kill else "-"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    return result
+
+
+def test_killed_run_resumes_bit_for_bit(tmp_path):
+    straight = train_subprocess(tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr
+    killed = train_subprocess(tmp_path / "killed", kill=True)  # SIGKILL: no clean-up at all
+    assert killed.returncode == -signal.SIGKILL
+    resumed = train_subprocess(tmp_path / "killed", resume=True)
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+    # Checkpoints are saved asynchronously: the kill may have caught step 8's save unfinished,
+    # and restore then takes step 4, the latest complete one.
+    assert summary["start_step"] in (4, 8) and summary["final_step"] == 12
+
+    def logged(run):  # every logged number of every step, wall-clock rates aside
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        drop = ("tokens_per_s", "elapsed_s")
+        return [{k: v for k, v in json.loads(x).items() if k not in drop} for x in lines]
+
+    assert logged("killed") == logged("straight")
+    assert (
+        summary["eval_accuracy"]
+        == json.loads(straight.stdout.strip().splitlines()[-1])["eval_accuracy"]
+    )
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    config = tiny(
+        tmp_path, "train.learning_rate=1e30", "train.warmup_steps=0", "train.grad_clip=1e30"
+    )
+    with pytest.raises(
+        NonFiniteLossError,
+        match=r"loss is (nan|inf) at step \d+; stopping\. The last good checkpoint is step",
+    ):
+        run(config)
+    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(r["loss"]) for r in records)
+    assert not steps or steps[-1] <= records[-1]["step"]
+
+
+def test_data_parallel_over_four_cpu_devices_matches_one(tmp_path):
+    code = textwrap.dedent(
+        """
+        import json, sys, jax
+        from gdn_jax.training.config import load_config
+        from gdn_jax.training.loop import run
+        run(load_config(None, sys.argv[1:]))
+        print(len(jax.devices()))
+        """
+    )
+    losses = {}
+    for devices in (1, 4):
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+        out = tmp_path / f"d{devices}"
+        result = subprocess.run(
+            [sys.executable, "-c", code, *TINY, f"train.out_dir={out}"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip().splitlines()[-1] == str(devices)
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[devices] = [r["loss"] for r in records if r["kind"] == "train"]
+    # Same batches, same init: only the order of the cross-device reductions differs.
+    assert_close(losses[4], losses[1], jnp.float32)
+
+
+def test_train_config_defaults_are_valid():
+    Config(train=TrainConfig()).validate()
+    assert jax.devices()  # the loop runs on whatever JAX finds
