@@ -147,12 +147,13 @@ def main(argv=None):
         for line in results_path.read_text().splitlines():
             r = json.loads(line)
             done.add((r["mixer"], r["kv_pairs"], r["d_model"], r["learning_rate"]))
+    # Key-value pairs outermost, so that a sweep cut short still compares every mixer.
     cells = [
-        cell
-        for cell in itertools.product(
-            args.mixers, args.kv_pairs, args.d_models, args.learning_rates
+        (mixer, kv_pairs, d_model, lr)
+        for kv_pairs, d_model, mixer, lr in itertools.product(
+            args.kv_pairs, args.d_models, args.mixers, args.learning_rates
         )
-        if cell not in done
+        if (mixer, kv_pairs, d_model, lr) not in done
     ]
     for mixer, kv_pairs, d_model, lr in cells:  # fail on a bad cell before running any
         load_config(args.config, [*cell_overrides(
