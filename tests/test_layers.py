@@ -23,8 +23,15 @@ RECURRENT = [GatedDeltaNet, DeltaNet, GatedLinearAttention, LinearAttention]
 HIDDEN = 16
 
 
+def AttentionWithConv(*args, **kw):
+    return SoftmaxAttention(*args, use_short_conv=True, **kw)
+
+
+ATTENTION = [SoftmaxAttention, AttentionWithConv]
+
+
 def make(cls, **kw):
-    if cls is SoftmaxAttention:
+    if cls in ATTENTION:
         return cls(HIDDEN, 2, 8, rngs=nnx.Rngs(0))
     options = dict(num_heads=2, head_dim=4, expand_v=2.0, num_v_heads=4, chunk_size=16)
     options.update(kw)
@@ -148,7 +155,7 @@ def test_gate_parameters_are_initialised_and_excluded_from_decay():
     assert len(set(np.round(dt, 6))) > 1  # drawn, not a constant
 
 
-@pytest.mark.parametrize("cls", RECURRENT + [SoftmaxAttention])
+@pytest.mark.parametrize("cls", RECURRENT + ATTENTION)
 def test_padding_does_not_change_real_tokens(cls):
     # Row 0 is left-padded, row 1 right-padded; both hold the same real tokens.
     layer = make(cls)
@@ -166,7 +173,7 @@ def test_padding_does_not_change_real_tokens(cls):
     assert_close(y_padded[1:, :real], y, jnp.float32, "right padding")
 
 
-@pytest.mark.parametrize("cls", RECURRENT + [SoftmaxAttention])
+@pytest.mark.parametrize("cls", RECURRENT + ATTENTION)
 def test_packed_sequences_equal_separate_runs(cls):
     layer = make(cls)
     cu = [0, 21, 21, 50]  # an empty sequence between two others
@@ -178,7 +185,7 @@ def test_packed_sequences_equal_separate_runs(cls):
         assert_close(y[:, lo:hi], alone(layer, x[:, lo:hi]), jnp.float32, f"tokens {lo}:{hi}")
 
 
-@pytest.mark.parametrize("cls", RECURRENT + [SoftmaxAttention])
+@pytest.mark.parametrize("cls", RECURRENT + ATTENTION)
 def test_prefill_then_steps_equals_parallel_forward(cls):
     layer = make(cls)
     batch, prompt, total = 2, 11, 19

@@ -1,5 +1,6 @@
 """Causal softmax attention with rotary embeddings: the recall ceiling that the recurrent
-mixers are compared against. A thin module around ``gdn_jax.ops.attention``."""
+mixers are compared against. A thin module around ``gdn_jax.ops.attention``, optionally with
+the recurrent mixers' short convolutions on q, k and v."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from gdn_jax.layers.conv import ShortConvolution, convolve_qkv
 from gdn_jax.ops.attention import causal_attention, rotary
 from gdn_jax.ops.varlen import segment_positions
 
@@ -24,6 +26,8 @@ class KVCache(NamedTuple):
       positions: ``[B, L]`` token positions of the slots, for the causal and window masks.
       length: slots written so far (the same for every row: prompts are left-padded).
       next_position: ``[B]`` position of each row's next token (its count of real tokens).
+      conv: with short convolutions, the last ``conv_size - 1`` inputs of the q, k and v
+        convolutions, each ``[B, W-1, H*D]``; otherwise None.
     """
 
     k: Float[Array, "B L H D"]
@@ -32,11 +36,18 @@ class KVCache(NamedTuple):
     positions: Int[Array, "B L"]
     length: Int[Array, ""]
     next_position: Int[Array, " B"]
+    conv: tuple[Array, Array, Array] | None = None
 
 
 class SoftmaxAttention(nnx.Module):
     """Multi-head causal softmax attention, bias-free projections, RoPE on q and k, an
-    optional sliding ``window`` (a token sees itself and the ``window - 1`` before it)."""
+    optional sliding ``window`` (a token sees itself and the ``window - 1`` before it).
+
+    With ``use_short_conv`` the projected q, k and v first pass the causal depthwise
+    convolution with SiLU that the recurrent mixers have (kernel ``conv_size``): it hands each
+    token its predecessors' features, which attention alone must learn to fetch with a
+    previous-token head (see docs/training.md for what that costs on MQAR).
+    """
 
     def __init__(
         self,
@@ -46,6 +57,8 @@ class SoftmaxAttention(nnx.Module):
         *,
         window: int | None = None,
         rope_theta: float = 10000.0,
+        use_short_conv: bool = False,
+        conv_size: int = 4,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         kernel_init=None,
@@ -55,6 +68,8 @@ class SoftmaxAttention(nnx.Module):
             raise ValueError(f"SoftmaxAttention: head_dim={head_dim} must be even for RoPE")
         if window is not None and window < 1:
             raise ValueError(f"SoftmaxAttention: window={window} must be >= 1 or None")
+        if conv_size < 1:
+            raise ValueError(f"SoftmaxAttention: conv_size={conv_size} must be >= 1")
         if kernel_init is None:
             kernel_init = nnx.initializers.lecun_normal()
         linear = functools.partial(
@@ -65,14 +80,31 @@ class SoftmaxAttention(nnx.Module):
         self.q_proj, self.k_proj = linear(hidden_size, inner), linear(hidden_size, inner)
         self.v_proj, self.o_proj = linear(hidden_size, inner), linear(inner, hidden_size)
         self.num_heads, self.head_dim = num_heads, head_dim
-        self.window, self.rope_theta = window, rope_theta
+        self.window, self.rope_theta, self.conv_size = window, rope_theta, conv_size
+        convs = None
+        if use_short_conv:
+            convs = nnx.List([
+                ShortConvolution(inner, conv_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                for _ in range(3)
+            ])  # fmt: skip
+        self.convs = convs  # q, k, v
 
-    def _qkv(self, x, positions):
+    def _qkv(self, x, positions, *, mask=None, cu_seqlens=None, conv_history=None):
+        """Projected, convolved (with short convolutions) and rotated q, k, v ``[B, T, H, D]``,
+        and the convolutions' new history (None without them)."""
         batch, seq_len, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.convs is not None:
+            if mask is not None:  # padded tokens enter the convolution as zeros
+                keep = mask.astype(x.dtype)[..., None]
+                q, k, v = q * keep, k * keep, v * keep
+            (q, k, v), conv_history = convolve_qkv(
+                tuple(self.convs), (q, k, v), histories=conv_history, cu_seqlens=cu_seqlens
+            )
         shape = (batch, seq_len, self.num_heads, self.head_dim)
-        q, k, v = (p(x).reshape(shape) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
         turn = jax.vmap(functools.partial(rotary, theta=self.rope_theta))
-        return turn(q, positions), turn(k, positions), v
+        return turn(q, positions), turn(k, positions), v, conv_history
 
     def _attend(self, q, k, v, **masks):
         out = jax.vmap(functools.partial(causal_attention, window=self.window))(q, k, v, **masks)
@@ -91,7 +123,7 @@ class SoftmaxAttention(nnx.Module):
         else:
             positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
         valid = jnp.ones((batch, seq_len), bool) if mask is None else mask.astype(bool)
-        q, k, v = self._qkv(x, positions)
+        q, k, v, _ = self._qkv(x, positions, mask=mask, cu_seqlens=cu_seqlens)
         return self._attend(
             q, k, v, q_positions=positions, k_positions=positions, k_valid=valid,
             q_segments=segments, k_segments=segments,
@@ -106,7 +138,11 @@ class SoftmaxAttention(nnx.Module):
             positions=jnp.zeros((batch_size, max_len), jnp.int32),
             length=jnp.zeros((), jnp.int32),
             next_position=jnp.zeros((batch_size,), jnp.int32),
-        )
+            conv=None if self.convs is None else tuple(
+                jnp.zeros((batch_size, self.conv_size - 1, shape[2] * shape[3]), self.q_proj.dtype)
+                for _ in range(3)
+            ),
+        )  # fmt: skip
 
     def prefill(self, x, cache, *, mask=None):
         """Append ``x [B, T, D]`` (left-padded with ``mask``) to ``cache`` and attend over
@@ -114,7 +150,7 @@ class SoftmaxAttention(nnx.Module):
         batch, seq_len, _ = x.shape
         real = jnp.ones((batch, seq_len), bool) if mask is None else mask.astype(bool)
         positions = cache.next_position[:, None] + jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1
-        q, k, v = self._qkv(x, positions)
+        q, k, v, conv = self._qkv(x, positions, mask=mask, conv_history=cache.conv)
         zero = jnp.zeros((), jnp.int32)
         at = (zero, cache.length, zero, zero)
         cache = KVCache(
@@ -124,6 +160,7 @@ class SoftmaxAttention(nnx.Module):
             positions=jax.lax.dynamic_update_slice(cache.positions, positions, at[:2]),
             length=cache.length + seq_len,
             next_position=cache.next_position + jnp.sum(real, axis=1, dtype=jnp.int32),
+            conv=conv,
         )
         y = self._attend(
             q, cache.k, cache.v, q_positions=positions, k_positions=cache.positions,

@@ -8,6 +8,7 @@ from flax import nnx
 
 from gdn_jax.layers.params import conv_init
 from gdn_jax.ops.conv import causal_depthwise_conv
+from gdn_jax.ops.varlen import segment_positions
 
 
 class ShortConvolution(nnx.Module):
@@ -32,3 +33,21 @@ class ShortConvolution(nnx.Module):
 
         y, history = jax.vmap(one)(x, history)
         return jax.nn.silu(y), history
+
+
+def convolve_qkv(convs, qkv, *, histories=None, cu_seqlens=None):
+    """Run the q, k and v short convolutions ``convs`` over ``qkv``, each ``[B, T, channels]``,
+    from ``histories`` (the previous call's, or None for a fresh start); with packed
+    ``cu_seqlens`` no tap reaches across a sequence start. Returns ``(qkv, histories)``."""
+    same_segment = None
+    if cu_seqlens is not None:
+        conv_size = convs[0].weight.shape[0]
+        _, offset = segment_positions(cu_seqlens, qkv[0].shape[1])
+        lags = jnp.arange(conv_size - 1, 0, -1, dtype=jnp.int32)[:, None]
+        same_segment = offset[None, :] >= lags  # tap j looks back W-1-j tokens
+    histories = (None, None, None) if histories is None else histories
+    outs = [
+        conv(z, history=h, same_segment=same_segment)
+        for conv, z, h in zip(convs, qkv, histories, strict=True)
+    ]
+    return tuple(y for y, _ in outs), tuple(h for _, h in outs)

@@ -15,11 +15,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from gdn_jax.layers.conv import ShortConvolution
+from gdn_jax.layers.conv import ShortConvolution, convolve_qkv
 from gdn_jax.layers.params import NoWeightDecay, a_log_init, dt_bias_init
 from gdn_jax.ops import gated_delta_rule, gated_linear_attention
 from gdn_jax.ops._checks import SUPPORTED_CHUNK_SIZES, SUPPORTED_IMPLS
-from gdn_jax.ops.varlen import segment_positions
 
 
 class RecurrentCache(NamedTuple):
@@ -180,19 +179,10 @@ class GatedDeltaNet(nnx.Module):
             q, k, v = q * keep, k * keep, v * keep
         conv_cache = None
         if self.q_conv1d is not None:
-            same_segment = None
-            if cu_seqlens is not None:
-                _, offset = segment_positions(cu_seqlens, seq_len)
-                lags = jnp.arange(self.conv_size - 1, 0, -1, dtype=jnp.int32)[:, None]
-                same_segment = offset[None, :] >= lags  # tap j looks back W-1-j tokens
-            histories = (None, None, None) if cache is None else cache.conv
-            convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-            outs = [
-                conv(z, history=h, same_segment=same_segment)
-                for conv, z, h in zip(convs, (q, k, v), histories, strict=True)
-            ]
-            (q, q_hist), (k, k_hist), (v, v_hist) = outs
-            conv_cache = (q_hist, k_hist, v_hist)
+            (q, k, v), conv_cache = convolve_qkv(
+                (self.q_conv1d, self.k_conv1d, self.v_conv1d), (q, k, v),
+                histories=None if cache is None else cache.conv, cu_seqlens=cu_seqlens,
+            )  # fmt: skip
         q = q.reshape(batch, seq_len, self.num_heads, self.head_dim)
         k = k.reshape(batch, seq_len, self.num_heads, self.head_dim)
         v = v.reshape(batch, seq_len, self.num_v_heads, self.head_v_dim)

@@ -8,7 +8,9 @@ import jax.numpy as jnp
 
 from gdn_jax.ops._checks import SUPPORTED_CHUNK_SIZES, SUPPORTED_IMPLS
 
-MIXERS = ("gdn", "deltanet", "gated_linear", "linear", "attention")
+# "attention_conv" is attention with the recurrent mixers' short convolutions on q, k and v:
+# the control that separates what the convolution contributes to recall from the mixer.
+MIXERS = ("gdn", "deltanet", "gated_linear", "linear", "attention", "attention_conv")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
@@ -35,7 +37,7 @@ class ModelConfig:
     use_gate: bool = True
     # Recurrent mixers: causal depthwise convolution on q, k, v.
     use_short_conv: bool = True
-    # Width of that convolution.
+    # Width of that convolution (also attention_conv's).
     conv_size: int = 4
     # Delta-rule mixers: beta in [0, 2] instead of [0, 1] (negative eigenvalues).
     allow_neg_eigval: bool = False

@@ -30,10 +30,11 @@ def build_mixer(config: ModelConfig, name: str, *, rngs: nnx.Rngs):
         kernel_init=nnx.initializers.normal(config.init_std),
         rngs=rngs,
     )
-    if name == "attention":
+    if name in ("attention", "attention_conv"):
         return SoftmaxAttention(
             config.d_model, config.num_heads, config.key_head_dim,
-            window=config.window, rope_theta=config.rope_theta, **common,
+            window=config.window, rope_theta=config.rope_theta,
+            use_short_conv=name == "attention_conv", conv_size=config.conv_size, **common,
         )  # fmt: skip
     return RECURRENT_MIXERS[name](
         config.d_model, config.num_heads, config.key_head_dim,
