@@ -129,6 +129,16 @@ def test_short_run_learns_and_writes_its_outputs(tmp_path):
     assert (tmp_path / "config.yaml").exists()
 
 
+def test_fresh_run_replaces_an_earlier_runs_checkpoints(tmp_path):
+    run(tiny(tmp_path))  # checkpoints at steps 4, 8, 12 (the last two kept)
+    summary = run(tiny(tmp_path, "train.steps=6", "train.seed=1"))
+    assert summary["final_step"] == 6
+    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps[-1] <= 6, f"checkpoints of the earlier run survived: {steps}"
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in records) == 6
+
+
 RUN_IN_SUBPROCESS = textwrap.dedent(
     """
     import json, os, signal, sys

@@ -116,8 +116,10 @@ def run(config: Config, *, resume: bool = False, callbacks=()) -> dict:
         )
         state = checkpoints.restore(start, args=ocp.args.StandardRestore(abstract))
         _truncate_jsonl(metrics_path, start)
-    elif metrics_path.exists():
-        metrics_path.unlink()
+    else:  # a fresh run replaces what an earlier one left, or --resume would mix the two
+        for step in checkpoints.all_steps():
+            checkpoints.delete(step)
+        metrics_path.unlink(missing_ok=True)
 
     schedule = learning_rate_schedule(train)
     train_step = jax.jit(
