@@ -13,6 +13,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from gdn_jax.layers.conv import ShortConvolution, convolve_qkv
+from gdn_jax.layers.params import bias_free_linear
 from gdn_jax.ops.attention import causal_attention, rotary
 from gdn_jax.ops.varlen import segment_positions
 
@@ -70,12 +71,9 @@ class SoftmaxAttention(nnx.Module):
             raise ValueError(f"SoftmaxAttention: window={window} must be >= 1 or None")
         if conv_size < 1:
             raise ValueError(f"SoftmaxAttention: conv_size={conv_size} must be >= 1")
-        if kernel_init is None:
-            kernel_init = nnx.initializers.lecun_normal()
-        linear = functools.partial(
-            nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-            kernel_init=kernel_init, rngs=rngs,
-        )  # fmt: skip
+        linear = bias_free_linear(
+            dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
+        )
         inner = num_heads * head_dim
         self.q_proj, self.k_proj = linear(hidden_size, inner), linear(hidden_size, inner)
         self.v_proj, self.o_proj = linear(hidden_size, inner), linear(inner, hidden_size)

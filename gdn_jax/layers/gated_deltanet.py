@@ -16,7 +16,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from gdn_jax.layers.conv import ShortConvolution, convolve_qkv
-from gdn_jax.layers.params import NoWeightDecay, a_log_init, dt_bias_init
+from gdn_jax.layers.params import NoWeightDecay, a_log_init, bias_free_linear, dt_bias_init
 from gdn_jax.ops import gated_delta_rule, gated_linear_attention
 from gdn_jax.ops._checks import SUPPORTED_CHUNK_SIZES, SUPPORTED_IMPLS
 
@@ -104,12 +104,9 @@ class GatedDeltaNet(nnx.Module):
         self.allow_neg_eigval, self.use_gate = allow_neg_eigval, use_gate
         self.chunk_size, self.impl, self.conv_size = chunk_size, impl, conv_size
 
-        if kernel_init is None:
-            kernel_init = nnx.initializers.lecun_normal()
-        linear = functools.partial(
-            nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-            kernel_init=kernel_init, rngs=rngs,
-        )  # fmt: skip
+        linear = bias_free_linear(
+            dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
+        )
         self.q_proj = linear(hidden_size, self.key_dim)
         self.k_proj = linear(hidden_size, self.key_dim)
         self.v_proj = linear(hidden_size, self.value_dim)

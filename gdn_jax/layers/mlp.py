@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 from flax import nnx
+
+from gdn_jax.layers.params import bias_free_linear
 
 
 class SwiGLU(nnx.Module):
     """``down(silu(gate(x)) * up(x))`` (Shazeer, 2020), bias-free."""
 
     def __init__(self, hidden_size, intermediate_size, *, dtype, param_dtype, kernel_init, rngs):
-        linear = functools.partial(
-            nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-            kernel_init=kernel_init, rngs=rngs,
-        )  # fmt: skip
+        linear = bias_free_linear(
+            dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
+        )
         self.gate_proj = linear(hidden_size, intermediate_size)
         self.up_proj = linear(hidden_size, intermediate_size)
         self.down_proj = linear(intermediate_size, hidden_size)

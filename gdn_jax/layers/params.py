@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -34,3 +36,14 @@ def conv_init(key, shape, dtype=jnp.float32):
     """PyTorch's ``Conv1d`` default for a depthwise filter ``[W, D]``: ``U(-1/sqrt(W), 1/sqrt(W))``."""
     bound = shape[0] ** -0.5
     return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+
+
+def bias_free_linear(*, dtype, param_dtype, kernel_init=None, rngs):
+    """``nnx.Linear`` without bias and with these settings: ``linear(in, out)``. The default
+    ``kernel_init`` is Flax's, LeCun normal."""
+    if kernel_init is None:
+        kernel_init = nnx.initializers.lecun_normal()
+    return functools.partial(
+        nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+        kernel_init=kernel_init, rngs=rngs,
+    )  # fmt: skip

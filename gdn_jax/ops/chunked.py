@@ -29,7 +29,7 @@ from jaxtyping import Array, Float
 
 from gdn_jax.ops import _checks
 from gdn_jax.ops.blocks import scan_blocks, scan_blocks_backward
-from gdn_jax.ops.step import compute_dtype, default_scale
+from gdn_jax.ops.step import core_inputs
 from gdn_jax.ops.triangular import unit_lower_inverse
 
 
@@ -189,18 +189,6 @@ def gated_delta_rule_chunked(
     fn = "gated_delta_rule_chunked"
     _checks.check_single_head(fn, q, k, v, log_alpha, beta, initial_state)
     _checks.check_chunk_size(fn, chunk_size)
-    key_dim, value_dim = q.shape[1], v.shape[1]
-    scale = default_scale(key_dim) if scale is None else scale
-    dt = compute_dtype(q, log_alpha, beta, initial_state)
-    if initial_state is None:
-        initial_state = jnp.zeros((value_dim, key_dim), dt)
-    y, finals = chunked_rule(
-        q.astype(dt) * scale,
-        k.astype(dt),
-        v.astype(dt),
-        log_alpha.astype(dt),
-        beta.astype(dt),
-        initial_state.astype(dt)[None],
-        chunk_size=chunk_size,
-    )
+    inputs = core_inputs(q, k, v, log_alpha, beta, initial_state, scale)
+    y, finals = chunked_rule(*inputs, chunk_size=chunk_size)
     return y.astype(v.dtype), finals[0]

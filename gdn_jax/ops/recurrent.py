@@ -6,12 +6,11 @@ one ``[V, K]`` state per token (``T * V * K`` floats per head), so train with th
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from gdn_jax.ops import _checks
 from gdn_jax.ops.blocks import scan_blocks
-from gdn_jax.ops.step import compute_dtype, default_scale, token_step
+from gdn_jax.ops.step import core_inputs, token_step
 
 
 def recurrent_core(q, k, v, log_alpha, beta, initial_states, resets=None, step=token_step):
@@ -48,17 +47,5 @@ def gated_delta_rule_recurrent(
       (float64 for float64 input).
     """
     _checks.check_single_head("gated_delta_rule_recurrent", q, k, v, log_alpha, beta, initial_state)
-    key_dim, value_dim = q.shape[1], v.shape[1]
-    scale = default_scale(key_dim) if scale is None else scale
-    dt = compute_dtype(q, log_alpha, beta, initial_state)
-    if initial_state is None:
-        initial_state = jnp.zeros((value_dim, key_dim), dt)
-    y, finals = recurrent_core(
-        q.astype(dt) * scale,
-        k.astype(dt),
-        v.astype(dt),
-        log_alpha.astype(dt),
-        beta.astype(dt),
-        initial_state.astype(dt)[None],
-    )
+    y, finals = recurrent_core(*core_inputs(q, k, v, log_alpha, beta, initial_state, scale))
     return y.astype(v.dtype), finals[0]

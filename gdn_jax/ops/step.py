@@ -20,6 +20,20 @@ def compute_dtype(*arrays) -> jnp.dtype:
     return jnp.dtype(jnp.float32)
 
 
+def core_inputs(q, k, v, log_alpha, beta, initial_state, scale):
+    """One head's inputs as the cores take them: in the compute dtype, ``q`` pre-scaled, and
+    the initial state (zeros when None) as a batch of one, ``[1, V, K]``."""
+    key_dim, value_dim = q.shape[-1], v.shape[-1]
+    scale = default_scale(key_dim) if scale is None else scale
+    dt = compute_dtype(q, log_alpha, beta, initial_state)
+    if initial_state is None:
+        initial_state = jnp.zeros((value_dim, key_dim), dt)
+    return (
+        q.astype(dt) * scale, k.astype(dt), v.astype(dt), log_alpha.astype(dt),
+        beta.astype(dt), initial_state.astype(dt)[None],
+    )  # fmt: skip
+
+
 def token_step(state, q, k, v, log_alpha, beta):
     """The update on arrays already in the compute dtype, ``q`` already scaled.
 
