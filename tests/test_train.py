@@ -118,7 +118,7 @@ def test_weight_decay_skips_gates_norms_and_vectors():
     assert isinstance(model.blocks[0].mixer.A_log, NoWeightDecay)
 
 
-def test_short_run_learns_and_writes_its_outputs(tmp_path):
+def test_short_run_learns_writes_its_outputs_and_a_rerun_replaces_them(tmp_path):
     summary = run(tiny(tmp_path, "train.steps=30", "train.learning_rate=1e-2"))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
@@ -128,11 +128,9 @@ def test_short_run_learns_and_writes_its_outputs(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert (tmp_path / "config.yaml").exists()
 
-
-def test_fresh_run_replaces_an_earlier_runs_checkpoints(tmp_path):
-    run(tiny(tmp_path))  # checkpoints at steps 4, 8, 12 (the last two kept)
-    summary = run(tiny(tmp_path, "train.steps=6", "train.seed=1"))
-    assert summary["final_step"] == 6
+    # A fresh run in the same out_dir replaces the earlier run's checkpoints and metrics, or a
+    # later --resume would restore the wrong run.
+    assert run(tiny(tmp_path, "train.steps=6", "train.seed=1"))["final_step"] == 6
     steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert steps[-1] <= 6, f"checkpoints of the earlier run survived: {steps}"
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -156,24 +154,40 @@ RUN_IN_SUBPROCESS = textwrap.dedent(
 )
 
 
-def train_subprocess(out_dir, *, resume=False, kill=False):
+@pytest.fixture(scope="session")
+def subprocess_env(tmp_path_factory):
+    """Environment for the subprocess runs: they compile the same tiny programs again and
+    again, so they share a persistent compilation cache (about 25 s of compiling becomes 2 s
+    of loading). The cache is keyed by the program, so a hit runs the identical executable."""
+    cache = tmp_path_factory.getbasetemp().parent / "jax-compilation-cache"  # all xdist workers
+    return dict(
+        os.environ,
+        JAX_COMPILATION_CACHE_DIR=str(cache),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
+    )
+
+
+def train_subprocess(out_dir, env, *, resume=False, kill=False):
     # Every run of this comparison runs in a fresh interpreter, outside conftest's float64
     # mode, so the three see the same JAX settings.
     overrides = json.dumps([*TINY, f"train.out_dir={out_dir}"])
     result = subprocess.run(
         [sys.executable, "-c", RUN_IN_SUBPROCESS, overrides, "resume" if resume else "-",
          "kill" if kill else "-"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     return result
 
 
-def test_killed_run_resumes_bit_for_bit(tmp_path):
-    straight = train_subprocess(tmp_path / "straight")
+def test_killed_run_resumes_bit_for_bit(tmp_path, subprocess_env):
+    straight = train_subprocess(tmp_path / "straight", subprocess_env)
     assert straight.returncode == 0, straight.stderr
-    killed = train_subprocess(tmp_path / "killed", kill=True)  # SIGKILL: no clean-up at all
+    killed = train_subprocess(
+        tmp_path / "killed", subprocess_env, kill=True
+    )  # SIGKILL: no clean-up at all
     assert killed.returncode == -signal.SIGKILL
-    resumed = train_subprocess(tmp_path / "killed", resume=True)
+    resumed = train_subprocess(tmp_path / "killed", subprocess_env, resume=True)
     assert resumed.returncode == 0, resumed.stderr
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
     # Checkpoints are saved asynchronously: the kill may have caught step 8's save unfinished,
@@ -207,7 +221,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert not steps or steps[-1] <= records[-1]["step"]
 
 
-def test_data_parallel_over_four_cpu_devices_matches_one(tmp_path):
+def test_data_parallel_over_four_cpu_devices_matches_one(tmp_path, subprocess_env):
     code = textwrap.dedent(
         """
         import json, sys, jax
@@ -219,7 +233,7 @@ def test_data_parallel_over_four_cpu_devices_matches_one(tmp_path):
     )
     losses = {}
     for devices in (1, 4):
-        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+        env = dict(subprocess_env, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
         out = tmp_path / f"d{devices}"
         result = subprocess.run(
             [sys.executable, "-c", code, *TINY, f"train.out_dir={out}"],
