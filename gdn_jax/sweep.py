@@ -118,6 +118,7 @@ def summarise(results_path: Path, out: Path, command: str) -> None:
         ax.set(title=f"MQAR, d_model={d_model}", xlabel="key-value pairs", xscale="log",
                ylabel="best held-out accuracy", ylim=(0, 1.02))  # fmt: skip
         ax.set_xticks(pairs, [str(p) for p in pairs])
+        ax.minorticks_off()  # the log axis would label 20, 30, ... over the pair counts
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "accuracy.png", dpi=120)
