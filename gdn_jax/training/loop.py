@@ -139,11 +139,17 @@ def run(config: Config, *, resume: bool = False, callbacks=()) -> dict:
         config.data, num_examples=eval_batches * train.batch_size, seed=test_seed
     )
 
+    # The held-out set is fixed: batch and place it once, not at every evaluation.
+    eval_set = [
+        jax.device_put(make_batch(eval_inputs[rows], eval_labels[rows]), by_example)
+        for rows in (
+            slice(i * train.batch_size, (i + 1) * train.batch_size) for i in range(eval_batches)
+        )
+    ]
+
     def evaluate(params):
         losses, accuracies = [], []
-        for i in range(eval_batches):
-            rows = slice(i * train.batch_size, (i + 1) * train.batch_size)
-            batch = jax.device_put(make_batch(eval_inputs[rows], eval_labels[rows]), by_example)
+        for batch in eval_set:
             loss, per_example = eval_step(params, batch)
             losses.append(float(loss))
             accuracies.append(np.asarray(per_example))
