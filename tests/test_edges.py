@@ -1,5 +1,7 @@
 """Gates at their limits and long sequences: finite results that still match the reference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,3 +72,39 @@ def test_long_sequence_stays_finite_and_matches_recurrent():
     assert np.isfinite(y_chk).all() and np.isfinite(s_chk).all()
     assert_close(y_chk, y_rec, jnp.float32)
     assert_close(s_chk, s_rec, jnp.float32)
+
+
+def test_minus_infinity_gate_is_a_full_reset():
+    # alpha = exp(-inf) = 0 wipes the state; the chunked form must not let -inf meet the
+    # zeros of a mask (0 * -inf = NaN) in its segment sums or its backward.
+    q, k, v, la, b = random_inputs(16, 100, 8, 6)
+    la = la.at[jnp.asarray([0, 17, 40, 41, 99])].set(-jnp.inf)
+    state = random_state(17, 6, 8)
+    y_ref, s_ref = gated_delta_reference(q, k, v, la, b, scale=8**-0.5, initial_state=state)
+    cotangents = (random_state(18, 100, 6), random_state(19, 6, 8))
+
+    def loss(fn, *args):
+        y, s = fn(*args[:5], initial_state=args[5])
+        return jnp.sum(y * cotangents[0]) + jnp.sum(s * cotangents[1])
+
+    forms = {"recurrent": gdn_jax.gated_delta_rule_recurrent}
+    forms.update(
+        {
+            f"chunked {c}": functools.partial(gdn_jax.gated_delta_rule_chunked, chunk_size=c)
+            for c in (16, 64)
+        }
+    )
+    grads = {}
+    for name, fn in forms.items():
+        y, s = jax.jit(fn)(q, k, v, la, b, initial_state=state)
+        assert_close(y, y_ref, jnp.float32, name)
+        assert_close(s, s_ref, jnp.float32, name)
+        grads[name] = jax.jit(jax.grad(functools.partial(loss, fn), argnums=range(6)))(
+            q, k, v, la, b, state
+        )
+    for name in forms:
+        for arg, g, e in zip(
+            "q k v la b state".split(), grads[name], grads["recurrent"], strict=True
+        ):
+            assert np.isfinite(g).all(), (name, arg)
+            assert_close(g, e, jnp.float32, f"{name} d{arg}")

@@ -127,3 +127,20 @@ def test_packed_chunked_matches_packed_recurrent():
         out_r, fin_r = run(impl="recurrent")
         assert_close(out_c, out_r, jnp.float32, f"C={chunk_size}")
         assert_close(fin_c, fin_r, jnp.float32, f"C={chunk_size}")
+
+
+@pytest.mark.parametrize("impl", ["chunked", "recurrent"])
+def test_tokens_past_a_traced_last_offset_are_inert(impl):
+    # Under jit cu_seqlens cannot be checked; a last offset below T leaves tokens that belong
+    # to no sequence. They must not touch any sequence, and their outputs are zero.
+    inputs, state, _ = packed_and_separate([0, 20, 40, 50], impl)
+    run = jax.jit(
+        lambda cu, *args: gdn_jax.gated_delta_rule(
+            *args[:5], initial_state=args[5], impl=impl, chunk_size=16, cu_seqlens=cu
+        )
+    )
+    out, final = run(jnp.asarray([0, 20, 40], jnp.int32), *inputs, state[:2])
+    out_ref, final_ref = run_separately(inputs, state[:2], [0, 20, 40], impl, 16)
+    assert_close(out[:, :40], out_ref, jnp.float32)
+    assert_close(final, final_ref, jnp.float32)
+    np.testing.assert_array_equal(out[:, 40:], 0)

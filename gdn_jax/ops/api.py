@@ -14,11 +14,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import _checks
-from gdn_jax.ops.chunked import chunk_step, chunked_rule, linear_chunk_step
+from gdn_jax.ops.chunked import chunked_rule
 from gdn_jax.ops.normalize import l2_normalize
 from gdn_jax.ops.recurrent import recurrent_core
 from gdn_jax.ops.step import compute_dtype, default_scale, linear_token_step, token_step
 from gdn_jax.ops.varlen import pack_layout
+from gdn_jax.ops.wy import DELTA, LINEAR
 
 
 def _check_batched(fn, q, k, v, log_alpha, beta, initial_state, cu_seqlens):
@@ -155,8 +156,6 @@ def _batched(
     q, k = q.astype(dt), k.astype(dt)
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
-    if v_heads != heads:
-        q, k = (jnp.repeat(x, v_heads // heads, axis=2) for x in (q, k))
     q = q * scale
     v, log_alpha, beta = v.astype(dt), log_alpha.astype(dt), beta.astype(dt)
 
@@ -172,10 +171,7 @@ def _batched(
 
     if impl == "chunked":
         one_head = functools.partial(
-            chunked_rule,
-            chunk_size=chunk_size,
-            layout=layout,
-            step=chunk_step if delta else linear_chunk_step,
+            chunked_rule, chunk_size=chunk_size, layout=layout, rule=DELTA if delta else LINEAR
         )
     else:
         resets = None if layout is None else layout.resets
@@ -184,17 +180,31 @@ def _batched(
         def one_head(q, k, v, log_alpha, beta, initial_states):
             return recurrent_core(q, k, v, log_alpha, beta, initial_states, resets, step)
 
+    # The value heads of one query/key head form a group of R that reads the same q and k:
+    # vmapping the group with q and k unbatched shares them (and their q k^T, k k^T products)
+    # instead of materialising R copies.
+    group = v_heads // heads
+    v = v.reshape(batch, seq_len, heads, group, value_dim)
+    log_alpha, beta = (x.reshape(batch, seq_len, heads, group) for x in (log_alpha, beta))
     if cu_seqlens is None:
         # Each (batch, head) is one sequence with one initial state: [V, K] -> [1, V, K].
         def one_sequence(q, k, v, log_alpha, beta, state):
             y, finals = one_head(q, k, v, log_alpha, beta, state[None])
             return y, finals[0]
 
-        over_heads = jax.vmap(one_sequence, in_axes=(1, 1, 1, 1, 1, 0), out_axes=(1, 0))
-        out, final = jax.vmap(over_heads)(q, k, v, log_alpha, beta, initial_state)
+        over_group = jax.vmap(one_sequence, in_axes=(None, None, 1, 1, 1, 0), out_axes=(1, 0))
+        over_heads = jax.vmap(over_group, in_axes=(1, 1, 1, 1, 1, 0), out_axes=(1, 0))
+        states = initial_state.reshape(batch, heads, group, value_dim, key_dim)
+        out, final = jax.vmap(over_heads)(q, k, v, log_alpha, beta, states)
     else:
         # B == 1; each head carries the N packed sequences' states: [N, HV, V, K].
-        over_heads = jax.vmap(one_head, in_axes=(1, 1, 1, 1, 1, 1), out_axes=(1, 1))
-        out, final = over_heads(q[0], k[0], v[0], log_alpha[0], beta[0], initial_state)
-        out = out[None]
+        over_group = jax.vmap(one_head, in_axes=(None, None, 1, 1, 1, 1), out_axes=(1, 1))
+        over_heads = jax.vmap(over_group, in_axes=(1, 1, 1, 1, 1, 1), out_axes=(1, 1))
+        states = initial_state.reshape(num_states, heads, group, value_dim, key_dim)
+        out, final = over_heads(q[0], k[0], v[0], log_alpha[0], beta[0], states)
+        # A traced cu_seqlens may end before T; the tokens after it belong to no sequence.
+        in_sequence = jnp.arange(seq_len, dtype=jnp.int32) < cu_seqlens[-1].astype(jnp.int32)
+        out = jnp.where(in_sequence[:, None, None, None], out, 0)[None]
+    out = out.reshape(batch, seq_len, v_heads, value_dim)
+    final = final.reshape(num_states, v_heads, value_dim, key_dim)
     return out.astype(out_dtype), final

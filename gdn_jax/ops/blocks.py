@@ -28,8 +28,8 @@ def scan_blocks(step, blocks, initial_states, resets=None, *, keep_starts=False)
       initial_states: ``[M, V, K]``, one per sequence (``M = 1`` without resets).
       resets: ``None`` or ``(start_seq [N], end_seq [N])``.
       keep_starts: also return the state at each block's start (after any reset). The
-        chunked backward keeps these, one state per chunk; the recurrent form must not,
-        since that would be one state per token.
+        chunked form keeps these, one state per chunk; the recurrent form must not, since
+        that would be one state per token.
 
     Returns:
       ``(ys [N, ...], finals [M, V, K])``, plus ``starts [N, V, K]`` when ``keep_starts``.
@@ -63,48 +63,43 @@ def scan_blocks(step, blocks, initial_states, resets=None, *, keep_starts=False)
     return (*out, finals) if keep_starts else (out, finals)
 
 
-def scan_blocks_backward(step, blocks, starts, initial_states, resets, d_ys, d_finals):
-    """Reverse-mode of ``scan_blocks`` that recomputes each block from its start state.
+def scan_blocks_backward(step_bwd, xs, d_finals, resets=None):
+    """The reverse scan of ``scan_blocks``, given each block's hand-written backward.
 
-    Only ``starts`` (one state per block) is stored between the forward and the backward;
-    each block's intermediates are rebuilt by ``jax.vjp`` of ``step`` inside a reverse scan,
-    so the backward holds one block's worth of intermediates at a time.
+    Args:
+      step_bwd: ``step_bwd(d_state_after [V, K], *x) -> (d_state_before [V, K], out)``, the
+        pullback of one block's state update with whatever else it needs in ``x``.
+      xs: tuple of arrays with a leading block axis ``N``, one slice per call of ``step_bwd``.
+      d_finals: ``[M, V, K]`` cotangents of the final states.
+      resets: as in ``scan_blocks``.
 
     Returns:
-      ``(d_blocks, d_initial_states)`` with the structures of ``blocks`` and
-      ``initial_states``.
+      ``(outs [N, ...], d_initial_states [M, V, K])``.
     """
-
-    def block_vjp(d_new_state, start_state, d_y, block):
-        _, pullback = jax.vjp(step, start_state, *block)
-        d_start, *d_block = pullback((d_new_state, d_y))
-        return d_start, tuple(d_block)
-
     if resets is None:
 
         def body(d_state, x):
-            start_state, d_y, block = x
-            return block_vjp(d_state, start_state, d_y, block)
+            return step_bwd(d_state, *x)
 
-        d_state, d_blocks = jax.lax.scan(body, d_finals[0], (starts, d_ys, blocks), reverse=True)
-        return d_blocks, d_state[None]
+        d_state, outs = jax.lax.scan(body, d_finals[0], xs, reverse=True)
+        return outs, d_state[None]
 
     def body(carry, x):
         d_state, d_init = carry
-        (start, end), start_state, d_y, block = x
+        (start, end), x = x
         d_state = d_state + jnp.where(end >= 0, d_finals[jnp.maximum(end, 0)], 0)
-        d_start, d_block = block_vjp(d_state, start_state, d_y, block)
+        d_start, out = step_bwd(d_state, *x)
         m = jnp.maximum(start, 0)
         d_init = d_init.at[m].add(jnp.where(start >= 0, d_start, 0))
         # A reset cuts the dependence on the previous block's state.
-        return (jnp.where(start >= 0, 0, d_start), d_init), d_block
+        return (jnp.where(start >= 0, 0, d_start), d_init), out
 
-    num_seqs = initial_states.shape[0]
-    start_seq, end_seq = resets
+    num_seqs = d_finals.shape[0]
+    _, end_seq = resets
     ends = jnp.where(end_seq >= 0, end_seq, num_seqs)  # out of range for "ends nothing"
     ends_somewhere = jnp.zeros(num_seqs, bool).at[ends].set(True, mode="drop")
     # Empty sequences pass their initial state straight through to their final state.
     d_init = jnp.where(ends_somewhere[:, None, None], 0, d_finals)
-    carry = (jnp.zeros_like(initial_states[0]), d_init)
-    (_, d_init), d_blocks = jax.lax.scan(body, carry, (resets, starts, d_ys, blocks), reverse=True)
-    return d_blocks, d_init
+    carry = (jnp.zeros_like(d_finals[0]), d_init)
+    (_, d_init), outs = jax.lax.scan(body, carry, (resets, xs), reverse=True)
+    return outs, d_init

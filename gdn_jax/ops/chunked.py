@@ -1,22 +1,23 @@
-"""The gated delta rule chunk by chunk: matmuls inside a chunk, a scan across chunks.
+"""The gated delta rule chunk by chunk, in stages: only the state recurrence is sequential.
 
-Inside a chunk of ``C`` tokens starting from state ``S`` (Yang et al., 2025, Sec. 3.3),
-write ``g_t`` for the summed log-decay from the chunk start through token ``t`` and
-``u_t = beta_t (v_t - alpha_t S_{t-1} k_t)`` for the correction each token writes, so that
-``S_t = exp(g_t) S + sum_{i<=t} exp(g_t - g_i) u_i k_i^T``. Substituting ``S_{t-1}`` into
-``u_t`` gives a unit lower-triangular system for all corrections at once (the UT / WY
-transform):
+For chunks of ``C`` tokens, with ``g`` the summed log-decay from a chunk's start (Yang et
+al., 2025, Sec. 3.3; flash-linear-attention's ``chunk_gated_delta_rule`` has the same stages):
 
-    (I + A) U = diag(beta) (V - diag(exp(g)) K S^T),  A_ti = beta_t exp(g_t - g_i) k_t.k_i, i < t
+1. Decays and WY factors, for all chunks at once (``decays.py``, ``wy.py``): the corrections
+   a chunk writes are ``U = u - w S^T`` for its start state ``S``.
+2. The state pass, the only scan, two state-sized matmuls per chunk:
 
-and then
+       U = u - w S^T,     S' = exp(g_C) S + U^T diag(exp(g_C - g)) K.
 
-    Y = (Q K^T * Gamma) U + diag(exp(g)) Q S^T,        Gamma_ti = exp(g_t - g_i), i <= t
-    S' = exp(g_C) S + (diag(exp(g_C - g)) U)^T K.
+3. The outputs of all chunks at once from their start states:
 
-Decays between tokens come from segment sums of ``log_alpha`` (summed over ``(i, t]``
-directly, as Mamba-2 does) rather than from differences of a running sum, whose float32
-cancellation loses the small gaps after a large one (``log_alpha = -1e4``, then ``-0.01``).
+       Y = diag(exp(g)) Q S^T + (Q K^T * Gamma) U,     Gamma_ti = exp(g_t - g_i), i <= t.
+
+The backward is written by hand in the same stages: the cotangents of ``U`` and of each
+chunk's end state come from one reverse scan over chunks, ``dU = (Q K^T * Gamma)^T dY +
+diag(exp(g_C - g)) K dS'^T`` and ``dS = exp(g_C) dS' + dY^T diag(exp(g)) Q - dU^T w``, and
+every input's gradient then follows for all chunks at once. Between the forward and the
+backward only the inputs and each chunk's start state are kept.
 """
 
 from __future__ import annotations
@@ -29,99 +30,134 @@ from jaxtyping import Array, Float
 
 from gdn_jax.ops import _checks
 from gdn_jax.ops.blocks import scan_blocks, scan_blocks_backward
+from gdn_jax.ops.decays import LOG_ALPHA_FLOOR, ChunkDecays, chunk_decays, chunk_decays_bwd
 from gdn_jax.ops.step import core_inputs
-from gdn_jax.ops.triangular import unit_lower_inverse
+from gdn_jax.ops.wy import DELTA, WriteRule
+
+over_chunks = jax.vmap
 
 
-def segment_sums(log_alpha: Float[Array, " C"]) -> Float[Array, "C+1 C+1"]:
-    """``L[a, b] = sum(x[b+1 : a+1])`` for ``a >= b`` over ``x = [0, *log_alpha]``, else 0.
+def state_step(state, w, u, k_to_end, whole, q_from_start):
+    """One chunk of the state pass, with every product that touches the state.
 
-    Row and column 0 stand for the chunk start, so ``L[t+1, i+1]`` is the log-decay from
-    token ``i`` to token ``t``, ``L[t+1, 0]`` from the start to ``t`` and ``L[C, i+1]`` from
-    ``i`` to the end. Entries above the diagonal are 0, so their ``exp`` cannot overflow.
+    ``(S [V, K], w [C, K] or None, u [C, V], K diag(exp(g_C - g)) [C, K], exp(g_C),
+    diag(exp(g)) Q [C, K]) -> (S' [V, K], (U [C, V] or (), diag(exp(g)) Q S^T [C, V]))``.
+    ``w`` and the queries read the state in one product.
     """
-    x = jnp.concatenate([jnp.zeros((1,), log_alpha.dtype), log_alpha])
-    lower = jnp.tril(jnp.ones((x.shape[0],) * 2, log_alpha.dtype))
-    # A cumulative sum down the columns of the masked [C+1, C+1] matrix, as a product with a
-    # lower-triangular matrix of ones: XLA's CPU cumsum (a reduce_window) took 1.8x as long.
-    # HIGHEST keeps TPU and GPU from rounding the log-decays to bf16 or tf32.
-    masked = jnp.where(jnp.tril(lower, -1) > 0, x[:, None], 0)
-    return jnp.matmul(lower, masked, precision=jax.lax.Precision.HIGHEST)
+    if w is None:
+        return whole * state + u.T @ k_to_end, ((), q_from_start @ state.T)
+    chunk = w.shape[0]
+    reads = jnp.concatenate([w, q_from_start]) @ state.T
+    corrections = u - reads[:chunk]
+    return whole * state + corrections.T @ k_to_end, (corrections, reads[chunk:])
 
 
-def chunk_decays(log_alpha):
-    """Decays inside a chunk from ``log_alpha [C]``: token-to-token ``[C, C]`` (zero above the
-    diagonal), chunk start to each token ``[C]``, each token to chunk end ``[C]``, and the
-    whole chunk (a scalar)."""
-    chunk = log_alpha.shape[0]
-    seg = segment_sums(log_alpha)
-    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
-    decay_CxC = jnp.where(causal, jnp.exp(seg[1:, 1:]), 0)
-    return decay_CxC, jnp.exp(seg[1:, 0]), jnp.exp(seg[chunk, 1:]), jnp.exp(seg[chunk, 0])
+def state_step_bwd(d_end, start, w, u, k_to_end, whole, q_from_start, d_u_intra, d_y):
+    """Pullback of ``state_step`` for one chunk, given its start state.
 
-
-def chunk_step(state, q, k, v, log_alpha, beta):
-    """Advance ``state [V, K]`` over one chunk and read it.
-
-    q, k ``[C, K]`` (q pre-scaled), v ``[C, V]``, gates ``[C]``. Returns
-    ``(new_state [V, K], y [C, V])``.
+    ``d_end`` is the cotangent of the chunk's end state and ``d_u_intra`` that of ``U`` from
+    the chunk's own outputs. Returns the start state's cotangent and the token-sized
+    ``(U, dU, dY S, dw, d(K diag(exp(g_C - g))), d exp(g_C))``.
     """
-    decay_CxC, from_start, to_end, chunk_decay = chunk_decays(log_alpha)
-    a_CxC = jnp.tril(beta[:, None] * (k @ k.T) * decay_CxC, -1)
-    rhs_CxV = beta[:, None] * (v - from_start[:, None] * (k @ state.T))
-    u_CxV = unit_lower_inverse(a_CxC) @ rhs_CxV
-    y = ((q @ k.T) * decay_CxC) @ u_CxV + from_start[:, None] * (q @ state.T)
-    new_state = chunk_decay * state + (u_CxV * to_end[:, None]).T @ k
-    return new_state, y
+    d_u = d_u_intra + k_to_end @ d_end.T
+    if w is None:
+        corrections, d_y_start = u, d_y @ start
+        d_start = whole * d_end + d_y.T @ q_from_start
+        d_w = ()
+    else:
+        corrections = u - w @ start.T
+        cotangents = jnp.concatenate([d_y, -d_u])
+        d_start = whole * d_end + cotangents.T @ jnp.concatenate([q_from_start, w])
+        d_y_start, d_w = jnp.split(cotangents @ start, 2)
+    d_k_to_end = corrections @ d_end
+    outs = (corrections, d_u, d_y_start, d_w, d_k_to_end, (d_end * start).sum())
+    return d_start, outs
 
 
-def linear_chunk_step(state, q, k, v, log_alpha, beta):
-    """``chunk_step`` without the delta correction: each token writes ``u_t = beta_t v_t``,
-    so no triangular system is solved (gated linear attention, Mamba-2's SSD form)."""
-    decay_CxC, from_start, to_end, chunk_decay = chunk_decays(log_alpha)
-    u_CxV = beta[:, None] * v
-    y = ((q @ k.T) * decay_CxC) @ u_CxV + from_start[:, None] * (q @ state.T)
-    new_state = chunk_decay * state + (u_CxV * to_end[:, None]).T @ k
-    return new_state, y
+def chunk_output(q, k, decays: ChunkDecays, corrections, y_start):
+    """``Y [C, V]`` of one chunk: its read of the start state plus the causal intra-chunk
+    part."""
+    attn_CxC = (q @ k.T) * decays.within
+    return y_start + attn_CxC @ corrections
+
+
+def chunk_grads(rule: WriteRule, q, k, v, beta, decays, factors, d):
+    """Gradients of one chunk's q, k, v, beta and log_alpha from what the reverse state
+    pass returned, ``d = (dY, U, dU, dY S, dw, d(K diag(exp(g_C - g))), d exp(g_C))``."""
+    d_y, corrections, d_u, d_y_start, d_w, d_k_to_end, d_whole = d
+    d_y_u = d_y @ corrections.T
+    d_attn = d_y_u * decays.within
+    grads = rule.factors_bwd(k, v, beta, decays, factors, d_w, d_u)
+    d_q = d_y_start * decays.from_start[:, None] + d_attn @ k
+    d_k = d_attn.T @ q + d_k_to_end * decays.to_end[:, None] + grads.k
+    d_decays = ChunkDecays(
+        within=d_y_u * (q @ k.T) + grads.within,
+        from_start=(d_y_start * q).sum(1) + grads.from_start,
+        to_end=(d_k_to_end * k).sum(1),
+        whole=d_whole,
+    )
+    return d_q, d_k, grads.v, grads.beta, chunk_decays_bwd(decays, d_decays)
+
+
+def _prepare(rule, q, k, v, log_alpha, beta):
+    """Stage 1 for ``N`` chunks: decays, WY factors, and the keys and queries decayed to
+    the chunk's end and from its start."""
+    decays = over_chunks(chunk_decays)(log_alpha)
+    factors = over_chunks(rule.factors)(k, v, beta, decays)
+    k_to_end = k * decays.to_end[..., None]
+    q_from_start = q * decays.from_start[..., None]
+    return decays, factors, k_to_end, q_from_start
+
+
+def _staged_forward(rule, q, k, v, log_alpha, beta, initial_states, resets, *, keep_starts):
+    decays, (w, u, _), k_to_end, q_from_start = _prepare(rule, q, k, v, log_alpha, beta)
+    blocks = (w, u, k_to_end, decays.whole, q_from_start)
+    out = scan_blocks(state_step, blocks, initial_states, resets, keep_starts=keep_starts)
+    (corrections, y_start), *starts, finals = out
+    corrections = u if w is None else corrections
+    ys = over_chunks(chunk_output)(q, k, decays, corrections, y_start)
+    return ys, finals, starts
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def chunked_core(step, q, k, v, log_alpha, beta, initial_states, resets):
-    """Scan ``step`` (``chunk_step`` or ``linear_chunk_step``) over chunks: q, k ``[N, C, K]``,
-    v ``[N, C, V]``, gates ``[N, C]``, ``initial_states [M, V, K]``, ``resets`` as in
-    ``blocks.scan_blocks``.
+def chunked_core(rule, q, k, v, log_alpha, beta, initial_states, resets):
+    """The staged chunked form for one head: q, k ``[N, C, K]`` (q pre-scaled), v ``[N, C,
+    V]``, gates ``[N, C]``, ``initial_states [M, V, K]``, ``resets`` as in
+    ``blocks.scan_blocks``; ``rule`` is ``wy.DELTA`` or ``wy.LINEAR``.
 
-    Returns ``(y [N, C, V], finals [M, V, K])``. The custom VJP keeps the inputs and one state
-    per chunk, and recomputes each chunk inside the reverse scan. Preparing the state-free
-    part of all chunks at once, outside the scan, measured slower on CPU: XLA's batched
-    matmuls over thousands of small matrices ran at 15 GFLOP/s, against 45 for one chunk's
-    heads at a time.
+    Returns ``(y [N, C, V], finals [M, V, K])``.
     """
-    return scan_blocks(step, (q, k, v, log_alpha, beta), initial_states, resets)
+    args = (rule, q, k, v, log_alpha, beta, initial_states, resets)
+    ys, finals, _ = _staged_forward(*args, keep_starts=False)
+    return ys, finals
 
 
-def _chunked_core_fwd(step, q, k, v, log_alpha, beta, initial_states, resets):
-    blocks = (q, k, v, log_alpha, beta)
-    ys, starts, finals = scan_blocks(step, blocks, initial_states, resets, keep_starts=True)
-    return (ys, finals), (blocks, starts, initial_states, resets)
+def _chunked_core_fwd(rule, q, k, v, log_alpha, beta, initial_states, resets):
+    args = (rule, q, k, v, log_alpha, beta, initial_states, resets)
+    ys, finals, (starts,) = _staged_forward(*args, keep_starts=True)
+    return (ys, finals), (q, k, v, log_alpha, beta, starts, resets)
 
 
-def _chunked_core_bwd(step, residuals, cotangents):
-    blocks, starts, initial_states, resets = residuals
+def _chunked_core_bwd(rule, residuals, cotangents):
+    q, k, v, log_alpha, beta, starts, resets = residuals
     d_ys, d_finals = cotangents
-    d_blocks, d_initial = scan_blocks_backward(
-        step, blocks, starts, initial_states, resets, d_ys, d_finals
+    decays, factors, k_to_end, q_from_start = _prepare(rule, q, k, v, log_alpha, beta)
+    w, u, _ = factors
+    attn = jnp.einsum("nck,nik->nci", q, k) * decays.within
+    d_u_intra = jnp.einsum("nci,ncv->niv", attn, d_ys)
+    xs = (starts, w, u, k_to_end, decays.whole, q_from_start, d_u_intra, d_ys)
+    outs, d_initial = scan_blocks_backward(state_step_bwd, xs, d_finals, resets)
+    d_q, d_k, d_v, d_beta, d_log_alpha = over_chunks(functools.partial(chunk_grads, rule))(
+        q, k, v, beta, decays, factors, (d_ys, *outs)
     )
-    return (*d_blocks, d_initial, None)
+    return d_q, d_k, d_v, d_log_alpha, d_beta, d_initial, None
 
 
 chunked_core.defvjp(_chunked_core_fwd, _chunked_core_bwd)
 
 
-def chunked_rule(
-    q, k, v, log_alpha, beta, initial_states, *, chunk_size, layout=None, step=chunk_step
-):
-    """Chunk the tokens, run ``chunked_core`` with ``step``, unchunk.
+def chunked_rule(q, k, v, log_alpha, beta, initial_states, *, chunk_size, layout=None, rule=DELTA):
+    """Chunk the tokens, run ``chunked_core`` with ``rule``, unchunk.
 
     Arrays are in the compute dtype and ``q`` is pre-scaled: q, k ``[T, K]``, v ``[T, V]``,
     gates ``[T]``, ``initial_states [M, V, K]``. Without ``layout`` the tail is padded with
@@ -130,6 +166,7 @@ def chunked_rule(
     Returns ``(y [T, V], finals [M, V, K])``.
     """
     seq_len = q.shape[0]
+    log_alpha = jnp.maximum(log_alpha, LOG_ALPHA_FLOOR)
     if layout is None:
         num_chunks = -(-seq_len // chunk_size)
         pad = num_chunks * chunk_size - seq_len
@@ -152,7 +189,7 @@ def chunked_rule(
 
         resets = layout.resets
     ys, finals = chunked_core(
-        step, *(to_chunks(x) for x in (q, k, v, log_alpha, beta)), initial_states, resets
+        rule, *(to_chunks(x) for x in (q, k, v, log_alpha, beta)), initial_states, resets
     )
     return from_chunks(ys), finals
 
@@ -171,12 +208,12 @@ def gated_delta_rule_chunked(
     """One head, one sequence, chunkwise; the same contract as ``gated_delta_rule_recurrent``.
 
     Any ``T >= 1`` works (the tail chunk is padded with tokens that neither decay nor write).
-    Gradients reach q, k, v, log_alpha, beta and initial_state through a custom VJP that
-    stores the inputs and one ``[V, K]`` state per chunk, never one per token.
+    Gradients reach q, k, v, log_alpha, beta and initial_state through a hand-written VJP
+    that stores the inputs and one ``[V, K]`` state per chunk, never one per token.
 
     Args:
       q, k: ``[T, K]``; v: ``[T, V]``; all three in one floating dtype.
-      log_alpha: ``[T]`` decay gates in log space (``<= 0``).
+      log_alpha: ``[T]`` decay gates in log space (``<= 0``; ``-inf`` is a full reset).
       beta: ``[T]`` writing strengths, already activated.
       scale: query scale; ``None`` means ``K ** -0.5``.
       initial_state: ``[V, K]`` or ``None`` (zeros).

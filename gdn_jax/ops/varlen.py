@@ -26,13 +26,15 @@ class PackedLayout(NamedTuple):
     resets: tuple[Int[Array, " NB"], Int[Array, " NB"]]
 
     def scatter(self, x):
-        """``x [T, ...]`` onto the aligned axis ``[NB * block_size, ...]``, gaps zero."""
+        """``x [T, ...]`` onto the aligned axis ``[NB * block_size, ...]``, gaps zero; tokens
+        past the last sequence are dropped."""
         size = self.num_blocks * self.block_size
-        return jnp.zeros((size, *x.shape[1:]), x.dtype).at[self.positions].set(x)
+        return jnp.zeros((size, *x.shape[1:]), x.dtype).at[self.positions].set(x, mode="drop")
 
     def gather(self, y):
-        """Back from the aligned axis to the packed ``[T, ...]``."""
-        return y[self.positions]
+        """Back from the aligned axis to the packed ``[T, ...]``, zeros past the last
+        sequence."""
+        return y.at[self.positions].get(mode="fill", fill_value=0)
 
 
 def pack_layout(cu_seqlens: Int[Array, " N+1"], seq_len: int, block_size: int) -> PackedLayout:
@@ -45,7 +47,11 @@ def pack_layout(cu_seqlens: Int[Array, " N+1"], seq_len: int, block_size: int) -
     num_blocks = max(1, (seq_len + num_seqs * (block_size - 1)) // block_size)
 
     seq, offset = segment_positions(cu, seq_len)
-    positions = first_block[seq] * block_size + offset
+    # A traced cu_seqlens may end before T: the tokens after it belong to no sequence, so
+    # they are sent out of range, where the scatter drops them and the gather reads zeros.
+    in_sequence = jnp.arange(seq_len, dtype=jnp.int32) < cu[-1]
+    size = num_blocks * block_size
+    positions = jnp.where(in_sequence, first_block[seq] * block_size + offset, size)
 
     ids = jnp.arange(num_seqs, dtype=jnp.int32)
     nonempty = lengths > 0

@@ -1,0 +1,92 @@
+"""What one chunk writes, as WY factors that need no state: ``U = u - w S^T``.
+
+Inside a chunk starting from state ``S`` (Yang et al., 2025, Sec. 3.3), token ``t`` writes
+the correction ``U_t = beta_t (v_t - alpha_t S_{t-1} k_t)`` along ``k_t``. Substituting
+``S_{t-1}`` gives a unit lower-triangular system for all corrections at once (the UT transform)
+
+    (I + A) U = diag(beta) V - diag(beta exp(g)) K S^T,   A_ti = beta_t exp(g_t - g_i) k_t.k_i, i < t
+
+so with ``T = (I + A)^{-1}`` the corrections are ``U = u - w S^T`` for the WY factors
+``u = T diag(beta) V`` and ``w = T diag(beta exp(g)) K``, which depend on the chunk's own tokens
+only and are computed for all chunks at once. Without the delta correction (gated linear
+attention) ``U = diag(beta) V`` and there is no ``w``.
+
+Backward, from cotangents ``dw`` and ``du``: with ``dKb = T^T dw`` and ``dVb = T^T du`` the
+cotangent of ``A`` is ``-(dVb u^T + dKb w^T)`` on the strict lower triangle, since
+``d(I + A)^{-1} = -T dA T``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from gdn_jax.ops.decays import ChunkDecays
+from gdn_jax.ops.triangular import unit_lower_inverse
+
+
+class FactorGrads(NamedTuple):
+    """Cotangents from the WY factors of one chunk."""
+
+    k: Float[Array, "C K"]
+    v: Float[Array, "C V"]
+    beta: Float[Array, " C"]
+    within: Float[Array, "C C"]
+    from_start: Float[Array, " C"]
+
+
+def delta_factors(k, v, beta, decays: ChunkDecays):
+    """``(w [C, K], u [C, V], T [C, C])`` for k ``[C, K]``, v ``[C, V]``, beta ``[C]``."""
+    k_beta = k * (beta * decays.from_start)[:, None]
+    strict = jnp.tril(beta[:, None] * (k @ k.T) * decays.within, -1)
+    inverse = unit_lower_inverse(strict)
+    return inverse @ k_beta, inverse @ (v * beta[:, None]), inverse
+
+
+def delta_factors_bwd(k, v, beta, decays: ChunkDecays, factors, d_w, d_u) -> FactorGrads:
+    w, u, inverse = factors
+    d_k_beta = inverse.T @ d_w
+    d_v_beta = inverse.T @ d_u
+    d_strict = -jnp.tril(d_v_beta @ u.T + d_k_beta @ w.T, -1)
+    k_gram = k @ k.T
+    d_decayed = d_strict * decays.within  # cotangent of beta_t * (k k^T)_ti
+    d_gram = d_decayed * beta[:, None]
+    d_k_proj = (d_k_beta * k).sum(1)
+    return FactorGrads(
+        k=d_k_beta * (beta * decays.from_start)[:, None] + (d_gram + d_gram.T) @ k,
+        v=d_v_beta * beta[:, None],
+        beta=(d_v_beta * v).sum(1) + decays.from_start * d_k_proj + (d_decayed * k_gram).sum(1),
+        within=d_strict * beta[:, None] * k_gram,
+        from_start=beta * d_k_proj,
+    )
+
+
+def linear_factors(k, v, beta, decays: ChunkDecays):
+    """``(None, u = diag(beta) V, None)``: each token writes its own value."""
+    del k, decays
+    return None, v * beta[:, None], None
+
+
+def linear_factors_bwd(k, v, beta, decays: ChunkDecays, factors, d_w, d_u) -> FactorGrads:
+    del factors, d_w
+    zero = jnp.zeros_like(beta)
+    return FactorGrads(
+        k=jnp.zeros_like(k),
+        v=d_u * beta[:, None],
+        beta=(d_u * v).sum(1),
+        within=jnp.zeros_like(decays.within),
+        from_start=zero,
+    )
+
+
+class WriteRule(NamedTuple):
+    """How a chunk's tokens write to the state: its factors and their backward."""
+
+    factors: object
+    factors_bwd: object
+
+
+DELTA = WriteRule(delta_factors, delta_factors_bwd)
+LINEAR = WriteRule(linear_factors, linear_factors_bwd)

@@ -1,0 +1,120 @@
+"""The chunked op's compiled shape: only state-sized work inside its sequential loops.
+
+On a GPU every op inside a loop body is a kernel launch per chunk and on a TPU small matmuls
+idle the MXU, so the intra-chunk ``[C, C]`` work must sit outside the scans. This reads the
+optimised HLO that XLA compiles here; no accelerator is needed to check the structure.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from reference import random_inputs, random_state
+
+import gdn_jax
+
+# Distinct sizes, so that a [C, C] array cannot be mistaken for anything else.
+SEQ, CHUNK, KEY, VALUE = 96, 16, 24, 40
+COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.-]+) .*\{$")
+CALLED = re.compile(r"(?:calls|body|condition|to_apply)=%?([\w.-]+)")
+
+
+def computations(hlo: str) -> dict[str, list[str]]:
+    """The instruction lines of each computation in an HLO module's text."""
+    blocks, name = {}, None
+    for line in hlo.splitlines():
+        match = COMPUTATION.match(line)
+        if match:
+            name = match.group(1)
+            blocks[name] = []
+        elif line.strip() == "}":
+            name = None
+        elif name is not None:
+            blocks[name].append(line)
+    return blocks
+
+
+def reachable(blocks, name):
+    """Every instruction in ``name`` and the computations it calls, transitively."""
+    lines, todo, seen = [], [name], set()
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for line in blocks[current]:
+            lines.append(line)
+            todo.extend(CALLED.findall(line))
+    return lines
+
+
+def loop_bodies(hlo: str) -> list[list[str]]:
+    """The instructions of each while loop's body, with what the body calls."""
+    blocks = computations(hlo)
+    bodies = [
+        m
+        for lines in blocks.values()
+        for line in lines
+        for m in re.findall(r"body=%?([\w.-]+)", line)
+    ]
+    return [reachable(blocks, body) for body in bodies]
+
+
+def dots(lines):
+    return [line for line in lines if re.search(r"= \S+ (dot|convolution)\(", line)]
+
+
+def has_chunk_square(lines):
+    return any(re.search(rf"\[(?:\d+,)*{CHUNK},{CHUNK}\]", line) for line in lines)
+
+
+def inputs():
+    return (*random_inputs(0, SEQ, KEY, VALUE), random_state(1, VALUE, KEY))
+
+
+def forward(q, k, v, la, b, state):
+    return gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, initial_state=state, chunk_size=CHUNK)
+
+
+def loss(*args):
+    y, s = forward(*args)
+    return jnp.sum(y**2) + jnp.sum(s**2)
+
+
+def test_helpers_see_the_recurrent_forms_loop():
+    # The recurrent form reads the state twice per token: the parser must find those dots.
+    def recurrent(q, k, v, la, b, state):
+        return gdn_jax.gated_delta_rule_recurrent(q, k, v, la, b, initial_state=state)
+
+    (body,) = loop_bodies(jax.jit(recurrent).lower(*inputs()).compile().as_text())
+    assert len(dots(body)) >= 2
+
+
+def test_forward_loop_holds_only_state_sized_work():
+    (body,) = loop_bodies(jax.jit(forward).lower(*inputs()).compile().as_text())
+    assert 1 <= len(dots(body)) <= 3, dots(body)
+    assert not has_chunk_square(body)
+
+
+def test_backward_loops_hold_only_state_sized_work():
+    grad = jax.jit(jax.grad(loss, argnums=range(6)))
+    bodies = loop_bodies(grad.lower(*inputs()).compile().as_text())
+    assert len(bodies) == 2  # the forward's state pass and the backward's reverse pass
+    for body in bodies:
+        assert 1 <= len(dots(body)) <= 6, dots(body)
+        assert not has_chunk_square(body)
+
+
+@pytest.mark.parametrize("impl_fn", ["gated_delta_rule", "gated_linear_attention"])
+def test_batched_grouped_heads_keep_the_structure(impl_fn):
+    q, k, v, la, b = random_inputs(2, SEQ, KEY, VALUE, lead=(2,), heads=(2, 4))
+
+    def batched_loss(*args):
+        y, s = getattr(gdn_jax, impl_fn)(*args, chunk_size=CHUNK)
+        return jnp.sum(y**2) + jnp.sum(s**2)
+
+    hlo = jax.jit(jax.grad(batched_loss, argnums=range(5))).lower(q, k, v, la, b)
+    for body in loop_bodies(hlo.compile().as_text()):
+        assert 1 <= len(dots(body)) <= 6
+        assert not has_chunk_square(body)
