@@ -1,13 +1,17 @@
 """Time and memory of the recurrent and chunked gated delta rule.
 
-    python benchmarks/bench_ops.py                       # the table in docs/benchmarks.md
+    python benchmarks/bench_ops.py                               # the table in docs/benchmarks.md
     python benchmarks/bench_ops.py --seq-lens 4096 --chunk-sizes 16 32 64 128
+    python benchmarks/bench_ops.py --shape mqar --seq-lens 256 --chunk-sizes 16 32 64 \\
+        --baseline 6fca74a --no-recurrent                        # before/after, one run
 
-For each impl and T at B=1, H=8, K=V=128, float32 it prints the forward and forward+backward
-wall time (best of --repeats after a warm-up call), the compiled programs' temp memory
-(``memory_analysis().temp_size_in_bytes``), and for the chunked forward its achieved
-GFLOP/s next to a 2048^3 matmul timed in the same run. Ratios within one run are what to
-compare: these machines are noisy from run to run.
+For each impl and T it prints the forward and forward+backward wall time (best of --repeats
+after a warm-up call; the gradient is that of ``sum(y ** 2)`` with respect to every input),
+the compiled programs' temp memory (``memory_analysis().temp_size_in_bytes``), and for the
+chunked forward its achieved GFLOP/s next to a 2048^3 matmul timed in the same run.
+``--baseline REV`` adds the chunked form of the package as it was at git revision REV,
+imported next to the current one (``revision.py``), so before and after share one run:
+ratios within one run are what to compare, these machines are noisy from run to run.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from revision import import_revision
 
 import gdn_jax
 
-BATCH, HEADS, KEY, VALUE = 1, 8, 128, 128
+# (B, H, K, V): the long-sequence shape of the issue and the MQAR training shape.
+SHAPES = {"long": (1, 8, 128, 128), "mqar": (32, 2, 32, 32)}
 
 
 def best_ms(fn, args, repeats):
@@ -39,30 +45,33 @@ def temp_mb(jitted, args):
     return jitted.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
 
 
-def chunked_forward_flops(seq_len, chunk):
-    """Matmul flops of the chunked forward: per chunk and head, k k^T and q k^T (2 C^2 K
-    each), k S^T, q S^T and U^T k (2 C K V each), inverse (~2 C^3 / 3), T rhs and attn U
-    (2 C^2 V each)."""
+def chunked_forward_flops(shape, seq_len, chunk):
+    """Matmul flops of the staged chunked forward per chunk and head: k k^T and q k^T
+    (2 C^2 K each), the inverse (~2 C^3 / 3), T [k | v] (2 C^2 (K + V)), the state reads
+    [w; q] S^T and the update U^T k (2 C K V each for three C-row products), attn U
+    (2 C^2 V)."""
+    batch, heads, key, value = shape
     num_chunks = -(-seq_len // chunk)
-    per_chunk = 4 * chunk**2 * KEY + 6 * chunk * KEY * VALUE + 4 * chunk**2 * VALUE
-    per_chunk += 2 * chunk**3 // 3
-    return BATCH * HEADS * num_chunks * per_chunk
+    per_chunk = 4 * chunk**2 * key + 2 * chunk**2 * (key + value) + 2 * chunk**2 * value
+    per_chunk += 6 * chunk * key * value + 2 * chunk**3 // 3
+    return batch * heads * num_chunks * per_chunk
 
 
-def inputs(seq_len):
+def inputs(shape, seq_len):
+    batch, heads, key, value = shape
     rng = np.random.default_rng(0)
-    q = rng.standard_normal((BATCH, seq_len, HEADS, KEY))
-    k = rng.standard_normal((BATCH, seq_len, HEADS, KEY))
+    q = rng.standard_normal((batch, seq_len, heads, key))
+    k = rng.standard_normal((batch, seq_len, heads, key))
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((BATCH, seq_len, HEADS, VALUE))
-    log_alpha = rng.uniform(-0.5, -0.01, (BATCH, seq_len, HEADS))
-    beta = rng.uniform(0.0, 1.0, (BATCH, seq_len, HEADS))
+    v = rng.standard_normal((batch, seq_len, heads, value))
+    log_alpha = rng.uniform(-0.5, -0.01, (batch, seq_len, heads))
+    beta = rng.uniform(0.0, 1.0, (batch, seq_len, heads))
     return tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v, log_alpha, beta))
 
 
-def programs(impl, chunk):
+def programs(package, impl, chunk):
     def forward(*args):
-        return gdn_jax.gated_delta_rule(*args, impl=impl, chunk_size=chunk)[0]
+        return package.gated_delta_rule(*args, impl=impl, chunk_size=chunk)[0]
 
     def loss(*args):
         return jnp.sum(forward(*args) ** 2)
@@ -72,9 +81,12 @@ def programs(impl, chunk):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="long")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[64])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--baseline", help="git revision whose chunked form to time as well")
+    parser.add_argument("--no-recurrent", action="store_true", help="skip the recurrent form")
     parser.add_argument(
         "--max-temp-gb",
         type=float,
@@ -82,6 +94,7 @@ def main():
         help="compile but do not run programs whose temp memory exceeds this",
     )
     args = parser.parse_args()
+    shape = SHAPES[args.shape]
 
     size = 2048
     a = jnp.asarray(np.random.default_rng(1).standard_normal((size, size)), jnp.float32)
@@ -89,7 +102,7 @@ def main():
     matmul_gflops = 2 * size**3 / matmul_ms / 1e6
     print(
         f"# {platform.processor() or platform.machine()}, {jax.devices()[0].device_kind}, "
-        f"jax {jax.__version__}; B={BATCH} H={HEADS} K={KEY} V={VALUE} float32"
+        f"jax {jax.__version__}; B, H, K, V = {shape}, float32"
     )
     print(f"# reference: {size}^3 matmul {matmul_ms:.1f} ms = {matmul_gflops:.1f} GFLOP/s\n")
     print(
@@ -97,24 +110,30 @@ def main():
     )
     print("|---|---|---|---|---|---|---|---|")
 
-    runs = [("recurrent", 64)] + [("chunked", c) for c in args.chunk_sizes]
+    runs = [] if args.no_recurrent else [("recurrent", gdn_jax, "recurrent", 64)]
+    for chunk in args.chunk_sizes:
+        if args.baseline:
+            runs.append(
+                (f"chunked@{args.baseline}", import_revision(args.baseline), "chunked", chunk)
+            )
+        runs.append(("chunked", gdn_jax, "chunked", chunk))
     for seq_len in args.seq_lens:
-        data = inputs(seq_len)
-        for impl, chunk in runs:
-            forward, grad = programs(impl, chunk)
+        data = inputs(shape, seq_len)
+        for label, package, impl, chunk in runs:
+            forward, grad = programs(package, impl, chunk)
             fwd_mb, grad_mb = temp_mb(forward, data), temp_mb(grad, data)
             fwd_ms = best_ms(forward, data, args.repeats)
             if grad_mb / 1024 <= args.max_temp_gb:
-                grad_ms = f"{best_ms(grad, data, max(1, args.repeats - 1)):.0f}"
+                grad_ms = f"{best_ms(grad, data, max(1, args.repeats - 1)):.1f}"
             else:
                 grad_ms = f"not run (> {args.max_temp_gb:g} GB)"
             rate = "-"
             if impl == "chunked":
-                gflops = chunked_forward_flops(seq_len, chunk) / fwd_ms / 1e6
+                gflops = chunked_forward_flops(shape, seq_len, chunk) / fwd_ms / 1e6
                 rate = f"{gflops:.1f} ({100 * gflops / matmul_gflops:.0f}%)"
             label_c = chunk if impl == "chunked" else "-"
             print(
-                f"| {impl} | {label_c} | {seq_len} | {fwd_ms:.1f} | {grad_ms} | "
+                f"| {label} | {label_c} | {seq_len} | {fwd_ms:.1f} | {grad_ms} | "
                 f"{fwd_mb:.1f} | {grad_mb:.1f} | {rate} |",
                 flush=True,
             )

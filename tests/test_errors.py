@@ -108,6 +108,15 @@ def test_unknown_impl():
         call(batched_inputs(), impl="pallas")
 
 
+def test_unknown_schedule():
+    message = r"schedule='fused' must be one of \('auto', 'hoisted', 'in_scan'\)"
+    with pytest.raises(ValueError, match=message):
+        call(batched_inputs(), schedule="fused")
+    q, k, v, la, b = random_inputs(0, 8, 4, 4)
+    with pytest.raises(ValueError, match=message):
+        gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, schedule="fused")
+
+
 def test_integer_inputs():
     args = batched_inputs()
     args[0] = jnp.zeros((1, 8, 2, 4), jnp.int32)

@@ -1,8 +1,9 @@
 """The chunked op's compiled shape: only state-sized work inside its sequential loops.
 
 On a GPU every op inside a loop body is a kernel launch per chunk and on a TPU small matmuls
-idle the MXU, so the intra-chunk ``[C, C]`` work must sit outside the scans. This reads the
-optimised HLO that XLA compiles here; no accelerator is needed to check the structure.
+idle the MXU, so in the ``"hoisted"`` schedule (the default off CPU) the intra-chunk
+``[C, C]`` work must sit outside the scans. This reads the optimised HLO that XLA compiles
+here; no accelerator is needed to check the structure.
 """
 
 import re
@@ -74,12 +75,26 @@ def inputs():
 
 
 def forward(q, k, v, la, b, state):
-    return gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, initial_state=state, chunk_size=CHUNK)
+    return gdn_jax.gated_delta_rule_chunked(
+        q, k, v, la, b, initial_state=state, chunk_size=CHUNK, schedule="hoisted"
+    )
 
 
 def loss(*args):
     y, s = forward(*args)
     return jnp.sum(y**2) + jnp.sum(s**2)
+
+
+def test_in_scan_schedule_keeps_chunk_work_in_the_loop():
+    # The CPU schedule is the contrast: the [C, C] work sits inside its scan, so the checks
+    # below would fail on it (and the helpers demonstrably see what is in a loop).
+    def in_scan(*args):
+        return gdn_jax.gated_delta_rule_chunked(
+            *args[:5], initial_state=args[5], chunk_size=CHUNK, schedule="in_scan"
+        )
+
+    (body,) = loop_bodies(jax.jit(in_scan).lower(*inputs()).compile().as_text())
+    assert len(dots(body)) > 3 and has_chunk_square(body)
 
 
 def test_helpers_see_the_recurrent_forms_loop():
@@ -111,7 +126,7 @@ def test_batched_grouped_heads_keep_the_structure(impl_fn):
     q, k, v, la, b = random_inputs(2, SEQ, KEY, VALUE, lead=(2,), heads=(2, 4))
 
     def batched_loss(*args):
-        y, s = getattr(gdn_jax, impl_fn)(*args, chunk_size=CHUNK)
+        y, s = getattr(gdn_jax, impl_fn)(*args, chunk_size=CHUNK, schedule="hoisted")
         return jnp.sum(y**2) + jnp.sum(s**2)
 
     hlo = jax.jit(jax.grad(batched_loss, argnums=range(5))).lower(q, k, v, la, b)

@@ -11,6 +11,7 @@ import numpy as np
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
 SUPPORTED_IMPLS = ("chunked", "recurrent")
+SUPPORTED_SCHEDULES = ("auto", "hoisted", "in_scan")
 
 
 def check_floating(fn: str, **arrays) -> None:
@@ -48,6 +49,11 @@ def check_chunk_size(fn: str, chunk_size) -> None:
 def check_impl(fn: str, impl) -> None:
     if impl not in SUPPORTED_IMPLS:
         raise ValueError(f"{fn}: impl={impl!r} must be one of {SUPPORTED_IMPLS}")
+
+
+def check_schedule(fn: str, schedule) -> None:
+    if schedule not in SUPPORTED_SCHEDULES:
+        raise ValueError(f"{fn}: schedule={schedule!r} must be one of {SUPPORTED_SCHEDULES}")
 
 
 def check_single_head(fn: str, q, k, v, log_alpha, beta, initial_state) -> None:

@@ -68,6 +68,7 @@ def gated_delta_rule(
     initial_state: Float[Array, "B HV V K"] | None = None,
     impl: str = "chunked",
     chunk_size: int = 64,
+    schedule: str = "auto",
     cu_seqlens: Int[Array, " N+1"] | None = None,
     use_qk_l2norm: bool = False,
 ) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV V K"]]:
@@ -86,6 +87,8 @@ def gated_delta_rule(
         zeros. flash-linear-attention's states are ``[.., K, V]``: pass ``swapaxes(-1, -2)``.
       impl: ``"chunked"`` (train with this) or ``"recurrent"`` (the token-by-token reference).
       chunk_size: 16, 32, 64 or 128 (chunked only).
+      schedule: ``"auto"``, ``"hoisted"`` or ``"in_scan"`` (chunked only), as in
+        ``gated_delta_rule_chunked``.
       cu_seqlens: ``[N+1]`` int offsets of ``N`` sequences packed along ``T`` (needs ``B == 1``).
         Each sequence starts from its own initial state and returns its own final state, as
         if run alone. It may be traced; its values are checked only when concrete.
@@ -96,7 +99,7 @@ def gated_delta_rule(
       (float64 for float64 input), ``[B, HV, V, K]`` or ``[N, HV, V, K]`` with ``cu_seqlens``.
     """
     options = dict(scale=scale, initial_state=initial_state, impl=impl, chunk_size=chunk_size)
-    options.update(cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
+    options.update(schedule=schedule, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
     return _batched("gated_delta_rule", True, q, k, v, log_alpha, beta, **options)
 
 
@@ -111,6 +114,7 @@ def gated_linear_attention(
     initial_state: Float[Array, "B HV V K"] | None = None,
     impl: str = "chunked",
     chunk_size: int = 64,
+    schedule: str = "auto",
     cu_seqlens: Int[Array, " N+1"] | None = None,
     use_qk_l2norm: bool = False,
 ) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV V K"]]:
@@ -122,7 +126,7 @@ def gated_linear_attention(
     layouts and results are those of ``gated_delta_rule``.
     """
     options = dict(scale=scale, initial_state=initial_state, impl=impl, chunk_size=chunk_size)
-    options.update(cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
+    options.update(schedule=schedule, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
     return _batched("gated_linear_attention", False, q, k, v, log_alpha, beta, **options)
 
 
@@ -139,6 +143,7 @@ def _batched(
     initial_state,
     impl,
     chunk_size,
+    schedule,
     cu_seqlens,
     use_qk_l2norm,
 ):
@@ -147,6 +152,7 @@ def _batched(
     _checks.check_impl(fn, impl)
     if impl == "chunked":
         _checks.check_chunk_size(fn, chunk_size)
+        _checks.check_schedule(fn, schedule)
     batch, seq_len, heads, key_dim = q.shape
     v_heads, value_dim = v.shape[2], v.shape[3]
     scale = default_scale(key_dim) if scale is None else scale
@@ -171,7 +177,11 @@ def _batched(
 
     if impl == "chunked":
         one_head = functools.partial(
-            chunked_rule, chunk_size=chunk_size, layout=layout, rule=DELTA if delta else LINEAR
+            chunked_rule,
+            chunk_size=chunk_size,
+            layout=layout,
+            rule=DELTA if delta else LINEAR,
+            schedule=schedule,
         )
     else:
         resets = None if layout is None else layout.resets

@@ -3,21 +3,28 @@
 For chunks of ``C`` tokens, with ``g`` the summed log-decay from a chunk's start (Yang et
 al., 2025, Sec. 3.3; flash-linear-attention's ``chunk_gated_delta_rule`` has the same stages):
 
-1. Decays and WY factors, for all chunks at once (``decays.py``, ``wy.py``): the corrections
-   a chunk writes are ``U = u - w S^T`` for its start state ``S``.
-2. The state pass, the only scan, two state-sized matmuls per chunk:
+1. Decays and WY factors of every chunk (``decays.py``, ``wy.py``): the corrections a chunk
+   writes are ``U = u - w S^T`` for its start state ``S``.
+2. The state pass, a scan over chunks with every product that touches a state, two per chunk
+   (``w`` and the queries read the state together):
 
+       [w S^T; diag(exp(g)) Q S^T] = [w; diag(exp(g)) Q] S^T,
        U = u - w S^T,     S' = exp(g_C) S + U^T diag(exp(g_C - g)) K.
 
-3. The outputs of all chunks at once from their start states:
+3. The outputs of every chunk: ``Y = diag(exp(g)) Q S^T + (Q K^T * Gamma) U`` with
+   ``Gamma_ti = exp(g_t - g_i)`` for ``i <= t``.
 
-       Y = diag(exp(g)) Q S^T + (Q K^T * Gamma) U,     Gamma_ti = exp(g_t - g_i), i <= t.
+The backward is written by hand in the same stages. One reverse scan carries the state's
+cotangent, ``dS = exp(g_C) dS' + dY^T diag(exp(g)) Q - dU^T w`` with ``dU = (Q K^T *
+Gamma)^T dY + diag(exp(g_C - g)) K dS'^T``, and forms the products with each chunk's start
+state there (``dY S``, ``dw = -dU S``, ``U dS'``), so only token-sized arrays leave it; every
+input's gradient then follows chunk by chunk. Between the forward and the backward only the
+inputs and each chunk's start state are kept.
 
-The backward is written by hand in the same stages: the cotangents of ``U`` and of each
-chunk's end state come from one reverse scan over chunks, ``dU = (Q K^T * Gamma)^T dY +
-diag(exp(g_C - g)) K dS'^T`` and ``dS = exp(g_C) dS' + dY^T diag(exp(g)) Q - dU^T w``, and
-every input's gradient then follows for all chunks at once. Between the forward and the
-backward only the inputs and each chunk's start state are kept.
+Stages 1 and 3 and the gradients run either hoisted out of the scan and batched over all
+chunks (``"hoisted"``: only state-sized products inside the loop, the shape GPUs and TPUs
+need) or inside the scan, one chunk per step (``"in_scan"``: faster on CPU, where a chunk's
+intermediates then stay in cache). Both compose the same per-chunk functions.
 """
 
 from __future__ import annotations
@@ -81,17 +88,20 @@ def chunk_output(q, k, decays: ChunkDecays, corrections, y_start):
     return y_start + attn_CxC @ corrections
 
 
-def chunk_grads(rule: WriteRule, q, k, v, beta, decays, factors, d):
-    """Gradients of one chunk's q, k, v, beta and log_alpha from what the reverse state
-    pass returned, ``d = (dY, U, dU, dY S, dw, d(K diag(exp(g_C - g))), d exp(g_C))``."""
+def chunk_grads(rule: WriteRule, q, k, v, beta, decays, factors, qk, d):
+    """Gradients of one chunk's q, k, v, beta and log_alpha from ``q k^T`` and what the
+    reverse state pass returned, ``d = (dY, U, dU, dY S, dw, d(K diag(exp(g_C - g))),
+    d exp(g_C))``."""
     d_y, corrections, d_u, d_y_start, d_w, d_k_to_end, d_whole = d
     d_y_u = d_y @ corrections.T
     d_attn = d_y_u * decays.within
     grads = rule.factors_bwd(k, v, beta, decays, factors, d_w, d_u)
     d_q = d_y_start * decays.from_start[:, None] + d_attn @ k
     d_k = d_attn.T @ q + d_k_to_end * decays.to_end[:, None] + grads.k
+    if grads.gram is not None:
+        d_k = d_k + (grads.gram + grads.gram.T) @ k
     d_decays = ChunkDecays(
-        within=d_y_u * (q @ k.T) + grads.within,
+        within=d_y_u * qk + grads.within,
         from_start=(d_y_start * q).sum(1) + grads.from_start,
         to_end=(d_k_to_end * k).sum(1),
         whole=d_whole,
@@ -99,18 +109,47 @@ def chunk_grads(rule: WriteRule, q, k, v, beta, decays, factors, d):
     return d_q, d_k, grads.v, grads.beta, chunk_decays_bwd(decays, d_decays)
 
 
-def _prepare(rule, q, k, v, log_alpha, beta):
-    """Stage 1 for ``N`` chunks: decays, WY factors, and the keys and queries decayed to
-    the chunk's end and from its start."""
-    decays = over_chunks(chunk_decays)(log_alpha)
-    factors = over_chunks(rule.factors)(k, v, beta, decays)
-    k_to_end = k * decays.to_end[..., None]
-    q_from_start = q * decays.from_start[..., None]
-    return decays, factors, k_to_end, q_from_start
+def chunk_prepare(rule: WriteRule, q, k, v, log_alpha, beta):
+    """Stage 1 for one chunk: decays, WY factors, and the keys and queries decayed to the
+    chunk's end and from its start."""
+    decays = chunk_decays(log_alpha)
+    factors = rule.factors(k, v, beta, decays)
+    return decays, factors, k * decays.to_end[:, None], q * decays.from_start[:, None]
 
 
-def _staged_forward(rule, q, k, v, log_alpha, beta, initial_states, resets, *, keep_starts):
-    decays, (w, u, _), k_to_end, q_from_start = _prepare(rule, q, k, v, log_alpha, beta)
+def chunk_forward(rule: WriteRule, state, q, k, v, log_alpha, beta):
+    """All three stages for one chunk: ``(S, chunk inputs) -> (S', Y [C, V])``."""
+    decays, (w, u, _), k_to_end, q_from_start = chunk_prepare(rule, q, k, v, log_alpha, beta)
+    new_state, (corrections, y_start) = state_step(
+        state, w, u, k_to_end, decays.whole, q_from_start
+    )
+    corrections = u if w is None else corrections
+    return new_state, chunk_output(q, k, decays, corrections, y_start)
+
+
+def chunk_backward_inputs(rule: WriteRule, q, k, v, log_alpha, beta, d_y):
+    """What the reverse state pass needs of one chunk: stage 1 again, ``q k^T`` and the
+    cotangent of ``U`` from the chunk's own outputs, ``(Q K^T * Gamma)^T dY``."""
+    prepared = chunk_prepare(rule, q, k, v, log_alpha, beta)
+    qk = q @ k.T
+    return prepared, qk, (qk * prepared[0].within).T @ d_y
+
+
+def chunk_backward(rule: WriteRule, d_end, start, q, k, v, log_alpha, beta, d_y):
+    """The whole backward of one chunk: ``(dS', S, chunk inputs, dY) -> (dS, grads)``."""
+    prepared, qk, d_u_intra = chunk_backward_inputs(rule, q, k, v, log_alpha, beta, d_y)
+    decays, factors, k_to_end, q_from_start = prepared
+    w, u, _ = factors
+    d_start, outs = state_step_bwd(
+        d_end, start, w, u, k_to_end, decays.whole, q_from_start, d_u_intra, d_y
+    )
+    return d_start, chunk_grads(rule, q, k, v, beta, decays, factors, qk, (d_y, *outs))
+
+
+def _hoisted_forward(rule, inputs, initial_states, resets, *, keep_starts):
+    q, k = inputs[:2]
+    prepare = over_chunks(functools.partial(chunk_prepare, rule))
+    decays, (w, u, _), k_to_end, q_from_start = prepare(*inputs)
     blocks = (w, u, k_to_end, decays.whole, q_from_start)
     out = scan_blocks(state_step, blocks, initial_states, resets, keep_starts=keep_starts)
     (corrections, y_start), *starts, finals = out
@@ -119,36 +158,74 @@ def _staged_forward(rule, q, k, v, log_alpha, beta, initial_states, resets, *, k
     return ys, finals, starts
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def chunked_core(rule, q, k, v, log_alpha, beta, initial_states, resets):
-    """The staged chunked form for one head: q, k ``[N, C, K]`` (q pre-scaled), v ``[N, C,
-    V]``, gates ``[N, C]``, ``initial_states [M, V, K]``, ``resets`` as in
-    ``blocks.scan_blocks``; ``rule`` is ``wy.DELTA`` or ``wy.LINEAR``.
+def _hoisted_backward(rule, inputs, starts, resets, d_ys, d_finals):
+    q, k, v, _, beta = inputs
+    backward_inputs = over_chunks(functools.partial(chunk_backward_inputs, rule))
+    prepared, qk, d_u_intra = backward_inputs(*inputs, d_ys)
+    decays, factors, k_to_end, q_from_start = prepared
+    w, u, _ = factors
+    xs = (starts, w, u, k_to_end, decays.whole, q_from_start, d_u_intra, d_ys)
+    outs, d_initial = scan_blocks_backward(state_step_bwd, xs, d_finals, resets)
+    grads = over_chunks(functools.partial(chunk_grads, rule))(
+        q, k, v, beta, decays, factors, qk, (d_ys, *outs)
+    )
+    return grads, d_initial
+
+
+def _in_scan_forward(rule, inputs, initial_states, resets, *, keep_starts):
+    step = functools.partial(chunk_forward, rule)
+    ys, *starts, finals = scan_blocks(step, inputs, initial_states, resets, keep_starts=keep_starts)
+    return ys, finals, starts
+
+
+def _in_scan_backward(rule, inputs, starts, resets, d_ys, d_finals):
+    step = functools.partial(chunk_backward, rule)
+    return scan_blocks_backward(step, (starts, *inputs, d_ys), d_finals, resets)
+
+
+# Where each chunk's own work runs: hoisted out of the scan over chunks and batched over all
+# chunks (the accelerator shape: only state-sized products inside the loop), or inside the
+# scan, chunk by chunk, which keeps a chunk's intermediates in cache on CPU.
+SCHEDULES = {
+    "hoisted": (_hoisted_forward, _hoisted_backward),
+    "in_scan": (_in_scan_forward, _in_scan_backward),
+}
+
+
+def resolve_schedule(schedule: str) -> str:
+    """``"auto"`` is ``"in_scan"`` on CPU, where it measured faster (docs/benchmarks.md), and
+    ``"hoisted"`` on every other backend."""
+    if schedule != "auto":
+        return schedule
+    return "in_scan" if jax.default_backend() == "cpu" else "hoisted"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def chunked_core(rule, schedule, q, k, v, log_alpha, beta, initial_states, resets):
+    """The chunked form for one head: q, k ``[N, C, K]`` (q pre-scaled), v ``[N, C, V]``,
+    gates ``[N, C]``, ``initial_states [M, V, K]``, ``resets`` as in ``blocks.scan_blocks``;
+    ``rule`` is ``wy.DELTA`` or ``wy.LINEAR``, ``schedule`` a key of ``SCHEDULES``.
 
     Returns ``(y [N, C, V], finals [M, V, K])``.
     """
-    args = (rule, q, k, v, log_alpha, beta, initial_states, resets)
-    ys, finals, _ = _staged_forward(*args, keep_starts=False)
+    forward, _ = SCHEDULES[schedule]
+    inputs = (q, k, v, log_alpha, beta)
+    ys, finals, _ = forward(rule, inputs, initial_states, resets, keep_starts=False)
     return ys, finals
 
 
-def _chunked_core_fwd(rule, q, k, v, log_alpha, beta, initial_states, resets):
-    args = (rule, q, k, v, log_alpha, beta, initial_states, resets)
-    ys, finals, (starts,) = _staged_forward(*args, keep_starts=True)
-    return (ys, finals), (q, k, v, log_alpha, beta, starts, resets)
+def _chunked_core_fwd(rule, schedule, q, k, v, log_alpha, beta, initial_states, resets):
+    forward, _ = SCHEDULES[schedule]
+    inputs = (q, k, v, log_alpha, beta)
+    ys, finals, (starts,) = forward(rule, inputs, initial_states, resets, keep_starts=True)
+    return (ys, finals), (inputs, starts, resets)
 
 
-def _chunked_core_bwd(rule, residuals, cotangents):
-    q, k, v, log_alpha, beta, starts, resets = residuals
-    d_ys, d_finals = cotangents
-    decays, factors, k_to_end, q_from_start = _prepare(rule, q, k, v, log_alpha, beta)
-    w, u, _ = factors
-    attn = jnp.einsum("nck,nik->nci", q, k) * decays.within
-    d_u_intra = jnp.einsum("nci,ncv->niv", attn, d_ys)
-    xs = (starts, w, u, k_to_end, decays.whole, q_from_start, d_u_intra, d_ys)
-    outs, d_initial = scan_blocks_backward(state_step_bwd, xs, d_finals, resets)
-    d_q, d_k, d_v, d_beta, d_log_alpha = over_chunks(functools.partial(chunk_grads, rule))(
-        q, k, v, beta, decays, factors, (d_ys, *outs)
+def _chunked_core_bwd(rule, schedule, residuals, cotangents):
+    _, backward = SCHEDULES[schedule]
+    inputs, starts, resets = residuals
+    (d_q, d_k, d_v, d_beta, d_log_alpha), d_initial = backward(
+        rule, inputs, starts, resets, *cotangents
     )
     return d_q, d_k, d_v, d_log_alpha, d_beta, d_initial, None
 
@@ -156,8 +233,20 @@ def _chunked_core_bwd(rule, residuals, cotangents):
 chunked_core.defvjp(_chunked_core_fwd, _chunked_core_bwd)
 
 
-def chunked_rule(q, k, v, log_alpha, beta, initial_states, *, chunk_size, layout=None, rule=DELTA):
-    """Chunk the tokens, run ``chunked_core`` with ``rule``, unchunk.
+def chunked_rule(
+    q,
+    k,
+    v,
+    log_alpha,
+    beta,
+    initial_states,
+    *,
+    chunk_size,
+    layout=None,
+    rule=DELTA,
+    schedule="auto",
+):
+    """Chunk the tokens, run ``chunked_core`` with ``rule`` and ``schedule``, unchunk.
 
     Arrays are in the compute dtype and ``q`` is pre-scaled: q, k ``[T, K]``, v ``[T, V]``,
     gates ``[T]``, ``initial_states [M, V, K]``. Without ``layout`` the tail is padded with
@@ -188,9 +277,9 @@ def chunked_rule(q, k, v, log_alpha, beta, initial_states, *, chunk_size, layout
             return layout.gather(y.reshape(-1, y.shape[-1]))
 
         resets = layout.resets
-    ys, finals = chunked_core(
-        rule, *(to_chunks(x) for x in (q, k, v, log_alpha, beta)), initial_states, resets
-    )
+    schedule = resolve_schedule(schedule)
+    chunks = (to_chunks(x) for x in (q, k, v, log_alpha, beta))
+    ys, finals = chunked_core(rule, schedule, *chunks, initial_states, resets)
     return from_chunks(ys), finals
 
 
@@ -204,6 +293,7 @@ def gated_delta_rule_chunked(
     scale: float | None = None,
     initial_state: Float[Array, "V K"] | None = None,
     chunk_size: int = 64,
+    schedule: str = "auto",
 ) -> tuple[Float[Array, "T V"], Float[Array, "V K"]]:
     """One head, one sequence, chunkwise; the same contract as ``gated_delta_rule_recurrent``.
 
@@ -218,6 +308,11 @@ def gated_delta_rule_chunked(
       scale: query scale; ``None`` means ``K ** -0.5``.
       initial_state: ``[V, K]`` or ``None`` (zeros).
       chunk_size: ``C``, one of 16, 32, 64, 128.
+      schedule: where each chunk's own work runs. ``"hoisted"`` batches it over all chunks
+        outside the sequential scan, which then holds only state-sized products (the shape
+        accelerators need); ``"in_scan"`` runs it chunk by chunk inside the scan, which keeps
+        a chunk's intermediates in cache on CPU; ``"auto"`` is ``"in_scan"`` on CPU and
+        ``"hoisted"`` elsewhere. Both compute the same function and gradients.
 
     Returns:
       ``(y [T, V], final_state [V, K])``: ``y`` in the input dtype, the state in float32
@@ -226,6 +321,7 @@ def gated_delta_rule_chunked(
     fn = "gated_delta_rule_chunked"
     _checks.check_single_head(fn, q, k, v, log_alpha, beta, initial_state)
     _checks.check_chunk_size(fn, chunk_size)
+    _checks.check_schedule(fn, schedule)
     inputs = core_inputs(q, k, v, log_alpha, beta, initial_state, scale)
-    y, finals = chunked_rule(*inputs, chunk_size=chunk_size)
+    y, finals = chunked_rule(*inputs, chunk_size=chunk_size, schedule=schedule)
     return y.astype(v.dtype), finals[0]

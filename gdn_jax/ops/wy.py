@@ -28,9 +28,11 @@ from gdn_jax.ops.triangular import unit_lower_inverse
 
 
 class FactorGrads(NamedTuple):
-    """Cotangents from the WY factors of one chunk."""
+    """Cotangents from the WY factors of one chunk. ``gram`` is that of ``k k^T`` (``None``
+    without the delta correction), left for the caller to fold into its own ``dk`` product."""
 
     k: Float[Array, "C K"]
+    gram: Float[Array, "C C"] | None
     v: Float[Array, "C V"]
     beta: Float[Array, " C"]
     within: Float[Array, "C C"]
@@ -38,27 +40,30 @@ class FactorGrads(NamedTuple):
 
 
 def delta_factors(k, v, beta, decays: ChunkDecays):
-    """``(w [C, K], u [C, V], T [C, C])`` for k ``[C, K]``, v ``[C, V]``, beta ``[C]``."""
+    """``(w [C, K], u [C, V], (T, k k^T) [C, C])`` for k ``[C, K]``, v ``[C, V]``, beta
+    ``[C]``; ``w`` and ``u`` come from one product of ``T`` with ``[k | v]``."""
+    key_dim = k.shape[1]
+    gram = k @ k.T
+    inverse = unit_lower_inverse(jnp.tril(beta[:, None] * gram * decays.within, -1))
     k_beta = k * (beta * decays.from_start)[:, None]
-    strict = jnp.tril(beta[:, None] * (k @ k.T) * decays.within, -1)
-    inverse = unit_lower_inverse(strict)
-    return inverse @ k_beta, inverse @ (v * beta[:, None]), inverse
+    w, u = jnp.split(inverse @ jnp.concatenate([k_beta, v * beta[:, None]], 1), [key_dim], 1)
+    return w, u, (inverse, gram)
 
 
 def delta_factors_bwd(k, v, beta, decays: ChunkDecays, factors, d_w, d_u) -> FactorGrads:
-    w, u, inverse = factors
-    d_k_beta = inverse.T @ d_w
-    d_v_beta = inverse.T @ d_u
-    d_strict = -jnp.tril(d_v_beta @ u.T + d_k_beta @ w.T, -1)
-    k_gram = k @ k.T
+    w, u, (inverse, gram) = factors
+    key_dim = k.shape[1]
+    d_kv_beta = inverse.T @ jnp.concatenate([d_w, d_u], 1)
+    d_strict = -jnp.tril(d_kv_beta @ jnp.concatenate([w, u], 1).T, -1)
+    d_k_beta, d_v_beta = jnp.split(d_kv_beta, [key_dim], 1)
     d_decayed = d_strict * decays.within  # cotangent of beta_t * (k k^T)_ti
-    d_gram = d_decayed * beta[:, None]
     d_k_proj = (d_k_beta * k).sum(1)
     return FactorGrads(
-        k=d_k_beta * (beta * decays.from_start)[:, None] + (d_gram + d_gram.T) @ k,
+        k=d_k_beta * (beta * decays.from_start)[:, None],
+        gram=d_decayed * beta[:, None],
         v=d_v_beta * beta[:, None],
-        beta=(d_v_beta * v).sum(1) + decays.from_start * d_k_proj + (d_decayed * k_gram).sum(1),
-        within=d_strict * beta[:, None] * k_gram,
+        beta=(d_v_beta * v).sum(1) + decays.from_start * d_k_proj + (d_decayed * gram).sum(1),
+        within=d_strict * beta[:, None] * gram,
         from_start=beta * d_k_proj,
     )
 
@@ -74,6 +79,7 @@ def linear_factors_bwd(k, v, beta, decays: ChunkDecays, factors, d_w, d_u) -> Fa
     zero = jnp.zeros_like(beta)
     return FactorGrads(
         k=jnp.zeros_like(k),
+        gram=None,
         v=d_u * beta[:, None],
         beta=(d_u * v).sum(1),
         within=jnp.zeros_like(decays.within),
