@@ -16,6 +16,7 @@ import jax
 
 from gdn_jax.training.config import load_config
 from gdn_jax.training.loop import NonFiniteLossError, run
+from gdn_jax.training.xla_flags import add_cpu_flags
 
 DEFAULT_CONFIG = "configs/mqar_gdn.yaml"
 
@@ -29,6 +30,7 @@ def main(argv=None) -> int:
     )  # fmt: skip
     parser.add_argument("--resume", action="store_true", help="continue the run in out_dir")
     args = parser.parse_args(argv)
+    add_cpu_flags()  # before the first JAX computation starts the backend
     try:
         config = load_config(args.config, args.overrides)
     except (ValueError, OSError) as error:

@@ -5,6 +5,9 @@
     python benchmarks/bench_ops.py --shape mqar --seq-lens 256 --chunk-sizes 16 32 64 \\
         --baseline 6fca74a --no-recurrent                        # before/after, one run
 
+``--schedules`` picks the chunked schedules to time (``in_scan``, ``hoisted``, ``auto``);
+``--xla-defaults`` leaves out the XLA options of ``gdn_jax.training.xla_flags``.
+
 For each impl and T it prints the forward and forward+backward wall time (best of --repeats
 after a warm-up call; the gradient is that of ``sum(y ** 2)`` with respect to every input),
 the compiled programs' temp memory (``memory_analysis().temp_size_in_bytes``), and for the
@@ -26,6 +29,7 @@ import numpy as np
 from revision import import_revision
 
 import gdn_jax
+from gdn_jax.training.xla_flags import add_cpu_flags
 
 # (B, H, K, V): the long-sequence shape of the issue and the MQAR training shape.
 SHAPES = {"long": (1, 8, 128, 128), "mqar": (32, 2, 32, 32)}
@@ -69,9 +73,13 @@ def inputs(shape, seq_len):
     return tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v, log_alpha, beta))
 
 
-def programs(package, impl, chunk):
+def programs(package, impl, chunk, schedule):
+    options = dict(impl=impl, chunk_size=chunk)
+    if schedule is not None:  # a baseline revision may predate schedules
+        options.update(schedule=schedule)
+
     def forward(*args):
-        return package.gated_delta_rule(*args, impl=impl, chunk_size=chunk)[0]
+        return package.gated_delta_rule(*args, **options)[0]
 
     def loss(*args):
         return jnp.sum(forward(*args) ** 2)
@@ -85,6 +93,7 @@ def main():
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[64])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--schedules", nargs="+", default=["in_scan", "hoisted"])
     parser.add_argument("--baseline", help="git revision whose chunked form to time as well")
     parser.add_argument("--no-recurrent", action="store_true", help="skip the recurrent form")
     parser.add_argument(
@@ -93,7 +102,12 @@ def main():
         default=12.0,
         help="compile but do not run programs whose temp memory exceeds this",
     )
+    parser.add_argument(
+        "--xla-defaults", action="store_true", help="leave out training.xla_flags.CPU_FLAGS"
+    )
     args = parser.parse_args()
+    if not args.xla_defaults:
+        add_cpu_flags()  # before the first JAX computation starts the backend
     shape = SHAPES[args.shape]
 
     size = 2048
@@ -110,17 +124,17 @@ def main():
     )
     print("|---|---|---|---|---|---|---|---|")
 
-    runs = [] if args.no_recurrent else [("recurrent", gdn_jax, "recurrent", 64)]
+    runs = [] if args.no_recurrent else [("recurrent", gdn_jax, "recurrent", 64, None)]
     for chunk in args.chunk_sizes:
         if args.baseline:
-            runs.append(
-                (f"chunked@{args.baseline}", import_revision(args.baseline), "chunked", chunk)
-            )
-        runs.append(("chunked", gdn_jax, "chunked", chunk))
+            baseline = import_revision(args.baseline)
+            runs.append((f"chunked@{args.baseline}", baseline, "chunked", chunk, None))
+        for schedule in args.schedules:
+            runs.append((f"chunked {schedule}", gdn_jax, "chunked", chunk, schedule))
     for seq_len in args.seq_lens:
         data = inputs(shape, seq_len)
-        for label, package, impl, chunk in runs:
-            forward, grad = programs(package, impl, chunk)
+        for label, package, impl, chunk, schedule in runs:
+            forward, grad = programs(package, impl, chunk, schedule)
             fwd_mb, grad_mb = temp_mb(forward, data), temp_mb(grad, data)
             fwd_ms = best_ms(forward, data, args.repeats)
             if grad_mb / 1024 <= args.max_temp_gb:

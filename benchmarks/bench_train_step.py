@@ -21,6 +21,7 @@ from flax import nnx
 from revision import import_revision
 
 import gdn_jax
+from gdn_jax.training.xla_flags import add_cpu_flags
 
 
 def step_program(package, config_path, chunk_size):
@@ -51,7 +52,12 @@ def main():
     parser.add_argument("--baseline", default="HEAD", help="git revision to compare with")
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[32])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--xla-defaults", action="store_true", help="leave out training.xla_flags.CPU_FLAGS"
+    )
     args = parser.parse_args()
+    if not args.xla_defaults:
+        add_cpu_flags()  # before the first JAX computation starts the backend
     packages = {"now": gdn_jax, args.baseline: import_revision(args.baseline)}
     for package in packages.values():  # the submodules the step needs
         for module in ("models", "data.mqar", "training.config", "training.optim", "training.step"):

@@ -1,0 +1,26 @@
+"""XLA options that ``train.py`` and the benchmarks set for their own process.
+
+A library cannot set these for its users: XLA reads ``XLA_FLAGS`` once, when JAX starts its
+backend. Each flag here earned its place with a figure in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+# XLA:CPU hands dots to YNNPACK either way; by default it also sends elementwise and reduce
+# fusions there, which on the small per-chunk arrays of the chunked op ran slower than
+# XLA's own loops (MQAR op forward+backward 39-42 ms -> 31-33 ms, training step ~214 ->
+# ~191 ms). Ignored off CPU.
+CPU_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
+
+def add_cpu_flags(environ: MutableMapping[str, str] = os.environ) -> str:
+    """Append ``CPU_FLAGS`` to ``environ["XLA_FLAGS"]``, keeping any value the user already
+    gave for the same flag; call before the first JAX computation. Returns the new value."""
+    flags = environ.get("XLA_FLAGS", "").split()
+    given = {flag.lstrip("-").split("=")[0] for flag in flags}
+    flags += [f"--{name}={value}" for name, value in CPU_FLAGS.items() if name not in given]
+    environ["XLA_FLAGS"] = " ".join(flags)
+    return environ["XLA_FLAGS"]
