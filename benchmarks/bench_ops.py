@@ -1,6 +1,6 @@
 """Time and memory of the recurrent and chunked gated delta rule.
 
-    python benchmarks/bench_ops.py                               # the table in docs/benchmarks.md
+    python benchmarks/bench_ops.py --baseline 6fca74a            # the table in docs/benchmarks.md
     python benchmarks/bench_ops.py --seq-lens 4096 --chunk-sizes 16 32 64 128
     python benchmarks/bench_ops.py --shape mqar --seq-lens 256 --chunk-sizes 16 32 64 \\
         --baseline 6fca74a --no-recurrent                        # before/after, one run

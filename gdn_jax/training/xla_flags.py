@@ -11,8 +11,8 @@ from collections.abc import MutableMapping
 
 # XLA:CPU hands dots to YNNPACK either way; by default it also sends elementwise and reduce
 # fusions there, which on the small per-chunk arrays of the chunked op ran slower than
-# XLA's own loops (MQAR op forward+backward 39-42 ms -> 31-33 ms, training step ~214 ->
-# ~191 ms). Ignored off CPU.
+# XLA's own loops (MQAR-shape op forward+backward 43.2 -> 34.9 ms, training step 226 ->
+# 191 ms). Ignored off CPU.
 CPU_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 
