@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gdn_jax.data.mqar import make_mqar
+from gdn_jax.data.mqar import make_batch, make_mqar
 from gdn_jax.models import LanguageModel
 from gdn_jax.training.config import load_config
 from gdn_jax.training.optim import learning_rate_schedule, make_optimizer
-from gdn_jax.training.step import TrainState, make_batch, make_train_step
+from gdn_jax.training.step import TrainState, make_train_step
 
 
 def main():

@@ -35,7 +35,9 @@ def step_program(package, config_path, chunk_size):
     examples = package.data.mqar.make_mqar(
         config.data, num_examples=config.train.batch_size, seed=0
     )
-    batch = step_module.make_batch(*examples)
+    # make_batch moved from training.step to data.mqar; a baseline may predate the move.
+    make_batch = getattr(package.data.mqar, "make_batch", None) or step_module.make_batch
+    batch = make_batch(*examples)
     step = step_module.make_train_step(
         graphdef,
         optimizer,

@@ -2,7 +2,7 @@
 
     python -m gdn_jax.sweep --out docs/sweep --jobs 2
 
-Each run is ``train.py``'s loop on a config derived from ``--config``; its best held-out
+Each run is the training command (``gdn_jax.training.cli``) on a config derived from ``--config``; its best held-out
 accuracy is appended to ``<out>/results.jsonl`` as soon as it ends, so an interrupted sweep
 resumes where it stopped. At the end ``<out>/table.md`` holds, per cell, the best accuracy
 over the learning rates, and ``<out>/accuracy.png`` plots it. Recall results of recurrent
@@ -22,7 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from gdn_jax.models.config import MIXERS
+from gdn_jax.training.cli import DEFAULT_CONFIG, resolve_config
 from gdn_jax.training.config import load_config
+from gdn_jax.training.metrics_log import MetricsLog
+from gdn_jax.training.run_dir import METRICS
 
 
 def cell_overrides(mixer, kv_pairs, d_model, lr, *, layers, steps, run_dir):
@@ -37,17 +40,6 @@ def cell_overrides(mixer, kv_pairs, d_model, lr, *, layers, steps, run_dir):
     ]
 
 
-def best_eval(run_dir: Path) -> tuple[float, int]:
-    """Best held-out accuracy of a finished run and the step it was reached at."""
-    evals = [
-        json.loads(line)
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-        if json.loads(line)["kind"] == "eval"
-    ]
-    best = max(evals, key=lambda r: r["accuracy"])
-    return best["accuracy"], best["step"]
-
-
 def run_cell(args, cell, results_path: Path, threads_per_job: int):
     mixer, kv_pairs, d_model, lr = cell
     name = f"{mixer}_kv{kv_pairs}_d{d_model}_lr{lr:g}"
@@ -60,7 +52,9 @@ def run_cell(args, cell, results_path: Path, threads_per_job: int):
         env["XLA_FLAGS"] = (
             env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
         ).strip()
-    command = [sys.executable, "train.py", "--config", args.config]
+    # The training command itself, in a process of its own (one core per job); --overwrite
+    # because a cell missing from results.jsonl is restarted from its first step.
+    command = [sys.executable, "-m", "gdn_jax.training.cli", "--config", args.config, "--overwrite"]
     for item in (*overrides, *args.set):
         command += ["--set", item]
     began = time.perf_counter()
@@ -68,7 +62,8 @@ def run_cell(args, cell, results_path: Path, threads_per_job: int):
     record = dict(mixer=mixer, kv_pairs=kv_pairs, d_model=d_model, learning_rate=lr)
     record["wall_s"] = round(time.perf_counter() - began, 1)
     if result.returncode == 0:
-        record["accuracy"], record["best_step"] = best_eval(run_dir)
+        best = MetricsLog(run_dir / METRICS).best_eval()
+        record["accuracy"], record["best_step"] = best["accuracy"], best["step"]
     else:  # e.g. a diverged run (NaN loss): it counts as not solving the cell
         record["accuracy"], record["error"] = 0.0, result.stderr.strip().splitlines()[-1:]
     with results_path.open("a") as f:
@@ -127,7 +122,7 @@ def summarise(results_path: Path, out: Path, command: str) -> None:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default="configs/mqar_gdn.yaml", help="base config")
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="base config (path or name)")
     parser.add_argument("--mixers", nargs="+", default=list(MIXERS), choices=MIXERS)
     parser.add_argument("--kv-pairs", nargs="+", type=int, default=[16, 32, 64])
     parser.add_argument("--d-models", nargs="+", type=int, default=[64])
@@ -157,7 +152,7 @@ def main(argv=None):
         if (mixer, kv_pairs, d_model, lr) not in done
     ]
     for mixer, kv_pairs, d_model, lr in cells:  # fail on a bad cell before running any
-        load_config(args.config, [*cell_overrides(
+        load_config(resolve_config(args.config), [*cell_overrides(
             mixer, kv_pairs, d_model, lr, layers=args.layers, steps=args.steps, run_dir="x"
         ), *args.set])  # fmt: skip
     threads = 1 if args.jobs > 1 else 0

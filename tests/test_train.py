@@ -1,7 +1,6 @@
 """train.py and the training loop: configs, loss paths, resume, NaN stop, data parallelism."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,13 +14,14 @@ import pytest
 from flax import nnx
 from tolerance import assert_close
 
-from gdn_jax.data.mqar import MQARConfig, make_mqar
+from gdn_jax.data.mqar import MQARConfig, make_batch, make_mqar
 from gdn_jax.layers import NoWeightDecay
 from gdn_jax.models import LanguageModel, ModelConfig
 from gdn_jax.training.config import Config, TrainConfig, load_config
 from gdn_jax.training.loop import NonFiniteLossError, run
 from gdn_jax.training.optim import weight_decay_mask
-from gdn_jax.training.step import loss_and_accuracy, make_batch
+from gdn_jax.training.run_dir import RunError
+from gdn_jax.training.step import loss_and_accuracy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -128,9 +128,13 @@ def test_short_run_learns_writes_its_outputs_and_a_rerun_replaces_them(tmp_path)
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert (tmp_path / "config.yaml").exists()
 
-    # A fresh run in the same out_dir replaces the earlier run's checkpoints and metrics, or a
-    # later --resume would restore the wrong run.
-    assert run(tiny(tmp_path, "train.steps=6", "train.seed=1"))["final_step"] == 6
+    # A fresh run into the same out_dir refuses and leaves the earlier run as it was; with
+    # overwrite it replaces it, or a later --resume would restore the wrong run.
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(RunError, match=r"holds an earlier run \(config.yaml, metrics.jsonl"):
+        run(tiny(tmp_path, "train.steps=6", "train.seed=1"))
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert run(tiny(tmp_path, "train.steps=6", "train.seed=1"), overwrite=True)["final_step"] == 6
     steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert steps[-1] <= 6, f"checkpoints of the earlier run survived: {steps}"
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -152,20 +156,6 @@ RUN_IN_SUBPROCESS = textwrap.dedent(
                          callbacks=[kill_at_10] if kill else [])))
     """
 )
-
-
-@pytest.fixture(scope="session")
-def subprocess_env(tmp_path_factory):
-    """Environment for the subprocess runs: they compile the same tiny programs again and
-    again, so they share a persistent compilation cache (about 25 s of compiling becomes 2 s
-    of loading). The cache is keyed by the program, so a hit runs the identical executable."""
-    cache = tmp_path_factory.getbasetemp().parent / "jax-compilation-cache"  # all xdist workers
-    return dict(
-        os.environ,
-        JAX_COMPILATION_CACHE_DIR=str(cache),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
-    )
 
 
 def train_subprocess(out_dir, env, *, resume=False, kill=False):
@@ -190,9 +180,8 @@ def test_killed_run_resumes_bit_for_bit(tmp_path, subprocess_env):
     resumed = train_subprocess(tmp_path / "killed", subprocess_env, resume=True)
     assert resumed.returncode == 0, resumed.stderr
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
-    # Checkpoints are saved asynchronously: the kill may have caught step 8's save unfinished,
-    # and restore then takes step 4, the latest complete one.
-    assert summary["start_step"] in (4, 8) and summary["final_step"] == 12
+    # The loop waits for each save, so step 8's checkpoint was complete before the kill.
+    assert summary["start_step"] == 8 and summary["final_step"] == 12
 
     def logged(run):  # every logged number of every step, wall-clock rates aside
         lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
@@ -212,7 +201,8 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     )
     with pytest.raises(
         NonFiniteLossError,
-        match=r"loss is (nan|inf) at step \d+; stopping\. The last good checkpoint is step",
+        match=r"loss is (nan|inf) at step \d+; (the last good checkpoint is step \d+ in |no "
+        r"checkpoint was saved yet)",
     ):
         run(config)
     steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())

@@ -273,3 +273,15 @@ def mqar_accuracy(predictions: np.ndarray, labels: np.ndarray) -> float:
     if scored.size == 0:
         raise ValueError(f"labels.shape={np.shape(labels)} has no supervised position to score")
     return float(scored.mean())
+
+
+def make_batch(inputs: np.ndarray, labels: np.ndarray) -> dict:
+    """Host-side batch: ``inputs``, ``labels [B, T]`` plus the labelled ``positions`` and their
+    ``targets`` ``[B, n]`` (MQAR labels the same number of positions in every example)."""
+    rows, cols = np.nonzero(labels != IGNORE_INDEX)
+    per_row = np.bincount(rows, minlength=labels.shape[0])
+    if per_row.min() != per_row.max():
+        raise ValueError(f"every example needs as many labels; got counts {sorted(set(per_row))}")
+    positions = cols.reshape(labels.shape[0], -1).astype(np.int32)
+    targets = np.take_along_axis(labels, positions, axis=1)
+    return dict(inputs=inputs, labels=labels, positions=positions, targets=targets)

@@ -7,6 +7,7 @@ at start-up, so a typo fails before anything compiles, with the dotted name in t
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -67,9 +68,16 @@ class Config:
     train: TrainConfig = TrainConfig()
 
     def validate(self) -> Config:
+        for section in ("model", "data", "train"):
+            for field in dataclasses.fields(getattr(self, section)):
+                value = getattr(getattr(self, section), field.name)
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise ValueError(f"{section}.{field.name}={value} must be finite")
         self.model.validate()
         self.data.validate()
         t = self.train
+        if not 0 <= t.seed < 2**32:
+            raise ValueError(f"train.seed={t.seed} must be in [0, 2**32)")
         positive = ("steps", "batch_size", "eval_every", "eval_examples", "checkpoint_every")
         for field in (*positive, "keep_checkpoints"):
             if getattr(t, field) < 1:
@@ -153,15 +161,26 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     parsed as YAML: ``64``, ``3e-3``, ``[gdn, attention]``, ``null``), check everything."""
     data = {}
     if path is not None:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = _parse_yaml(Path(path).read_text(), str(path)) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: the top level must be a mapping of model/data/train")
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--set {item!r} must look like section.field=value")
-        _set(data, key.strip(), yaml.safe_load(raw))
+        _set(data, key.strip(), _parse_yaml(raw, f"--set {item!r}"))
     return from_dict(Config, data).validate()
+
+
+def _parse_yaml(text: str, where: str):
+    """``yaml.safe_load``, with a malformed document reported on one line with its place."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        place = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ValueError(f"{where}: malformed YAML{place}: {problem}") from None
 
 
 def to_dict(config: Config) -> dict:

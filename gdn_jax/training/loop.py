@@ -1,31 +1,55 @@
-"""The MQAR training run: data stream, sharded jitted steps, evaluation, checkpoints, logs."""
+"""The MQAR training run: data stream, sharded jitted steps, evaluation, checkpoints, logs.
+
+``run`` reads as the story of a run: check everything, claim the run directory, build the
+state, restore or start, then the step loop. Nothing is written before every check has
+passed, and a run directory belongs to one run (``run_dir.py``).
+"""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
+import signal
+import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-import yaml
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from gdn_jax.data.mqar import make_mqar, split_seeds
+from gdn_jax.data.mqar import make_batch, make_mqar, split_seeds
 from gdn_jax.models import LanguageModel
+from gdn_jax.training import run_dir
 from gdn_jax.training.config import Config, to_dict
+from gdn_jax.training.metrics_log import MetricsLog
 from gdn_jax.training.optim import learning_rate_schedule, make_optimizer
-from gdn_jax.training.step import TrainState, make_batch, make_eval_step, make_train_step
+from gdn_jax.training.run_dir import RunError
+from gdn_jax.training.step import TrainState, make_eval_step, make_train_step
 
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or Inf; the last good checkpoint is kept."""
+
+
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (a full disk, say); the earlier ones are kept."""
+
+
+class Interrupted(RuntimeError):
+    """SIGINT or SIGTERM stopped the run after a checkpoint at the current step."""
+
+    def __init__(self, signum: int, step: int, out_dir: Path):
+        self.signum, self.step, self.out_dir = signum, step, out_dir
+        name = signal.Signals(signum).name
+        super().__init__(f"{name} at step {step}; checkpoint saved in {out_dir}")
 
 
 def batch_seed(train_seed: int, step: int) -> int:
@@ -34,30 +58,14 @@ def batch_seed(train_seed: int, step: int) -> int:
     return int(np.random.SeedSequence([train_seed, step]).generate_state(1)[0])
 
 
-def _append_jsonl(path: Path, record: dict) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def _truncate_jsonl(path: Path, last_step: int) -> None:
-    """Drop records after ``last_step``: a resumed run rewrites them."""
-    if path.exists():
-        kept = [
-            line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step
-        ]
-        path.write_text("".join(line + "\n" for line in kept))
-
-
-def plot_metrics(metrics_path: Path, out_path: Path) -> None:
+def plot_metrics(log: MetricsLog, out_path: Path) -> None:
     """Training loss, training and held-out accuracy against step, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
-    train = [r for r in records if r["kind"] == "train"]
-    evals = [r for r in records if r["kind"] == "eval"]
+    train, evals = log.read("train"), log.read("eval")
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.5))
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], lw=0.8)
     ax_loss.set(xlabel="step", ylabel="train loss", yscale="log")
@@ -70,57 +78,97 @@ def plot_metrics(metrics_path: Path, out_path: Path) -> None:
     plt.close(fig)
 
 
-def run(config: Config, *, resume: bool = False, callbacks=()) -> dict:
-    """Train ``config`` and return a summary (final step, held-out accuracy, wall time).
-
-    Args:
-      config: a validated ``Config``.
-      resume: continue from the latest checkpoint in ``config.train.out_dir``.
-      callbacks: functions ``callback(step, metrics)`` called after every step with the
-        host-side metrics (a dict of floats).
-
-    Raises:
-      NonFiniteLossError: when a step's loss is NaN or Inf; no checkpoint is written after
-        the last finite step.
-    """
-    train = config.train
-    out_dir = Path(train.out_dir).absolute()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-    metrics_path = out_dir / "metrics.jsonl"
-
+def check_devices(config: Config) -> list:
+    """The devices to run on; the batch must split evenly over them."""
     devices = jax.devices()
-    if train.batch_size % len(devices):
-        raise ValueError(
-            f"train.batch_size={train.batch_size} must divide by the {len(devices)} devices"
+    if config.train.batch_size % len(devices):
+        raise RunError(
+            f"train.batch_size={config.train.batch_size} does not divide over the "
+            f"{len(devices)} devices ({devices[0].device_kind})"
         )
+    return devices
+
+
+def claim_run_dir(config: Config, *, resume: bool, overwrite: bool) -> run_dir.RunLock:
+    """Check ``out_dir`` against ``resume``/``overwrite`` and lock it; returns the held lock.
+
+    Raises ``RunError`` before anything is written when the run must not start. With
+    ``overwrite`` the earlier run's files are deleted (and named on stderr).
+    """
+    if resume and overwrite:
+        raise RunError("--resume and --overwrite contradict each other; choose one")
+    out_dir = Path(config.train.out_dir).absolute()
+    run_dir.check_writable(out_dir)
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = run_dir.RunLock(out_dir)
+    try:
+        lock.__enter__()
+    except RunError:
+        if created:
+            out_dir.rmdir()
+        raise
+    try:
+        _check_run_dir(config, out_dir, resume=resume, overwrite=overwrite)
+    except BaseException:
+        lock.__exit__(None, None, None)
+        if created:
+            out_dir.rmdir()
+        raise
+    if lock.took_over:
+        print(f"took over the stale lock of a run that died in {out_dir}", file=sys.stderr)
+    return lock
+
+
+def _check_run_dir(config: Config, out_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    earlier = run_dir.earlier_run(out_dir)
+    if not resume:
+        if earlier and not overwrite:
+            raise RunError(
+                f"{out_dir} holds an earlier run ({', '.join(earlier)}); continue it with "
+                "--resume or delete it with --overwrite"
+            )
+        if earlier:
+            print(f"--overwrite: deleted {', '.join(run_dir.clear(out_dir))} in {out_dir}",
+                  file=sys.stderr)  # fmt: skip
+        return
+    if not any(name.startswith(run_dir.CHECKPOINTS) for name in earlier):
+        raise RunError(f"--resume: {out_dir} has no checkpoint to resume; start without --resume")
+    saved = run_dir.saved_config(out_dir)
+    if saved is not None:
+        differences = run_dir.resume_differences(saved, to_dict(config))
+        if differences:
+            raise RunError(
+                f"--resume would continue {out_dir} with a different setup "
+                f"({'; '.join(differences)}); only {', '.join(run_dir.RESUMABLE_FIELDS)} may "
+                "change"
+            )
+
+
+@dataclass
+class RunState:
+    """What the step loop needs: the jitted steps, shardings, state and where to write."""
+
+    config: Config
+    out_dir: Path
+    log: MetricsLog
+    checkpoints: ocp.CheckpointManager
+    state: TrainState
+    train_step: object
+    eval_step: object
+    by_example: NamedSharding
+
+
+def _init_state(config: Config, devices, out_dir: Path) -> RunState:
+    """Model, optimizer, jitted steps and the checkpoint manager, on a 1-D data mesh."""
+    train = config.train
     mesh = Mesh(np.array(devices), ("data",))
     replicated, by_example = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-
     model = LanguageModel(config.model, rngs=nnx.Rngs(train.seed))
     graphdef, params = nnx.split(model)
     optimizer = make_optimizer(train, params)
     pure = nnx.to_pure_dict(params)
     state = TrainState(jnp.zeros((), jnp.int32), pure, optimizer.init(pure))
-    state = jax.device_put(state, replicated)
-
-    checkpoints = ocp.CheckpointManager(
-        out_dir / "checkpoints",
-        options=ocp.CheckpointManagerOptions(max_to_keep=train.keep_checkpoints, create=True),
-    )
-    start = 0
-    if resume and checkpoints.latest_step() is not None:
-        start = checkpoints.latest_step()
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state
-        )
-        state = checkpoints.restore(start, args=ocp.args.StandardRestore(abstract))
-        _truncate_jsonl(metrics_path, start)
-    else:  # a fresh run replaces what an earlier one left, or --resume would mix the two
-        for step in checkpoints.all_steps():
-            checkpoints.delete(step)
-        metrics_path.unlink(missing_ok=True)
-
     schedule = learning_rate_schedule(train)
     train_step = jax.jit(
         make_train_step(graphdef, optimizer, schedule, logits_at_labels=train.logits_at_labels),
@@ -132,35 +180,104 @@ def run(config: Config, *, resume: bool = False, callbacks=()) -> dict:
         make_eval_step(graphdef, logits_at_labels=train.logits_at_labels),
         in_shardings=(replicated, by_example),
     )
-
-    train_seed, test_seed = split_seeds(train.seed)
-    eval_batches = math.ceil(train.eval_examples / train.batch_size)
-    eval_inputs, eval_labels = make_mqar(
-        config.data, num_examples=eval_batches * train.batch_size, seed=test_seed
+    checkpoints = ocp.CheckpointManager(
+        out_dir / run_dir.CHECKPOINTS,
+        options=ocp.CheckpointManagerOptions(max_to_keep=train.keep_checkpoints, create=True),
     )
+    return RunState(
+        config, out_dir, MetricsLog(out_dir / run_dir.METRICS), checkpoints,
+        jax.device_put(state, replicated), train_step, eval_step, by_example,
+    )  # fmt: skip
 
-    # The held-out set is fixed: batch and place it once, not at every evaluation.
-    eval_set = [
-        jax.device_put(make_batch(eval_inputs[rows], eval_labels[rows]), by_example)
-        for rows in (
-            slice(i * train.batch_size, (i + 1) * train.batch_size) for i in range(eval_batches)
-        )
-    ]
 
-    def evaluate(params):
-        losses, accuracies = [], []
-        for batch in eval_set:
-            loss, per_example = eval_step(params, batch)
-            losses.append(float(loss))
-            accuracies.append(np.asarray(per_example))
-        return float(np.mean(losses)), float(np.concatenate(accuracies).mean())
+def _restore_or_start(run: RunState, resume: bool) -> int:
+    """Restore the newest checkpoint that restores (with ``resume``) and return its step;
+    a checkpoint that fails is moved aside to ``broken_checkpoints/`` with a warning."""
+    if not resume:
+        run_dir.write_config(run.out_dir, to_dict(run.config))
+        return 0
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), run.state
+    )
+    for step in sorted(run.checkpoints.all_steps(), reverse=True):
+        try:
+            run.state = run.checkpoints.restore(step, args=ocp.args.StandardRestore(abstract))
+        except Exception as error:  # any failure to restore means: not this one
+            aside = run.out_dir / "broken_checkpoints" / str(step)
+            aside.parent.mkdir(exist_ok=True)
+            (run.out_dir / run_dir.CHECKPOINTS / str(step)).rename(aside)
+            run.checkpoints.reload()
+            reason = str(error).splitlines()[0][:120] if str(error) else type(error).__name__
+            print(f"warning: checkpoint step {step} does not restore ({reason}); moved it to "
+                  f"{aside} and trying the one before", file=sys.stderr)  # fmt: skip
+            continue
+        run.log.truncate(step)
+        (run.out_dir / run_dir.SUMMARY).unlink(missing_ok=True)  # the run goes on
+        run_dir.write_config(run.out_dir, to_dict(run.config))
+        return step
+    raise RunError(f"--resume: no checkpoint in {run.out_dir / run_dir.CHECKPOINTS} restores")
 
-    def save(step):
-        checkpoints.save(step, args=ocp.args.StandardSave(state))
 
+def _held_out_set(config: Config, by_example) -> list[dict]:
+    """The fixed held-out batches, from the test seed, batched and placed once."""
+    train = config.train
+    _, test_seed = split_seeds(train.seed)
+    num_batches = math.ceil(train.eval_examples / train.batch_size)
+    inputs, labels = make_mqar(
+        config.data, num_examples=num_batches * train.batch_size, seed=test_seed
+    )
+    rows = (slice(i * train.batch_size, (i + 1) * train.batch_size) for i in range(num_batches))
+    return [jax.device_put(make_batch(inputs[r], labels[r]), by_example) for r in rows]
+
+
+def _evaluate(run: RunState, held_out: list[dict]) -> tuple[float, float]:
+    losses, accuracies = [], []
+    for batch in held_out:
+        loss, per_example = run.eval_step(run.state.params, batch)
+        losses.append(float(loss))
+        accuracies.append(np.asarray(per_example))
+    return float(np.mean(losses)), float(np.concatenate(accuracies).mean())
+
+
+def _save(run: RunState, step: int) -> None:
+    """Save and wait: a save that fails stops the run here, not some steps later."""
+    try:
+        if step not in run.checkpoints.all_steps():
+            run.checkpoints.save(step, args=ocp.args.StandardSave(run.state))
+        run.checkpoints.wait_until_finished()
+    except Exception as error:
+        latest = run.checkpoints.latest_step()
+        kept = f"step {latest} is the latest kept" if latest is not None else "none was saved"
+        raise SaveError(
+            f"could not save checkpoint step {step} in {run.out_dir / run_dir.CHECKPOINTS} "
+            f"({error}); {kept}"
+        ) from error
+
+
+@contextlib.contextmanager
+def _stop_requests():
+    """Turn SIGINT and SIGTERM into a request the loop sees after its current step."""
+    requested = []
+    if threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for signum in previous:
+        signal.signal(signum, lambda signum, frame: requested.append(signum))
+    try:
+        yield requested
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _step_loop(run: RunState, start: int, held_out, callbacks, stop_requests) -> dict:
+    """Train from ``start`` until the step budget, the target accuracy or a stop request."""
+    config, train = run.config, run.config.train
+    train_seed, _ = split_seeds(train.seed)
     tokens_per_step = train.batch_size * config.data.seq_len
     bar = tqdm(total=train.steps, initial=start, disable=not train.progress, unit="step")
-    summary = dict(start_step=start, eval_accuracy=None, eval_loss=None)
+    summary = dict(start_step=start, eval_accuracy=None, eval_loss=None, reason="steps")
     began = time.perf_counter()
     step = start
     try:
@@ -168,34 +285,34 @@ def run(config: Config, *, resume: bool = False, callbacks=()) -> dict:
             inputs, labels = make_mqar(
                 config.data, num_examples=train.batch_size, seed=batch_seed(train_seed, step)
             )
-            batch = jax.device_put(make_batch(inputs, labels), by_example)
+            batch = jax.device_put(make_batch(inputs, labels), run.by_example)
             tick = time.perf_counter()
-            state, metrics = train_step(state, batch)
+            run.state, metrics = run.train_step(run.state, batch)
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             step += 1
             if not math.isfinite(metrics["loss"]):
-                raise NonFiniteLossError(
-                    f"loss is {metrics['loss']} at step {step}; stopping. The last good "
-                    f"checkpoint is step {checkpoints.latest_step()} in {out_dir / 'checkpoints'}"
-                )
+                latest = run.checkpoints.latest_step()
+                kept = "no checkpoint was saved yet" if latest is None else (
+                    f"the last good checkpoint is step {latest} in "
+                    f"{run.out_dir / run_dir.CHECKPOINTS}"
+                )  # fmt: skip
+                raise NonFiniteLossError(f"loss is {metrics['loss']} at step {step}; {kept}")
             metrics["tokens_per_s"] = tokens_per_step / (time.perf_counter() - tick)
-            _append_jsonl(metrics_path, dict(kind="train", step=step, **metrics))
+            run.log.append("train", step, **metrics)
             for callback in callbacks:
                 callback(step, metrics)
 
             done = step == train.steps
             if step % train.eval_every == 0 or done:
-                eval_loss, eval_accuracy = evaluate(state.params)
+                eval_loss, eval_accuracy = _evaluate(run, held_out)
                 summary.update(eval_accuracy=eval_accuracy, eval_loss=eval_loss)
-                _append_jsonl(
-                    metrics_path,
-                    dict(kind="eval", step=step, loss=eval_loss, accuracy=eval_accuracy,
-                         elapsed_s=time.perf_counter() - began),
-                )  # fmt: skip
+                run.log.append("eval", step, loss=eval_loss, accuracy=eval_accuracy,
+                               elapsed_s=time.perf_counter() - began)  # fmt: skip
                 target = train.target_accuracy
-                done = done or (target is not None and eval_accuracy >= target)
+                if target is not None and eval_accuracy >= target and not done:
+                    done, summary["reason"] = True, "target"
             if step % train.checkpoint_every == 0 or done:
-                save(step)
+                _save(run, step)
             bar.update(1)
             bar.set_postfix(
                 loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}",
@@ -204,11 +321,55 @@ def run(config: Config, *, resume: bool = False, callbacks=()) -> dict:
             )  # fmt: skip
             if done:
                 break
+            if stop_requests:
+                _save(run, step)
+                raise Interrupted(stop_requests[0], step, run.out_dir)
     finally:
         bar.close()
-        checkpoints.wait_until_finished()
-        checkpoints.close()
     summary.update(final_step=step, wall_s=time.perf_counter() - began)
-    if metrics_path.exists():
-        plot_metrics(metrics_path, out_dir / "curves.png")
     return summary
+
+
+def run(config: Config, *, resume: bool = False, overwrite: bool = False, callbacks=()) -> dict:
+    """Train ``config`` and return a summary (final step, held-out accuracy, wall time).
+
+    Args:
+      config: a validated ``Config``.
+      resume: continue from the newest checkpoint in ``config.train.out_dir`` that restores;
+        refused when the model, data or seed differ from the saved config.yaml (see
+        ``run_dir.RESUMABLE_FIELDS``). A run that has already ended returns its summary.
+      overwrite: delete an earlier run in ``out_dir`` first (a fresh run refuses otherwise).
+      callbacks: functions ``callback(step, metrics)`` called after every step with the
+        host-side metrics (a dict of floats).
+
+    Raises:
+      RunError: the run must not start (checked before anything is written).
+      NonFiniteLossError: a step's loss is NaN or Inf; no checkpoint is written after the
+        last finite step.
+      SaveError: a checkpoint could not be written; the earlier ones are kept.
+      Interrupted: SIGINT or SIGTERM arrived; a checkpoint at the current step was saved.
+    """
+    devices = check_devices(config)
+    lock = claim_run_dir(config, resume=resume, overwrite=overwrite)
+    out_dir = lock.path.parent
+    try:
+        if resume:
+            summary = run_dir.read_summary(out_dir)
+            if run_dir.is_finished(summary, config.train.steps, config.train.target_accuracy):
+                return dict(summary, already_finished=True)
+        state = _init_state(config, devices, out_dir)
+        try:
+            start = _restore_or_start(state, resume)
+            held_out = _held_out_set(config, state.by_example)
+            with _stop_requests() as stop_requests:
+                try:
+                    summary = _step_loop(state, start, held_out, callbacks, stop_requests)
+                finally:
+                    if state.log.path.exists():
+                        plot_metrics(state.log, out_dir / run_dir.PLOT)
+            run_dir.write_summary(out_dir, summary)
+            return summary
+        finally:
+            state.checkpoints.close()
+    finally:
+        lock.__exit__(None, None, None)

@@ -1,0 +1,122 @@
+"""The training command: ``python train.py``, ``gdn-train`` or ``python -m gdn_jax.training.cli``.
+
+Argument parsing and everything the user reads: every user error is one line,
+``<prog>: error: ...``, with exit status 2 and no traceback; an interrupted run says how to
+resume it and exits 130 (SIGINT) or 143 (SIGTERM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from gdn_jax.training.xla_flags import add_cpu_flags
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+DEFAULT_CONFIG = "mqar_gdn.yaml"
+
+
+def resolve_config(name: str) -> Path:
+    """``name`` as given when that file exists, else the packaged config of that file name
+    (so ``configs/mqar_gdn.yaml`` and ``mqar_gdn.yaml`` work from any directory)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    packaged = CONFIG_DIR / path.name
+    if packaged.is_file():
+        return packaged
+    known = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.yaml")))
+    raise ValueError(
+        f"--config {name}: no such file, and no packaged config of that name ({known})"
+    )
+
+
+def program_name() -> str:
+    """``train.py`` when run as the repository's script, else the installed command's name."""
+    return "train.py" if Path(sys.argv[0]).name == "train.py" else "gdn-train"
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog=program_name(),
+        description="Train a small Gated DeltaNet on multi-query associative recall (MQAR).",
+    )
+    parser.add_argument(
+        "--config", default=DEFAULT_CONFIG,
+        help="YAML config: a path, or the name of a packaged one (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a field, e.g. --set model.d_model=128 (repeatable)",
+    )  # fmt: skip
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--resume", action="store_true", help="continue the run in out_dir")
+    which.add_argument(
+        "--overwrite", action="store_true", help="delete the earlier run in out_dir first"
+    )
+    return parser, parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    try:
+        return _main(sys.argv[1:] if argv is None else list(argv))
+    except KeyboardInterrupt:  # before the training loop took over the signal
+        print(f"{program_name()}: interrupted before training began", file=sys.stderr)
+        return 130
+
+
+def _main(argv) -> int:
+    parser, args = parse_args(argv)
+    add_cpu_flags()  # before the first JAX computation starts the backend
+
+    def fail(message, status=2) -> int:
+        print(f"{parser.prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
+        return status
+
+    # Imported here so that --help and argument errors do not wait for JAX.
+    import jax
+
+    from gdn_jax.training.config import load_config
+    from gdn_jax.training.loop import Interrupted, NonFiniteLossError, SaveError, run
+    from gdn_jax.training.run_dir import RunError
+
+    try:
+        config = load_config(resolve_config(args.config), args.overrides)
+    except (ValueError, OSError) as error:
+        return fail(error)
+    devices = jax.devices()
+    print(f"devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()})")
+    print(f"model: {config.model.mixers}, d_model={config.model.d_model}; data: "
+          f"seq_len={config.data.seq_len}, kv pairs={config.data.num_kv_pairs}, "
+          f"vocab={config.data.vocab_size}; out: {config.train.out_dir}")  # fmt: skip
+    try:
+        summary = run(config, resume=args.resume, overwrite=args.overwrite)
+    except RunError as error:
+        return fail(error)
+    except (NonFiniteLossError, SaveError) as error:
+        return fail(error, status=1)
+    except Interrupted as error:
+        again = [a for a in argv if a != "--overwrite"] + ([] if args.resume else ["--resume"])
+        start = ["python", "train.py"] if parser.prog == "train.py" else [parser.prog]
+        print(f"{parser.prog}: stopped by {error}; continue with: {shlex.join(start + again)}",
+              file=sys.stderr)  # fmt: skip
+        return 128 + error.signum
+    accuracy, loss = (
+        "none yet" if summary[k] is None else f"{summary[k]:.4f}"
+        for k in ("eval_accuracy", "eval_loss")
+    )
+    if summary.get("already_finished"):
+        print(f"{config.train.out_dir} has finished (step {summary['final_step']}, held-out "
+              f"accuracy {accuracy}); nothing to resume")  # fmt: skip
+        return 0
+    print(
+        f"step {summary['final_step']}: held-out accuracy {accuracy}, loss {loss}, "
+        f"{summary['wall_s']:.0f} s; curves in {config.train.out_dir}/curves.png"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""The training command as a user meets it: nothing a user made is lost or mixed.
+
+Each test drives the command in a subprocess with a tiny config and checks the exit status,
+the one-line message (never a traceback) and the files left behind. Refusals happen before
+anything compiles, so most of these runs cost an interpreter start and a JAX import.
+"""
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = [
+    "model.vocab_size=64", "data.vocab_size=64", "model.d_model=16", "model.mixers=[gdn]",
+    "model.chunk_size=16", "model.impl=recurrent", "data.seq_len=32", "data.num_kv_pairs=4",
+    "train.batch_size=8", "train.steps=12", "train.warmup_steps=2", "train.eval_every=6",
+    "train.eval_examples=16", "train.checkpoint_every=4", "train.progress=false",
+]  # fmt: skip
+
+# The command with a callback that sends a signal to itself after a given step, so that an
+# interrupt lands at a known step.
+INTERRUPTED = textwrap.dedent(
+    """
+    import os, signal, sys
+    from gdn_jax.training import cli, loop
+
+    signum, at_step = int(sys.argv[1]), int(sys.argv[2])
+    original = loop.run
+
+    def run(*args, **kwargs):
+        def interrupt(step, metrics):
+            if step == at_step:
+                os.kill(os.getpid(), signum)
+        return original(*args, callbacks=[interrupt], **kwargs)
+
+    loop.run = run
+    sys.exit(cli.main(sys.argv[3:]))
+    """
+)
+
+
+def command_args(out_dir, *extra, sets=()):
+    args = []
+    for item in (*TINY, f"train.out_dir={out_dir}", *sets):
+        args += ["--set", item]
+    return [*args, *extra]
+
+
+def train(env, out_dir, *extra, sets=(), prefix=("train.py",), **env_extra):
+    return subprocess.run(
+        [sys.executable, *prefix, *command_args(out_dir, *extra, sets=sets)],
+        cwd=REPO, env=dict(env, **env_extra), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def one_line_error(result, pattern, status=2):
+    """The command failed with ``status`` and exactly one line on stderr matching ``pattern``."""
+    assert result.returncode == status, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("train.py: error: "), lines[0]
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+def snapshot(directory):
+    return {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
+def logged(out_dir):
+    """Every logged number of every step, wall-clock rates aside."""
+    drop = ("tokens_per_s", "elapsed_s")
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(x).items() if k not in drop} for x in lines]
+
+
+def fake_run(out_dir, *, steps=(4,), summary=None, **config_changes):
+    """A run directory as a finished or interrupted run leaves it, without training: the
+    refusals under test read only its names, config.yaml and summary.json."""
+    from gdn_jax.training.config import load_config, to_dict
+
+    config = to_dict(
+        load_config(REPO / "configs" / "mqar_gdn.yaml", [*TINY, f"train.out_dir={out_dir}"])
+    )
+    for dotted, value in config_changes.items():
+        section, field = dotted.split("__")
+        config[section][field] = value
+    out_dir.mkdir(parents=True)
+    (out_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    (out_dir / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 4.0}\n')
+    for step in steps:
+        (out_dir / "checkpoints" / str(step)).mkdir(parents=True)
+        (out_dir / "checkpoints" / str(step) / "_CHECKPOINT_METADATA").write_text("{}")
+    if summary is not None:
+        (out_dir / "summary.json").write_text(json.dumps(summary))
+    return snapshot(out_dir)
+
+
+@pytest.mark.parametrize(
+    ("sets", "pattern"),
+    [
+        (["train.seed=-1"], r"train.seed=-1 must be in \[0, 2\*\*32\)"),
+        (["train.learning_rate=.inf"], r"train.learning_rate=inf must be finite"),
+        (["train.steps=[1"], r"--set 'train.steps=\[1': malformed YAML at line 1, column 3"),
+        (["data.num_kv_pairs=2"], r"holds an earlier run \(config.yaml, metrics.jsonl, "
+         r"checkpoints \(steps 4\)\); continue it with --resume or delete it with --overwrite"),
+    ],
+)  # fmt: skip
+def test_a_refused_run_leaves_the_earlier_run_untouched(tmp_path, subprocess_env, sets, pattern):
+    before = fake_run(tmp_path / "run")
+    one_line_error(train(subprocess_env, tmp_path / "run", sets=sets), pattern)
+    assert snapshot(tmp_path / "run") == before
+
+
+def test_malformed_yaml_config_names_line_and_column(tmp_path, subprocess_env):
+    config = tmp_path / "bad.yaml"
+    config.write_text("model:\n  d_model: 64\n   heads: [2\n")
+    result = train(subprocess_env, tmp_path / "run", "--config", str(config))
+    one_line_error(result, r"bad.yaml: malformed YAML at line 3, column 9")
+    assert not (tmp_path / "run").exists()
+
+
+def test_out_dir_problems_are_one_line(tmp_path, subprocess_env):
+    (tmp_path / "file").write_text("mine")
+    one_line_error(train(subprocess_env, tmp_path / "file"), r"exists and is not a directory")
+    one_line_error(train(subprocess_env, tmp_path / "file" / "run"), r"is not a directory")
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_batch_that_does_not_split_over_the_devices_writes_nothing(tmp_path, subprocess_env):
+    result = train(
+        subprocess_env, tmp_path / "run", XLA_FLAGS="--xla_force_host_platform_device_count=3"
+    )
+    one_line_error(result, r"train.batch_size=8 does not divide over the 3 devices")
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_refuses_a_different_setup_with_a_one_line_diff(tmp_path, subprocess_env):
+    before = fake_run(tmp_path / "run")
+    result = train(
+        subprocess_env, tmp_path / "run", "--resume",
+        sets=["data.num_kv_pairs=2", "train.seed=3", "train.steps=20"],
+    )  # fmt: skip
+    one_line_error(
+        result, r"different setup \(data.num_kv_pairs: 4 -> 2; train.seed: 0 -> 3\); only "
+    )
+    assert snapshot(tmp_path / "run") == before
+
+
+def test_resume_with_nothing_to_resume_and_of_a_finished_run(tmp_path, subprocess_env):
+    one_line_error(train(subprocess_env, tmp_path / "none", "--resume"), r"no checkpoint to resume")
+    assert not (tmp_path / "none").exists()
+    summary = dict(final_step=12, eval_accuracy=0.5, eval_loss=1.0, reason="steps")
+    before = fake_run(tmp_path / "done", steps=(8, 12), summary=summary)
+    result = train(subprocess_env, tmp_path / "done", "--resume")
+    assert result.returncode == 0, result.stderr
+    assert "has finished (step 12, held-out accuracy 0.5000); nothing to resume" in result.stdout
+    assert snapshot(tmp_path / "done") == before
+
+
+def test_a_live_run_keeps_a_second_writer_out_and_a_stale_lock_is_taken_over(
+    tmp_path, subprocess_env
+):
+    out = tmp_path / "run"
+    out.mkdir()
+    with (out / ".lock").open("w") as held:  # a live run: this process holds the lock
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("4242\n")
+        held.flush()
+        one_line_error(train(subprocess_env, out), r"in use by a live run \(pid 4242\)")
+    # The lock file outlived its holder, as after a SIGKILL: the next run takes it over.
+    result = train(subprocess_env, out)
+    assert result.returncode == 0, result.stderr
+    assert "took over the stale lock" in result.stderr
+    assert not (out / ".lock").exists()
+
+    before = snapshot(out)
+    result = train(subprocess_env, out, "--overwrite", sets=["train.steps=6"])
+    assert result.returncode == 0, result.stderr
+    assert "--overwrite: deleted config.yaml, metrics.jsonl, curves.png, summary.json, " in (
+        result.stderr
+    )
+    assert max(r["step"] for r in logged(out)) == 6 and snapshot(out) != before
+
+
+def test_interrupt_and_a_broken_checkpoint_resume_bit_for_bit(tmp_path, subprocess_env):
+    straight = train(subprocess_env, tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr
+
+    # SIGINT after step 6: a checkpoint at step 6, the plot, one line telling how to resume.
+    args = [str(int(signal.SIGINT)), "6"]
+    interrupted = train(subprocess_env, tmp_path / "run", prefix=("-c", INTERRUPTED, *args))
+    assert interrupted.returncode == 130, interrupted.stderr
+    assert "Traceback" not in interrupted.stderr
+    (message,) = interrupted.stderr.strip().splitlines()
+    assert "stopped by SIGINT at step 6" in message and message.endswith("--resume")
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["4", "6"]
+    assert (tmp_path / "run" / "curves.png").exists()
+
+    # A copy whose latest checkpoint is damaged falls back to step 4.
+    shutil.copytree(tmp_path / "run", tmp_path / "broken")
+    (tmp_path / "broken" / "checkpoints" / "6" / "default" / "_METADATA").write_text("")
+    for name in ("run", "broken"):
+        resumed = train(subprocess_env, tmp_path / name, "--resume")
+        assert resumed.returncode == 0, resumed.stderr
+        assert logged(tmp_path / name) == logged(tmp_path / "straight"), name
+    warnings = [line for line in resumed.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "checkpoint step 6 does not restore" in warnings[0]
+    assert (tmp_path / "broken" / "broken_checkpoints" / "6").is_dir()
+
+
+def test_sigterm_saves_and_exits_143(tmp_path, subprocess_env):
+    args = [str(int(signal.SIGTERM)), "2"]
+    result = train(subprocess_env, tmp_path / "run", prefix=("-c", INTERRUPTED, *args))
+    assert result.returncode == 143, result.stderr
+    assert "stopped by SIGTERM at step 2" in result.stderr
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["2"]
+
+
+def test_a_failed_save_stops_at_once_and_keeps_the_earlier_checkpoints(
+    tmp_path, monkeypatch, capsys
+):
+    import jax
+    import orbax.checkpoint as ocp
+
+    from gdn_jax.training import cli
+
+    save = ocp.CheckpointManager.save
+
+    def disk_full_at_8(self, step, *args, **kwargs):
+        if step == 8:
+            raise OSError(28, "No space left on device")
+        return save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", disk_full_at_8)
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main appends to it
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes float and int32 in Adam
+        status = cli.main(command_args(tmp_path / "run"))
+    (message,) = capsys.readouterr().err.strip().splitlines()
+    assert status == 1 and message.startswith("train.py: error: could not save checkpoint step 8")
+    assert "No space left on device" in message and "step 4 is the latest kept" in message
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["4"]
+    assert max(r["step"] for r in logged(tmp_path / "run")) == 8
