@@ -137,6 +137,21 @@ def test_out_dir_problems_are_one_line(tmp_path, subprocess_env):
     assert (tmp_path / "file").read_text() == "mine"
 
 
+def test_a_read_only_out_dir_is_caught_before_anything_is_written(tmp_path, monkeypatch):
+    # Root ignores permission bits, so the check writes a probe file; simulate the
+    # read-only filesystem that makes it fail.
+    import tempfile
+
+    from gdn_jax.training.run_dir import RunError, check_writable
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    with pytest.raises(RunError, match=r"run is not writable: Read-only file system"):
+        check_writable(tmp_path / "run")
+
+
 def test_a_batch_that_does_not_split_over_the_devices_writes_nothing(tmp_path, subprocess_env):
     result = train(
         subprocess_env, tmp_path / "run", XLA_FLAGS="--xla_force_host_platform_device_count=3"
@@ -217,6 +232,19 @@ def test_interrupt_and_a_broken_checkpoint_resume_bit_for_bit(tmp_path, subproce
     warnings = [line for line in resumed.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "checkpoint step 6 does not restore" in warnings[0]
     assert (tmp_path / "broken" / "broken_checkpoints" / "6").is_dir()
+
+    # When no checkpoint restores, one error line after one warning per checkpoint.
+    for step in ("8", "12"):
+        (tmp_path / "broken" / "checkpoints" / step / "default" / "_METADATA").write_text("")
+    (tmp_path / "broken" / "summary.json").unlink()  # as if the run had been interrupted
+    result = train(subprocess_env, tmp_path / "broken", "--resume")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    *warnings, error = result.stderr.strip().splitlines()
+    assert [w.split(" does not")[0] for w in warnings] == [
+        "warning: checkpoint step 12",
+        "warning: checkpoint step 8",
+    ]
+    assert error.startswith("train.py: error: --resume: no checkpoint in ") and "restores" in error
 
 
 def test_sigterm_saves_and_exits_143(tmp_path, subprocess_env):
