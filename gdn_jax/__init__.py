@@ -8,6 +8,16 @@ The memory state of one head is ``S [V, K]``: one row per value feature, one col
 feature (flash-linear-attention stores its transpose, ``[K, V]``).
 """
 
+from gdn_jax.layers import (
+    DeltaNet,
+    GatedDeltaNet,
+    GatedLinearAttention,
+    KVCache,
+    LinearAttention,
+    RecurrentCache,
+    SoftmaxAttention,
+)
+from gdn_jax.models import LanguageModel, ModelConfig, generate
 from gdn_jax.ops import (
     default_scale,
     gated_delta_rule,
@@ -19,6 +29,16 @@ from gdn_jax.ops import (
 )
 
 __all__ = [
+    "DeltaNet",
+    "GatedDeltaNet",
+    "GatedLinearAttention",
+    "KVCache",
+    "LanguageModel",
+    "LinearAttention",
+    "ModelConfig",
+    "RecurrentCache",
+    "SoftmaxAttention",
+    "generate",
     "default_scale",
     "gated_delta_rule",
     "gated_delta_rule_chunked",

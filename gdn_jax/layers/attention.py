@@ -14,6 +14,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from gdn_jax.layers.conv import ShortConvolution, convolve_qkv
 from gdn_jax.layers.params import bias_free_linear
+from gdn_jax.ops import checks
 from gdn_jax.ops.attention import causal_attention, rotary
 from gdn_jax.ops.varlen import segment_positions
 
@@ -65,6 +66,9 @@ class SoftmaxAttention(nnx.Module):
         kernel_init=None,
         rngs: nnx.Rngs,
     ):
+        checks.check_positive_int(
+            "SoftmaxAttention", hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim
+        )
         if head_dim % 2:
             raise ValueError(f"SoftmaxAttention: head_dim={head_dim} must be even for RoPE")
         if window is not None and window < 1:
@@ -77,7 +81,7 @@ class SoftmaxAttention(nnx.Module):
         inner = num_heads * head_dim
         self.q_proj, self.k_proj = linear(hidden_size, inner), linear(hidden_size, inner)
         self.v_proj, self.o_proj = linear(hidden_size, inner), linear(inner, hidden_size)
-        self.num_heads, self.head_dim = num_heads, head_dim
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.window, self.rope_theta, self.conv_size = window, rope_theta, conv_size
         convs = None
         if use_short_conv:
@@ -86,6 +90,11 @@ class SoftmaxAttention(nnx.Module):
                 for _ in range(3)
             ])  # fmt: skip
         self.convs = convs  # q, k, v
+
+    def _check(self, x, mask):
+        checks.check_hidden("SoftmaxAttention", x, self.hidden_size)
+        if mask is not None:
+            checks.check_mask("SoftmaxAttention", mask, *x.shape[:2])
 
     def _qkv(self, x, positions, *, mask=None, cu_seqlens=None, conv_history=None):
         """Projected, convolved (with short convolutions) and rotated q, k, v ``[B, T, H, D]``,
@@ -111,6 +120,7 @@ class SoftmaxAttention(nnx.Module):
     def __call__(self, x, *, mask=None, cu_seqlens=None):
         """``x [B, T, D]`` with an optional ``[B, T]`` padding mask or packed ``cu_seqlens``
         (positions restart and attention stops at each sequence start)."""
+        self._check(x, mask)
         batch, seq_len, _ = x.shape
         segments = None
         if cu_seqlens is not None:
@@ -144,8 +154,18 @@ class SoftmaxAttention(nnx.Module):
 
     def prefill(self, x, cache, *, mask=None):
         """Append ``x [B, T, D]`` (left-padded with ``mask``) to ``cache`` and attend over
-        everything cached; returns ``(y, cache)``."""
+        everything cached; returns ``(y, cache)``. The cache must have room: an overflow is
+        an error when its length is known (eager decoding), and ``generate`` sizes it."""
+        self._check(x, mask)
         batch, seq_len, _ = x.shape
+        max_len = cache.k.shape[1]
+        filled = int(cache.length) if checks.is_concrete(cache.length) else 0
+        if filled + seq_len > max_len:
+            raise ValueError(
+                f"SoftmaxAttention: {seq_len} more token(s) do not fit a cache of max_len="
+                f"{max_len} holding {filled}; make it with init_cache(batch, max_len >= "
+                f"{filled + seq_len})"
+            )
         real = jnp.ones((batch, seq_len), bool) if mask is None else mask.astype(bool)
         positions = cache.next_position[:, None] + jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1
         q, k, v, conv = self._qkv(x, positions, mask=mask, conv_history=cache.conv)

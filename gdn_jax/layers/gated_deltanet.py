@@ -17,8 +17,7 @@ from jaxtyping import Array, Float
 
 from gdn_jax.layers.conv import ShortConvolution, convolve_qkv
 from gdn_jax.layers.params import NoWeightDecay, a_log_init, bias_free_linear, dt_bias_init
-from gdn_jax.ops import gated_delta_rule, gated_linear_attention
-from gdn_jax.ops._checks import SUPPORTED_CHUNK_SIZES, SUPPORTED_IMPLS
+from gdn_jax.ops import checks, gated_delta_rule, gated_linear_attention
 
 
 class RecurrentCache(NamedTuple):
@@ -79,25 +78,24 @@ class GatedDeltaNet(nnx.Module):
     ):
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
         name = type(self).__name__
-        for field, value in (("hidden_size", hidden_size), ("num_heads", num_heads),
-                             ("head_dim", head_dim), ("num_v_heads", num_v_heads)):  # fmt: skip
-            _require(value >= 1, f"{name}: {field}={value} must be a positive integer")
+        checks.check_positive_int(
+            name, hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim,
+            num_v_heads=num_v_heads, conv_size=conv_size,
+        )  # fmt: skip
+        checks.check_positive_number(name, expand_v=expand_v, norm_eps=norm_eps)
         head_v_dim = head_dim * expand_v
         _require(
-            head_v_dim >= 1 and float(head_v_dim).is_integer(),
+            float(head_v_dim).is_integer(),
             f"{name}: head_dim * expand_v = {head_dim} * {expand_v} must be a positive integer",
         )
         _require(
             num_v_heads % num_heads == 0,
             f"{name}: num_v_heads={num_v_heads} must be a multiple of num_heads={num_heads}",
         )
-        _require(conv_size >= 1, f"{name}: conv_size={conv_size} must be >= 1")
-        _require(impl in SUPPORTED_IMPLS, f"{name}: impl={impl!r} must be one of {SUPPORTED_IMPLS}")
-        _require(
-            chunk_size in SUPPORTED_CHUNK_SIZES,
-            f"{name}: chunk_size={chunk_size} must be one of {SUPPORTED_CHUNK_SIZES}",
-        )
+        checks.check_impl(name, impl)
+        checks.check_chunk_size(name, chunk_size)
 
+        self.hidden_size = hidden_size
         self.num_heads, self.num_v_heads, self.head_dim = num_heads, num_v_heads, head_dim
         self.head_v_dim = int(head_v_dim)
         self.key_dim, self.value_dim = num_heads * head_dim, num_v_heads * self.head_v_dim
@@ -169,7 +167,11 @@ class GatedDeltaNet(nnx.Module):
         return self._mix(x, mask=None, cu_seqlens=None, cache=cache, impl="recurrent")
 
     def _mix(self, x, *, mask, cu_seqlens, cache, impl):
+        name = type(self).__name__
+        checks.check_hidden(name, x, self.hidden_size)
         batch, seq_len, _ = x.shape
+        if mask is not None:
+            checks.check_mask(name, mask, batch, seq_len)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if mask is not None:
             keep = mask.astype(x.dtype)[..., None]

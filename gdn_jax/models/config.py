@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from gdn_jax.ops._checks import SUPPORTED_CHUNK_SIZES, SUPPORTED_IMPLS
+from gdn_jax.ops.checks import SUPPORTED_CHUNK_SIZES, SUPPORTED_IMPLS
 
 # "attention_conv" is attention with the recurrent mixers' short convolutions on q, k and v:
 # the control that separates what the convolution contributes to recall from the mixer.
@@ -69,9 +69,28 @@ class ModelConfig:
         def fail(field, message):
             raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}: {message}")
 
+        def whole(value):
+            return isinstance(value, int) and not isinstance(value, bool)
+
         for field in ("vocab_size", "d_model", "num_heads", "conv_size"):
-            if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
+            if not whole(getattr(self, field)) or getattr(self, field) < 1:
                 fail(field, "must be a positive integer")
+        for field in ("head_dim", "num_v_heads", "window", "mlp_hidden"):
+            if getattr(self, field) is not None and not whole(getattr(self, field)):
+                fail(field, "must be a positive integer or None")
+        for field in ("expand_v", "norm_eps", "init_std", "rope_theta"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                fail(field, "must be a number")
+        for field in (
+            "allow_neg_eigval",
+            "use_gate",
+            "use_short_conv",
+            "use_mlp",
+            "tie_embeddings",
+        ):
+            if not isinstance(getattr(self, field), bool):
+                fail(field, "must be true or false")
         if not self.mixers:
             fail("mixers", f"needs at least one layer, each one of {MIXERS}")
         for name in self.mixers:

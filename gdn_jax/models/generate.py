@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gdn_jax.ops import checks
+
 
 def _pick(logits, key, temperature):
     if temperature == 0.0:
@@ -49,10 +51,20 @@ def generate(model, prompt, *, mask=None, max_new_tokens: int, temperature: floa
       The generated tokens ``[B, max_new_tokens]`` (int32). One compilation per model
       structure, prompt shape, ``max_new_tokens`` and ``temperature``.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1")
-    if temperature < 0:
-        raise ValueError(f"generate: temperature={temperature} must be >= 0")
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 1
+    ):
+        raise ValueError(f"generate: max_new_tokens={max_new_tokens!r} must be >= 1 (an integer)")
+    if temperature != 0:
+        checks.check_positive_number("generate", temperature=temperature)
+    checks.check_arrays("generate", prompt=prompt, mask=mask)
+    if prompt.ndim != 2 or prompt.shape[1] < 1 or not jnp.issubdtype(prompt.dtype, jnp.integer):
+        raise ValueError(
+            f"generate: prompt must be integer tokens [B, T] with T >= 1, got shape "
+            f"{prompt.shape} and dtype {prompt.dtype}"
+        )
     if temperature > 0 and key is None:
         raise ValueError("generate: sampling (temperature > 0) needs a PRNG key")
     if mask is not None and mask.shape != prompt.shape:

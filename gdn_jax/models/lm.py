@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from flax import nnx
 
 from gdn_jax.layers import (
@@ -13,6 +14,7 @@ from gdn_jax.layers import (
     SwiGLU,
 )
 from gdn_jax.models.config import ModelConfig
+from gdn_jax.ops import checks
 
 RECURRENT_MIXERS = {
     "gdn": GatedDeltaNet,
@@ -105,9 +107,18 @@ class LanguageModel(nnx.Module):
         ) if not config.tie_embeddings else None  # fmt: skip
         self.lm_head = head
 
+    def _embed(self, tokens):
+        checks.check_arrays("LanguageModel", tokens=tokens)
+        if tokens.ndim != 2 or tokens.shape[1] < 1 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(
+                f"LanguageModel: tokens must be integer ids [B, T] with T >= 1, got shape "
+                f"{tokens.shape} and dtype {tokens.dtype}"
+            )
+        return self.embed(tokens)
+
     def hidden(self, tokens, *, mask=None, cu_seqlens=None):
         """Final normalised hidden states ``[B, T, D]``."""
-        x = self.embed(tokens)
+        x = self._embed(tokens)
         for block in self.blocks:
             x = block(x, mask=mask, cu_seqlens=cu_seqlens)
         return self.norm(x)
@@ -125,7 +136,7 @@ class LanguageModel(nnx.Module):
 
     def prefill(self, tokens, cache, *, mask=None):
         """Run a prompt ``[B, T]`` (left-padded with ``mask``): ``(logits, cache)``."""
-        x, new_cache = self.embed(tokens), []
+        x, new_cache = self._embed(tokens), []
         for block, layer_cache in zip(self.blocks, cache, strict=True):
             x, layer_cache = block.prefill(x, layer_cache, mask=mask)
             new_cache.append(layer_cache)
@@ -133,7 +144,7 @@ class LanguageModel(nnx.Module):
 
     def step(self, tokens, cache):
         """One token per row ``[B, 1]``: ``(logits [B, 1, vocab], cache)``."""
-        x, new_cache = self.embed(tokens), []
+        x, new_cache = self._embed(tokens), []
         for block, layer_cache in zip(self.blocks, cache, strict=True):
             x, layer_cache = block.step(x, layer_cache)
             new_cache.append(layer_cache)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from gdn_jax.ops import _checks
+from gdn_jax.ops import checks
 from gdn_jax.ops.chunked import chunked_rule
 from gdn_jax.ops.normalize import l2_normalize
 from gdn_jax.ops.recurrent import recurrent_core
@@ -23,18 +23,21 @@ from gdn_jax.ops.wy import DELTA, LINEAR
 
 
 def _check_batched(fn, q, k, v, log_alpha, beta, initial_state, cu_seqlens):
-    _checks.check_floating(
+    checks.check_arrays(
         fn, q=q, k=k, v=v, log_alpha=log_alpha, beta=beta, initial_state=initial_state
     )
-    _checks.check_same_dtype(fn, q=q, k=k, v=v)
-    _checks.check_rank(fn, "q", q, 4, "[B, T, H, K]")
-    _checks.check_rank(fn, "v", v, 4, "[B, T, HV, V]")
+    checks.check_floating(
+        fn, q=q, k=k, v=v, log_alpha=log_alpha, beta=beta, initial_state=initial_state
+    )
+    checks.check_same_dtype(fn, q=q, k=k, v=v)
+    checks.check_rank(fn, "q", q, 4, "[B, T, H, K]")
+    checks.check_rank(fn, "v", v, 4, "[B, T, HV, V]")
     batch, seq_len, heads, key_dim = q.shape
     v_heads, value_dim = v.shape[2], v.shape[3]
-    _checks.check_shape(fn, "k", k, q.shape, "[B, T, H, K] like q")
-    _checks.check_shape(fn, "v", v, (batch, seq_len, v_heads, value_dim), "[B, T, HV, V]")
-    _checks.check_shape(fn, "log_alpha", log_alpha, (batch, seq_len, v_heads), "[B, T, HV]")
-    _checks.check_shape(fn, "beta", beta, (batch, seq_len, v_heads), "[B, T, HV]")
+    checks.check_shape(fn, "k", k, q.shape, "[B, T, H, K] like q")
+    checks.check_shape(fn, "v", v, (batch, seq_len, v_heads, value_dim), "[B, T, HV, V]")
+    checks.check_shape(fn, "log_alpha", log_alpha, (batch, seq_len, v_heads), "[B, T, HV]")
+    checks.check_shape(fn, "beta", beta, (batch, seq_len, v_heads), "[B, T, HV]")
     if v_heads % heads:
         raise ValueError(
             f"{fn}: value heads HV={v_heads} (v.shape={v.shape}) must be a multiple of "
@@ -48,11 +51,11 @@ def _check_batched(fn, q, k, v, log_alpha, beta, initial_state, cu_seqlens):
             raise ValueError(
                 f"{fn}: cu_seqlens packs sequences along T and needs B == 1, got q.shape={q.shape}"
             )
-        _checks.check_cu_seqlens(fn, cu_seqlens, seq_len)
+        checks.check_cu_seqlens(fn, cu_seqlens, seq_len)
         num_states = cu_seqlens.shape[0] - 1
     if initial_state is not None:
         layout = "[N, HV, V, K]" if cu_seqlens is not None else "[B, HV, V, K]"
-        _checks.check_shape(
+        checks.check_shape(
             fn, "initial_state", initial_state, (num_states, v_heads, value_dim, key_dim), layout
         )
 
@@ -149,10 +152,11 @@ def _batched(
 ):
     """Shared body of ``gated_delta_rule`` (``delta=True``) and ``gated_linear_attention``."""
     _check_batched(fn, q, k, v, log_alpha, beta, initial_state, cu_seqlens)
-    _checks.check_impl(fn, impl)
+    checks.check_scale(fn, scale)
+    checks.check_impl(fn, impl)
     if impl == "chunked":
-        _checks.check_chunk_size(fn, chunk_size)
-        _checks.check_schedule(fn, schedule)
+        checks.check_chunk_size(fn, chunk_size)
+        checks.check_schedule(fn, schedule)
     batch, seq_len, heads, key_dim = q.shape
     v_heads, value_dim = v.shape[2], v.shape[3]
     scale = default_scale(key_dim) if scale is None else scale

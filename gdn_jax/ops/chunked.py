@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from gdn_jax.ops import _checks
+from gdn_jax.ops import checks
 from gdn_jax.ops.blocks import scan_blocks, scan_blocks_backward
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR, ChunkDecays, chunk_decays, chunk_decays_bwd
 from gdn_jax.ops.step import core_inputs
@@ -319,9 +319,10 @@ def gated_delta_rule_chunked(
       (float64 for float64 input).
     """
     fn = "gated_delta_rule_chunked"
-    _checks.check_single_head(fn, q, k, v, log_alpha, beta, initial_state)
-    _checks.check_chunk_size(fn, chunk_size)
-    _checks.check_schedule(fn, schedule)
+    checks.check_single_head(fn, q, k, v, log_alpha, beta, initial_state)
+    checks.check_scale(fn, scale)
+    checks.check_chunk_size(fn, chunk_size)
+    checks.check_schedule(fn, schedule)
     inputs = core_inputs(q, k, v, log_alpha, beta, initial_state, scale)
     y, finals = chunked_rule(*inputs, chunk_size=chunk_size, schedule=schedule)
     return y.astype(v.dtype), finals[0]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from jaxtyping import Array, Float
 
-from gdn_jax.ops import _checks
+from gdn_jax.ops import checks
 from gdn_jax.ops.blocks import scan_blocks
 from gdn_jax.ops.step import core_inputs, token_step
 
@@ -46,6 +46,8 @@ def gated_delta_rule_recurrent(
       ``(y [T, V], final_state [V, K])``: ``y`` in the input dtype, the state in float32
       (float64 for float64 input).
     """
-    _checks.check_single_head("gated_delta_rule_recurrent", q, k, v, log_alpha, beta, initial_state)
+    fn = "gated_delta_rule_recurrent"
+    checks.check_single_head(fn, q, k, v, log_alpha, beta, initial_state)
+    checks.check_scale(fn, scale)
     y, finals = recurrent_core(*core_inputs(q, k, v, log_alpha, beta, initial_state, scale))
     return y.astype(v.dtype), finals[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from gdn_jax.ops import _checks
+from gdn_jax.ops import checks
 
 
 def default_scale(key_dim: int) -> float:
@@ -84,15 +84,17 @@ def gated_delta_step(
       the dtype of ``v``.
     """
     fn = "gated_delta_step"
-    _checks.check_floating(fn, state=state, q=q, k=k, v=v, log_alpha=log_alpha, beta=beta)
-    _checks.check_same_dtype(fn, q=q, k=k, v=v)
-    _checks.check_rank(fn, "q", q, 1, "[K]")
-    _checks.check_rank(fn, "v", v, 1, "[V]")
+    checks.check_arrays(fn, state=state, q=q, k=k, v=v)
+    checks.check_scale(fn, scale)
+    checks.check_floating(fn, state=state, q=q, k=k, v=v, log_alpha=log_alpha, beta=beta)
+    checks.check_same_dtype(fn, q=q, k=k, v=v)
+    checks.check_rank(fn, "q", q, 1, "[K]")
+    checks.check_rank(fn, "v", v, 1, "[V]")
     (key_dim,), (value_dim,) = q.shape, v.shape
-    _checks.check_shape(fn, "k", k, (key_dim,), "[K] like q")
-    _checks.check_shape(fn, "state", state, (value_dim, key_dim), "[V, K]")
-    _checks.check_shape(fn, "log_alpha", log_alpha, (), "a scalar")
-    _checks.check_shape(fn, "beta", beta, (), "a scalar")
+    checks.check_shape(fn, "k", k, (key_dim,), "[K] like q")
+    checks.check_shape(fn, "state", state, (value_dim, key_dim), "[V, K]")
+    checks.check_shape(fn, "log_alpha", log_alpha, (), "a scalar")
+    checks.check_shape(fn, "beta", beta, (), "a scalar")
     scale = default_scale(key_dim) if scale is None else scale
     dt = compute_dtype(state, q, log_alpha, beta)
     new_state, y = token_step(

@@ -1,11 +1,16 @@
-"""Trace-time argument checks shared by the ops.
+"""Trace-time argument checks shared by the ops, layers and models.
 
-Every check raises ``ValueError`` naming the offending argument and showing the shapes
-or values it saw, so a bad call fails where it is made rather than deep inside a scan.
+Every check raises ``ValueError`` as ``"{fn}: {argument}... must ..., got ..."``, naming the
+offending argument and showing the shapes or values it saw, so a bad call fails where it
+is made rather than deep inside a scan.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -41,8 +46,66 @@ def check_shape(fn: str, name: str, x, expected: tuple, layout: str) -> None:
         )
 
 
+def is_concrete(x) -> bool:
+    """Whether ``x``'s values are known now (not a tracer under ``jit``, ``vmap`` or ``grad``)."""
+    return not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x))
+
+
+def check_arrays(fn: str, **arrays) -> None:
+    """Each named argument (None entries skipped) is an array, not a list or a scalar."""
+    for name, x in arrays.items():
+        if x is not None and not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise ValueError(f"{fn}: {name} must be an array, got {type(x).__name__}")
+
+
+def check_positive_int(fn: str, **values) -> None:
+    """Each named value is a Python or NumPy integer >= 1 (a bool is not a count)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{fn}: {name}={value!r} must be a positive integer")
+
+
+def check_positive_number(fn: str, **values) -> None:
+    """Each named value is a finite real number > 0 (not a bool, a string or an array)."""
+    for name, value in values.items():
+        real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if not real or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{fn}: {name}={value!r} must be a finite number > 0")
+
+
+def check_scale(fn: str, scale) -> None:
+    """``None`` (the default ``K ** -0.5``) or a finite number > 0; an array would be traced
+    into the op where nothing checks it."""
+    if scale is not None:
+        check_positive_number(fn, scale=scale)
+
+
+def check_mask(fn: str, mask, batch: int, seq_len: int) -> None:
+    """A ``[B, T]`` padding mask of booleans or 0/1 numbers; its values are checked when
+    concrete. Broadcasting a ``[T]`` mask over the batch would hide a bug, so it is refused."""
+    check_arrays(fn, mask=mask)
+    if tuple(mask.shape) != (batch, seq_len):
+        raise ValueError(
+            f"{fn}: mask must have shape [B, T] = {(batch, seq_len)}, got {mask.shape}"
+        )
+    if is_concrete(mask) and mask.dtype != bool:
+        values = np.unique(np.asarray(mask))
+        if not np.isin(values, (0, 1)).all():
+            raise ValueError(f"{fn}: mask must hold only 0 and 1, got values {values.tolist()[:8]}")
+
+
+def check_hidden(fn: str, x, hidden_size: int) -> None:
+    """A layer input ``[B, T, hidden_size]`` with at least one token."""
+    check_arrays(fn, x=x)
+    if x.ndim != 3 or x.shape[-1] != hidden_size or x.shape[1] < 1:
+        raise ValueError(
+            f"{fn}: x must have shape [B, T, hidden_size] with hidden_size={hidden_size} and "
+            f"T >= 1, got {x.shape}"
+        )
+
+
 def check_chunk_size(fn: str, chunk_size) -> None:
-    if chunk_size not in SUPPORTED_CHUNK_SIZES:
+    if type(chunk_size) is not int or chunk_size not in SUPPORTED_CHUNK_SIZES:
         raise ValueError(f"{fn}: chunk_size={chunk_size!r} must be one of {SUPPORTED_CHUNK_SIZES}")
 
 
@@ -58,6 +121,7 @@ def check_schedule(fn: str, schedule) -> None:
 
 def check_single_head(fn: str, q, k, v, log_alpha, beta, initial_state) -> None:
     """Shapes of the one-head, one-sequence contract: q, k [T, K], v [T, V], gates [T]."""
+    check_arrays(fn, q=q, k=k, v=v, log_alpha=log_alpha, beta=beta, initial_state=initial_state)
     check_floating(fn, q=q, k=k, v=v, log_alpha=log_alpha, beta=beta, initial_state=initial_state)
     check_same_dtype(fn, q=q, k=k, v=v)
     check_rank(fn, "q", q, 2, "[T, K]")
@@ -77,6 +141,7 @@ def check_single_head(fn: str, q, k, v, log_alpha, beta, initial_state) -> None:
 
 def check_cu_seqlens(fn: str, cu_seqlens, seq_len: int) -> None:
     """Structure always; values too when they are concrete (not traced)."""
+    check_arrays(fn, cu_seqlens=cu_seqlens)
     if jnp.ndim(cu_seqlens) != 1 or jnp.shape(cu_seqlens)[0] < 2:
         raise ValueError(
             f"{fn}: cu_seqlens must be a 1-D int array [N+1] with N >= 1, "

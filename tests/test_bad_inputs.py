@@ -1,0 +1,145 @@
+"""Bad inputs to the layers, models and ops that used to give wrong results or raw errors:
+each is now a ValueError naming the argument and its shape or value."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from reference import random_inputs
+
+import gdn_jax
+from gdn_jax import GatedDeltaNet, LanguageModel, ModelConfig, SoftmaxAttention, generate
+
+HYBRID = ModelConfig(vocab_size=50, d_model=16, mixers=("gdn", "attention"), chunk_size=16)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LanguageModel(HYBRID, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def layers():
+    rngs = nnx.Rngs(0)
+    return GatedDeltaNet(16, 2, 8, chunk_size=16, rngs=rngs), SoftmaxAttention(16, 2, 8, rngs=rngs)
+
+
+def tokens(batch, seq_len):
+    return jnp.asarray(np.random.default_rng(0).integers(0, 50, (batch, seq_len)), jnp.int32)
+
+
+def test_top_level_exports():
+    assert gdn_jax.GatedDeltaNet is GatedDeltaNet and gdn_jax.LanguageModel is LanguageModel
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -1.0])
+def test_generate_refuses_a_temperature_that_is_not_a_finite_positive_number(model, temperature):
+    with pytest.raises(ValueError, match=r"generate: temperature=(nan|inf|-1.0) must be"):
+        generate(model, tokens(1, 3), max_new_tokens=2, temperature=temperature)
+
+
+@pytest.mark.parametrize("prompt", [jnp.zeros((2, 0), jnp.int32), jnp.zeros((3,), jnp.int32)])
+def test_generate_refuses_an_empty_or_one_dimensional_prompt(model, prompt):
+    with pytest.raises(ValueError, match=r"generate: prompt must be integer tokens \[B, T\]"):
+        generate(model, prompt, max_new_tokens=2)
+
+
+def test_an_attention_cache_never_overflows_in_eager_decoding(model, layers):
+    cache = model.init_cache(1, 4)
+    _, cache = model.prefill(tokens(1, 3), cache)
+    _, cache = model.step(tokens(1, 1), cache)  # the 4th slot: fits
+    with pytest.raises(ValueError, match=r"1 more token\(s\) do not fit a cache of max_len=4"):
+        model.step(tokens(1, 1), cache)
+    attention = layers[1]
+    with pytest.raises(ValueError, match=r"5 more token\(s\) do not fit a cache of max_len=3"):
+        attention.prefill(jnp.zeros((1, 5, 16)), attention.init_cache(1, 3))
+
+
+@pytest.mark.parametrize(
+    ("mask", "message"),
+    [
+        (jnp.ones((6,)), r"mask must have shape \[B, T\] = \(2, 6\), got \(6,\)"),
+        (jnp.ones((1, 6)), r"mask must have shape \[B, T\] = \(2, 6\), got \(1, 6\)"),
+        (jnp.ones((2, 5)), r"mask must have shape \[B, T\] = \(2, 6\), got \(2, 5\)"),
+        (jnp.full((2, 6), 2.0), r"mask must hold only 0 and 1, got values \[2.0\]"),
+    ],
+)
+def test_masks_are_checked_by_every_mixer(layers, model, mask, message):
+    x = jnp.zeros((2, 6, 16))
+    for layer in layers:
+        with pytest.raises(ValueError, match=message):
+            layer(x, mask=mask)
+    with pytest.raises(ValueError, match=message):
+        model(tokens(2, 6), mask=mask)
+
+
+@pytest.mark.parametrize("x", [jnp.zeros((2, 6, 12)), jnp.zeros((6, 16)), jnp.zeros((2, 0, 16))])
+def test_layer_inputs_of_the_wrong_width_or_rank(layers, x):
+    for layer in layers:
+        with pytest.raises(ValueError, match=r"x must have shape \[B, T, hidden_size\] with "):
+            layer(x)
+
+
+def test_model_tokens_of_the_wrong_rank_or_dtype(model):
+    for bad in (tokens(2, 6)[0], tokens(2, 6).astype(jnp.float32)):
+        with pytest.raises(ValueError, match=r"LanguageModel: tokens must be integer ids \[B, T\]"):
+            model(bad)
+
+
+def test_chunk_size_must_be_an_int():
+    q, k, v, la, b = random_inputs(0, 8, 4, 4)
+    with pytest.raises(ValueError, match=r"chunk_size=64.0 must be one of"):
+        gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, chunk_size=64.0)
+    with pytest.raises(ValueError, match=r"GatedDeltaNet: chunk_size=64.0 must be one of"):
+        GatedDeltaNet(16, 2, 8, chunk_size=64.0, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("scale", [jnp.asarray(0.5), 0.0, -1.0, float("nan")])
+def test_scale_must_be_a_finite_positive_number(scale):
+    q, k, v, la, b = random_inputs(0, 8, 4, 4)
+    message = r"scale=.* must be a finite number > 0"
+    for fn in (gdn_jax.gated_delta_rule_chunked, gdn_jax.gated_delta_rule_recurrent):
+        with pytest.raises(ValueError, match=message):
+            fn(q, k, v, la, b, scale=scale)
+    with pytest.raises(ValueError, match=message):
+        gdn_jax.gated_delta_rule(q[None, :, None], k[None, :, None], v[None, :, None],
+                                 la[None, :, None], b[None, :, None], scale=scale)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(expand_v="2"), r"GatedDeltaNet: expand_v='2' must be a finite number > 0"),
+        (dict(num_heads=2.5), r"GatedDeltaNet: num_heads=2.5 must be a positive integer"),
+        (dict(num_heads=True), r"GatedDeltaNet: num_heads=True must be a positive integer"),
+    ],
+)
+def test_layer_constructor_types(kwargs, message):
+    args = dict(hidden_size=16, num_heads=2, head_dim=8) | kwargs
+    with pytest.raises(ValueError, match=message):
+        GatedDeltaNet(**args, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("num_heads", True, "must be a positive integer"),
+        ("head_dim", 8.0, "must be a positive integer or None"),
+        ("expand_v", "2", "must be a number"),
+        ("use_gate", 1, "must be true or false"),
+    ],
+)
+def test_model_config_field_types(field, value, message):
+    with pytest.raises(ValueError, match=rf"ModelConfig.{field}={value!r}: {message}"):
+        ModelConfig(**{field: value}).validate()
+
+
+def test_python_lists_are_named_not_attribute_errors():
+    q, k, v, la, b = random_inputs(0, 8, 4, 4)
+    with pytest.raises(ValueError, match=r"gated_delta_rule_chunked: q must be an array, got list"):
+        gdn_jax.gated_delta_rule_chunked(np.asarray(q).tolist(), k, v, la, b)
+    batched = [x[None, :, None] for x in (q, k, v)] + [x[None, :, None] for x in (la, b)]
+    with pytest.raises(
+        ValueError, match=r"gated_delta_rule: cu_seqlens must be an array, got list"
+    ):
+        gdn_jax.gated_delta_rule(*batched, cu_seqlens=[0, 4, 8])
