@@ -103,16 +103,14 @@ def claim_run_dir(config: Config, *, resume: bool, overwrite: bool) -> run_dir.R
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = run_dir.RunLock(out_dir)
     try:
-        lock.__enter__()
-    except RunError:
-        if created:
-            out_dir.rmdir()
-        raise
-    try:
-        _check_run_dir(config, out_dir, resume=resume, overwrite=overwrite)
+        lock.acquire()
+        try:
+            _check_run_dir(config, out_dir, resume=resume, overwrite=overwrite)
+        except BaseException:
+            lock.release()
+            raise
     except BaseException:
-        lock.__exit__(None, None, None)
-        if created:
+        if created:  # leave no empty directory behind a refused run
             out_dir.rmdir()
         raise
     if lock.took_over:
@@ -372,4 +370,4 @@ def run(config: Config, *, resume: bool = False, overwrite: bool = False, callba
         finally:
             state.checkpoints.close()
     finally:
-        lock.__exit__(None, None, None)
+        lock.release()

@@ -142,7 +142,8 @@ class RunLock:
         self.took_over = False
         self._file = None
 
-    def __enter__(self) -> RunLock:
+    def acquire(self) -> RunLock:
+        """Take the lock, or raise ``RunError`` naming the live run that holds it."""
         self.took_over = self.path.exists()
         handle = self.path.open("a+")
         try:
@@ -164,6 +165,12 @@ class RunLock:
         self._file = handle
         return self
 
-    def __exit__(self, *exc) -> None:
+    def release(self) -> None:
         self.path.unlink(missing_ok=True)
         self._file.close()  # closing drops the flock
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
