@@ -24,15 +24,20 @@ def import_revision(revision: str):
     """The ``gdn_jax`` package of ``revision`` (anything ``git rev-parse`` accepts)."""
     commit = subprocess.run(
         ["git", "rev-parse", "--short", revision],
-        cwd=REPO, check=True, capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     name = f"gdn_jax_{commit}"
     if name in sys.modules:
         return sys.modules[name]
     archive = subprocess.run(
         ["git", "archive", "--format=tar", commit, "gdn_jax"],
-        cwd=REPO, check=True, capture_output=True,
-    ).stdout  # fmt: skip
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    ).stdout
     root = Path(tempfile.mkdtemp(prefix="gdn_jax_revision_"))
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(root, filter="data")

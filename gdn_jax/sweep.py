@@ -110,8 +110,13 @@ def summarise(results_path: Path, out: Path, command: str) -> None:
         for mixer in mixers:
             xs = [p for p in pairs if (mixer, p, d_model) in best]
             ax.plot(xs, [best[(mixer, p, d_model)]["accuracy"] for p in xs], "o-", label=mixer)
-        ax.set(title=f"MQAR, d_model={d_model}", xlabel="key-value pairs", xscale="log",
-               ylabel="best held-out accuracy", ylim=(0, 1.02))  # fmt: skip
+        ax.set(
+            title=f"MQAR, d_model={d_model}",
+            xlabel="key-value pairs",
+            xscale="log",
+            ylabel="best held-out accuracy",
+            ylim=(0, 1.02),
+        )
         ax.set_xticks(pairs, [str(p) for p in pairs])
         ax.minorticks_off()  # the log axis would label 20, 30, ... over the pair counts
         ax.legend(fontsize=8)
@@ -152,9 +157,15 @@ def main(argv=None):
         if (mixer, kv_pairs, d_model, lr) not in done
     ]
     for mixer, kv_pairs, d_model, lr in cells:  # fail on a bad cell before running any
-        load_config(resolve_config(args.config), [*cell_overrides(
-            mixer, kv_pairs, d_model, lr, layers=args.layers, steps=args.steps, run_dir="x"
-        ), *args.set])  # fmt: skip
+        load_config(
+            resolve_config(args.config),
+            [
+                *cell_overrides(
+                    mixer, kv_pairs, d_model, lr, layers=args.layers, steps=args.steps, run_dir="x"
+                ),
+                *args.set,
+            ],
+        )
     threads = 1 if args.jobs > 1 else 0
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(lambda cell: run_cell(args, cell, results_path, threads), cells))

@@ -76,10 +76,13 @@ def test_causal_attention_matches_reference(window, packed):
     valid[0] = False  # query 0 then sees no key at all: zeros, not NaN
     actual = causal_attention(
         *(jnp.asarray(a, jnp.float32) for a in (q, k, v)),
-        q_positions=jnp.asarray(positions), k_positions=jnp.asarray(positions),
-        k_valid=jnp.asarray(valid), q_segments=jnp.asarray(segments),
-        k_segments=jnp.asarray(segments), window=window,
-    )  # fmt: skip
+        q_positions=jnp.asarray(positions),
+        k_positions=jnp.asarray(positions),
+        k_valid=jnp.asarray(valid),
+        q_segments=jnp.asarray(segments),
+        k_segments=jnp.asarray(segments),
+        window=window,
+    )
     expected = attention_reference(q, k, v, positions, positions, valid, segments, segments, window)
     assert np.all(np.isfinite(np.asarray(actual)))
     assert_close(actual, expected, jnp.float32)

@@ -102,8 +102,14 @@ def test_scale_must_be_a_finite_positive_number(scale):
         with pytest.raises(ValueError, match=message):
             fn(q, k, v, la, b, scale=scale)
     with pytest.raises(ValueError, match=message):
-        gdn_jax.gated_delta_rule(q[None, :, None], k[None, :, None], v[None, :, None],
-                                 la[None, :, None], b[None, :, None], scale=scale)  # fmt: skip
+        gdn_jax.gated_delta_rule(
+            q[None, :, None],
+            k[None, :, None],
+            v[None, :, None],
+            la[None, :, None],
+            b[None, :, None],
+            scale=scale,
+        )
 
 
 @pytest.mark.parametrize(

@@ -59,8 +59,12 @@ def command_args(out_dir, *extra, sets=()):
 def train(env, out_dir, *extra, sets=(), prefix=("train.py",), **env_extra):
     return subprocess.run(
         [sys.executable, *prefix, *command_args(out_dir, *extra, sets=sets)],
-        cwd=REPO, env=dict(env, **env_extra), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        env=dict(env, **env_extra),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def one_line_error(result, pattern, status=2):
@@ -112,10 +116,13 @@ def fake_run(out_dir, *, steps=(4,), summary=None, **config_changes):
         (["train.seed=-1"], r"train.seed=-1 must be in \[0, 2\*\*32\)"),
         (["train.learning_rate=.inf"], r"train.learning_rate=inf must be finite"),
         (["train.steps=[1"], r"--set 'train.steps=\[1': malformed YAML at line 1, column 3"),
-        (["data.num_kv_pairs=2"], r"holds an earlier run \(config.yaml, metrics.jsonl, "
-         r"checkpoints \(steps 4\)\); continue it with --resume or delete it with --overwrite"),
+        (
+            ["data.num_kv_pairs=2"],
+            r"holds an earlier run \(config.yaml, metrics.jsonl, "
+            r"checkpoints \(steps 4\)\); continue it with --resume or delete it with --overwrite",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_refused_run_leaves_the_earlier_run_untouched(tmp_path, subprocess_env, sets, pattern):
     before = fake_run(tmp_path / "run")
     one_line_error(train(subprocess_env, tmp_path / "run", sets=sets), pattern)
@@ -163,9 +170,11 @@ def test_a_batch_that_does_not_split_over_the_devices_writes_nothing(tmp_path, s
 def test_resume_refuses_a_different_setup_with_a_one_line_diff(tmp_path, subprocess_env):
     before = fake_run(tmp_path / "run")
     result = train(
-        subprocess_env, tmp_path / "run", "--resume",
+        subprocess_env,
+        tmp_path / "run",
+        "--resume",
         sets=["data.num_kv_pairs=2", "train.seed=3", "train.steps=20"],
-    )  # fmt: skip
+    )
     one_line_error(
         result, r"different setup \(data.num_kv_pairs: 4 -> 2; train.seed: 0 -> 3\); only "
     )

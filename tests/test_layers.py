@@ -74,13 +74,18 @@ def reference_layer(layer, x):
     o = np.stack(
         [
             gated_delta_reference(
-                q[:, h // group], k[:, h // group], v[:, h], log_alpha[:, h], beta[:, h],
-                scale=layer.head_dim**-0.5, delta=layer.delta,
+                q[:, h // group],
+                k[:, h // group],
+                v[:, h],
+                log_alpha[:, h],
+                beta[:, h],
+                scale=layer.head_dim**-0.5,
+                delta=layer.delta,
             )[0]
             for h in range(layer.num_v_heads)
         ],
         axis=1,
-    )  # fmt: skip
+    )
     o = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + 1e-5) * np.asarray(layer.o_norm.scale[...])
     o = o * silu(x @ kernel(layer.g_proj)).reshape(o.shape)
     return o.reshape(seq_len, -1) @ kernel(layer.o_proj)
@@ -137,10 +142,15 @@ def test_parameter_count_matches_flash_linear_attention(config):
     layer = GatedDeltaNet(**config, rngs=nnx.Rngs(0))
     count = sum(x.size for x in jax.tree.leaves(nnx.state(layer, nnx.Param)))
     expected = fla_parameter_count(
-        config["hidden_size"], config["num_heads"], config["head_dim"], config.get("expand_v", 2.0),
-        config.get("num_v_heads", config["num_heads"]), config.get("conv_size", 4),
-        config.get("use_gate", True), config.get("conv_bias", False),
-    )  # fmt: skip
+        config["hidden_size"],
+        config["num_heads"],
+        config["head_dim"],
+        config.get("expand_v", 2.0),
+        config.get("num_v_heads", config["num_heads"]),
+        config.get("conv_size", 4),
+        config.get("use_gate", True),
+        config.get("conv_bias", False),
+    )
     assert count == expected
 
 

@@ -21,9 +21,15 @@ def test_matches_reference(impl, seq_len, chunk_size):
     out, final = rule(q, k, v, la, b, initial_state=state, impl=impl, chunk_size=chunk_size)
     for head in range(4):
         y, s = gated_delta_reference(
-            q[0, :, head // 2], k[0, :, head // 2], v[0, :, head], la[0, :, head],
-            b[0, :, head], scale=12**-0.5, initial_state=state[0, head], delta=False,
-        )  # fmt: skip
+            q[0, :, head // 2],
+            k[0, :, head // 2],
+            v[0, :, head],
+            la[0, :, head],
+            b[0, :, head],
+            scale=12**-0.5,
+            initial_state=state[0, head],
+            delta=False,
+        )
         assert_close(out[0, :, head], y, jnp.float32)
         assert_close(final[0, head], s, jnp.float32)
 

@@ -86,8 +86,11 @@ def test_bad_overrides_fail_at_start_up(tmp_path, override, message):
 def test_train_script_reports_config_errors():
     result = subprocess.run(
         [sys.executable, "train.py", "--set", "model.d_modle=3"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "model.d_modle" in result.stderr
 
 
@@ -99,9 +102,12 @@ def test_logits_at_labels_equal_full_logits():
         MQARConfig(vocab_size=64, seq_len=32, num_kv_pairs=4), num_examples=5, seed=1
     )
     batch = make_batch(inputs, labels)
-    both = nnx.jit(lambda model, batch: [
-        loss_and_accuracy(model, batch, logits_at_labels=at_labels) for at_labels in (True, False)
-    ])  # fmt: skip
+    both = nnx.jit(
+        lambda model, batch: [
+            loss_and_accuracy(model, batch, logits_at_labels=at_labels)
+            for at_labels in (True, False)
+        ]
+    )
     (loss_a, acc_a), (loss_b, acc_b) = both(model, batch)
     assert_close(loss_a, loss_b, jnp.float32)
     np.testing.assert_array_equal(acc_a, acc_b)
@@ -163,10 +169,20 @@ def train_subprocess(out_dir, env, *, resume=False, kill=False):
     # mode, so the three see the same JAX settings.
     overrides = json.dumps([*TINY, f"train.out_dir={out_dir}"])
     result = subprocess.run(
-        [sys.executable, "-c", RUN_IN_SUBPROCESS, overrides, "resume" if resume else "-",
-         "kill" if kill else "-"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            RUN_IN_SUBPROCESS,
+            overrides,
+            "resume" if resume else "-",
+            "kill" if kill else "-",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return result
 
 
@@ -227,8 +243,12 @@ def test_data_parallel_over_four_cpu_devices_matches_one(tmp_path, subprocess_en
         out = tmp_path / f"d{devices}"
         result = subprocess.run(
             [sys.executable, "-c", code, *TINY, f"train.out_dir={out}"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip().splitlines()[-1] == str(devices)
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

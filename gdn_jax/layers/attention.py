@@ -85,10 +85,14 @@ class SoftmaxAttention(nnx.Module):
         self.window, self.rope_theta, self.conv_size = window, rope_theta, conv_size
         convs = None
         if use_short_conv:
-            convs = nnx.List([
-                ShortConvolution(inner, conv_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-                for _ in range(3)
-            ])  # fmt: skip
+            convs = nnx.List(
+                [
+                    ShortConvolution(
+                        inner, conv_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+                    )
+                    for _ in range(3)
+                ]
+            )
         self.convs = convs  # q, k, v
 
     def _check(self, x, mask):
@@ -133,9 +137,15 @@ class SoftmaxAttention(nnx.Module):
         valid = jnp.ones((batch, seq_len), bool) if mask is None else mask.astype(bool)
         q, k, v, _ = self._qkv(x, positions, mask=mask, cu_seqlens=cu_seqlens)
         return self._attend(
-            q, k, v, q_positions=positions, k_positions=positions, k_valid=valid,
-            q_segments=segments, k_segments=segments,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            q_positions=positions,
+            k_positions=positions,
+            k_valid=valid,
+            q_segments=segments,
+            k_segments=segments,
+        )
 
     def init_cache(self, batch_size: int, max_len: int) -> KVCache:
         shape = (batch_size, max_len, self.num_heads, self.head_dim)
@@ -146,11 +156,13 @@ class SoftmaxAttention(nnx.Module):
             positions=jnp.zeros((batch_size, max_len), jnp.int32),
             length=jnp.zeros((), jnp.int32),
             next_position=jnp.zeros((batch_size,), jnp.int32),
-            conv=None if self.convs is None else tuple(
+            conv=None
+            if self.convs is None
+            else tuple(
                 jnp.zeros((batch_size, self.conv_size - 1, shape[2] * shape[3]), self.q_proj.dtype)
                 for _ in range(3)
             ),
-        )  # fmt: skip
+        )
 
     def prefill(self, x, cache, *, mask=None):
         """Append ``x [B, T, D]`` (left-padded with ``mask``) to ``cache`` and attend over
@@ -181,9 +193,13 @@ class SoftmaxAttention(nnx.Module):
             conv=conv,
         )
         y = self._attend(
-            q, cache.k, cache.v, q_positions=positions, k_positions=cache.positions,
+            q,
+            cache.k,
+            cache.v,
+            q_positions=positions,
+            k_positions=cache.positions,
             k_valid=cache.valid,
-        )  # fmt: skip
+        )
         return y, cache
 
     def step(self, x, cache):

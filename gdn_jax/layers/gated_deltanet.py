@@ -79,9 +79,13 @@ class GatedDeltaNet(nnx.Module):
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
         name = type(self).__name__
         checks.check_positive_int(
-            name, hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim,
-            num_v_heads=num_v_heads, conv_size=conv_size,
-        )  # fmt: skip
+            name,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            num_v_heads=num_v_heads,
+            conv_size=conv_size,
+        )
         checks.check_positive_number(name, expand_v=expand_v, norm_eps=norm_eps)
         head_v_dim = head_dim * expand_v
         _require(
@@ -115,9 +119,13 @@ class GatedDeltaNet(nnx.Module):
             self.dt_bias = NoWeightDecay(dt_bias_init(rngs.params(), (num_v_heads,), param_dtype))
         if use_short_conv:
             conv = functools.partial(
-                ShortConvolution, conv_size=conv_size, use_bias=conv_bias, dtype=dtype,
-                param_dtype=param_dtype, rngs=rngs,
-            )  # fmt: skip
+                ShortConvolution,
+                conv_size=conv_size,
+                use_bias=conv_bias,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                rngs=rngs,
+            )
             self.q_conv1d = conv(self.key_dim)
             self.k_conv1d = conv(self.key_dim)
             self.v_conv1d = conv(self.value_dim)
@@ -179,9 +187,11 @@ class GatedDeltaNet(nnx.Module):
         conv_cache = None
         if self.q_conv1d is not None:
             (q, k, v), conv_cache = convolve_qkv(
-                (self.q_conv1d, self.k_conv1d, self.v_conv1d), (q, k, v),
-                histories=None if cache is None else cache.conv, cu_seqlens=cu_seqlens,
-            )  # fmt: skip
+                (self.q_conv1d, self.k_conv1d, self.v_conv1d),
+                (q, k, v),
+                histories=None if cache is None else cache.conv,
+                cu_seqlens=cu_seqlens,
+            )
         q = q.reshape(batch, seq_len, self.num_heads, self.head_dim)
         k = k.reshape(batch, seq_len, self.num_heads, self.head_dim)
         v = v.reshape(batch, seq_len, self.num_v_heads, self.head_v_dim)
@@ -204,10 +214,17 @@ class GatedDeltaNet(nnx.Module):
 
         rule = gated_delta_rule if self.delta else gated_linear_attention
         o, state = rule(
-            q, k, v, log_alpha, beta,
+            q,
+            k,
+            v,
+            log_alpha,
+            beta,
             initial_state=None if cache is None else cache.state,
-            impl=impl, chunk_size=self.chunk_size, cu_seqlens=cu_seqlens, use_qk_l2norm=True,
-        )  # fmt: skip
+            impl=impl,
+            chunk_size=self.chunk_size,
+            cu_seqlens=cu_seqlens,
+            use_qk_l2norm=True,
+        )
         o = self.o_norm(o)
         if self.use_gate:
             o = o * jax.nn.silu(self.g_proj(x)).reshape(o.shape)

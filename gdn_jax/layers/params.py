@@ -44,6 +44,10 @@ def bias_free_linear(*, dtype, param_dtype, kernel_init=None, rngs):
     if kernel_init is None:
         kernel_init = nnx.initializers.lecun_normal()
     return functools.partial(
-        nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-        kernel_init=kernel_init, rngs=rngs,
-    )  # fmt: skip
+        nnx.Linear,
+        use_bias=False,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=kernel_init,
+        rngs=rngs,
+    )

@@ -75,6 +75,11 @@ def generate(model, prompt, *, mask=None, max_new_tokens: int, temperature: floa
     mask = jnp.ones(prompt.shape, jnp.int32) if mask is None else mask
     graphdef, state = nnx.split(model)
     return _generate(
-        graphdef, state, prompt, mask, key,
-        max_new_tokens=max_new_tokens, temperature=float(temperature),
-    )  # fmt: skip
+        graphdef,
+        state,
+        prompt,
+        mask,
+        key,
+        max_new_tokens=max_new_tokens,
+        temperature=float(temperature),
+    )

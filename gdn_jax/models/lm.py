@@ -34,17 +34,30 @@ def build_mixer(config: ModelConfig, name: str, *, rngs: nnx.Rngs):
     )
     if name in ("attention", "attention_conv"):
         return SoftmaxAttention(
-            config.d_model, config.num_heads, config.key_head_dim,
-            window=config.window, rope_theta=config.rope_theta,
-            use_short_conv=name == "attention_conv", conv_size=config.conv_size, **common,
-        )  # fmt: skip
+            config.d_model,
+            config.num_heads,
+            config.key_head_dim,
+            window=config.window,
+            rope_theta=config.rope_theta,
+            use_short_conv=name == "attention_conv",
+            conv_size=config.conv_size,
+            **common,
+        )
     return RECURRENT_MIXERS[name](
-        config.d_model, config.num_heads, config.key_head_dim,
-        expand_v=config.expand_v, num_v_heads=config.num_v_heads, use_gate=config.use_gate,
-        use_short_conv=config.use_short_conv, conv_size=config.conv_size,
-        allow_neg_eigval=config.allow_neg_eigval, norm_eps=config.norm_eps,
-        chunk_size=config.chunk_size, impl=config.impl, **common,
-    )  # fmt: skip
+        config.d_model,
+        config.num_heads,
+        config.key_head_dim,
+        expand_v=config.expand_v,
+        num_v_heads=config.num_v_heads,
+        use_gate=config.use_gate,
+        use_short_conv=config.use_short_conv,
+        conv_size=config.conv_size,
+        allow_neg_eigval=config.allow_neg_eigval,
+        norm_eps=config.norm_eps,
+        chunk_size=config.chunk_size,
+        impl=config.impl,
+        **common,
+    )
 
 
 class Block(nnx.Module):
@@ -58,11 +71,18 @@ class Block(nnx.Module):
         self.mixer = build_mixer(config, mixer, rngs=rngs)
         # Assigned once each: NNX fixes an attribute's data/static status at first assignment.
         self.mlp_norm = nnx.RMSNorm(config.d_model, **norm, rngs=rngs) if config.use_mlp else None
-        mlp = SwiGLU(
-            config.d_model, config.mlp_width, dtype=config.jnp_dtype,
-            param_dtype=config.jnp_param_dtype,
-            kernel_init=nnx.initializers.normal(config.init_std), rngs=rngs,
-        ) if config.use_mlp else None  # fmt: skip
+        mlp = (
+            SwiGLU(
+                config.d_model,
+                config.mlp_width,
+                dtype=config.jnp_dtype,
+                param_dtype=config.jnp_param_dtype,
+                kernel_init=nnx.initializers.normal(config.init_std),
+                rngs=rngs,
+            )
+            if config.use_mlp
+            else None
+        )
         self.mlp = mlp
 
     def _mlp(self, x):
@@ -91,20 +111,34 @@ class LanguageModel(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config.validate()
         self.embed = nnx.Embed(
-            config.vocab_size, config.d_model, dtype=config.jnp_dtype,
+            config.vocab_size,
+            config.d_model,
+            dtype=config.jnp_dtype,
             param_dtype=config.jnp_param_dtype,
-            embedding_init=nnx.initializers.normal(config.init_std), rngs=rngs,
-        )  # fmt: skip
+            embedding_init=nnx.initializers.normal(config.init_std),
+            rngs=rngs,
+        )
         self.blocks = nnx.List([Block(config, name, rngs=rngs) for name in config.mixers])
         self.norm = nnx.RMSNorm(
-            config.d_model, epsilon=config.norm_eps, dtype=config.jnp_dtype,
-            param_dtype=config.jnp_param_dtype, rngs=rngs,
-        )  # fmt: skip
-        head = nnx.Linear(
-            config.d_model, config.vocab_size, use_bias=False, dtype=config.jnp_dtype,
+            config.d_model,
+            epsilon=config.norm_eps,
+            dtype=config.jnp_dtype,
             param_dtype=config.jnp_param_dtype,
-            kernel_init=nnx.initializers.normal(config.init_std), rngs=rngs,
-        ) if not config.tie_embeddings else None  # fmt: skip
+            rngs=rngs,
+        )
+        head = (
+            nnx.Linear(
+                config.d_model,
+                config.vocab_size,
+                use_bias=False,
+                dtype=config.jnp_dtype,
+                param_dtype=config.jnp_param_dtype,
+                kernel_init=nnx.initializers.normal(config.init_std),
+                rngs=rngs,
+            )
+            if not config.tie_embeddings
+            else None
+        )
         self.lm_head = head
 
     def _embed(self, tokens):

@@ -29,9 +29,13 @@ def core_inputs(q, k, v, log_alpha, beta, initial_state, scale):
     if initial_state is None:
         initial_state = jnp.zeros((value_dim, key_dim), dt)
     return (
-        q.astype(dt) * scale, k.astype(dt), v.astype(dt), log_alpha.astype(dt),
-        beta.astype(dt), initial_state.astype(dt)[None],
-    )  # fmt: skip
+        q.astype(dt) * scale,
+        k.astype(dt),
+        v.astype(dt),
+        log_alpha.astype(dt),
+        beta.astype(dt),
+        initial_state.astype(dt)[None],
+    )
 
 
 def token_step(state, q, k, v, log_alpha, beta):

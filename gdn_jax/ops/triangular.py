@@ -1,10 +1,8 @@
 """Inverse of a unit lower-triangular matrix from matmuls alone.
 
-``jax.lax.linalg.triangular_solve`` lowers on CPU to a LAPACK custom call that splits its
-batch over XLA's thread pool and blocks a pool thread until the pieces finish; inside a
-``while`` loop on a 2-core machine that wait can starve forever (seen with jaxlib 0.10.2).
 Blockwise inversion uses only ``dot`` and reshapes, runs on every backend and is batched
-across chunks by ``vmap``.
+across chunks and heads by ``vmap``; docs/benchmarks.md records why it is used instead of
+``jax.lax.linalg.triangular_solve``.
 """
 
 from __future__ import annotations

@@ -44,13 +44,18 @@ def parse_args(argv):
         description="Train a small Gated DeltaNet on multi-query associative recall (MQAR).",
     )
     parser.add_argument(
-        "--config", default=DEFAULT_CONFIG,
+        "--config",
+        default=DEFAULT_CONFIG,
         help="YAML config: a path, or the name of a packaged one (default %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override a field, e.g. --set model.d_model=128 (repeatable)",
-    )  # fmt: skip
+    )
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--resume", action="store_true", help="continue the run in out_dir")
     which.add_argument(
@@ -88,9 +93,11 @@ def _main(argv) -> int:
         return fail(error)
     devices = jax.devices()
     print(f"devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()})")
-    print(f"model: {config.model.mixers}, d_model={config.model.d_model}; data: "
-          f"seq_len={config.data.seq_len}, kv pairs={config.data.num_kv_pairs}, "
-          f"vocab={config.data.vocab_size}; out: {config.train.out_dir}")  # fmt: skip
+    print(
+        f"model: {config.model.mixers}, d_model={config.model.d_model}; data: "
+        f"seq_len={config.data.seq_len}, kv pairs={config.data.num_kv_pairs}, "
+        f"vocab={config.data.vocab_size}; out: {config.train.out_dir}"
+    )
     try:
         summary = run(config, resume=args.resume, overwrite=args.overwrite)
     except RunError as error:
@@ -100,16 +107,20 @@ def _main(argv) -> int:
     except Interrupted as error:
         again = [a for a in argv if a != "--overwrite"] + ([] if args.resume else ["--resume"])
         start = ["python", "train.py"] if parser.prog == "train.py" else [parser.prog]
-        print(f"{parser.prog}: stopped by {error}; continue with: {shlex.join(start + again)}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"{parser.prog}: stopped by {error}; continue with: {shlex.join(start + again)}",
+            file=sys.stderr,
+        )
         return 128 + error.signum
     accuracy, loss = (
         "none yet" if summary[k] is None else f"{summary[k]:.4f}"
         for k in ("eval_accuracy", "eval_loss")
     )
     if summary.get("already_finished"):
-        print(f"{config.train.out_dir} has finished (step {summary['final_step']}, held-out "
-              f"accuracy {accuracy}); nothing to resume")  # fmt: skip
+        print(
+            f"{config.train.out_dir} has finished (step {summary['final_step']}, held-out "
+            f"accuracy {accuracy}); nothing to resume"
+        )
         return 0
     print(
         f"step {summary['final_step']}: held-out accuracy {accuracy}, loss {loss}, "

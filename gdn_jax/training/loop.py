@@ -127,8 +127,10 @@ def _check_run_dir(config: Config, out_dir: Path, *, resume: bool, overwrite: bo
                 "--resume or delete it with --overwrite"
             )
         if earlier:
-            print(f"--overwrite: deleted {', '.join(run_dir.clear(out_dir))} in {out_dir}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"--overwrite: deleted {', '.join(run_dir.clear(out_dir))} in {out_dir}",
+                file=sys.stderr,
+            )
         return
     if not any(name.startswith(run_dir.CHECKPOINTS) for name in earlier):
         raise RunError(f"--resume: {out_dir} has no checkpoint to resume; start without --resume")
@@ -183,9 +185,15 @@ def _init_state(config: Config, devices, out_dir: Path) -> RunState:
         options=ocp.CheckpointManagerOptions(max_to_keep=train.keep_checkpoints, create=True),
     )
     return RunState(
-        config, out_dir, MetricsLog(out_dir / run_dir.METRICS), checkpoints,
-        jax.device_put(state, replicated), train_step, eval_step, by_example,
-    )  # fmt: skip
+        config,
+        out_dir,
+        MetricsLog(out_dir / run_dir.METRICS),
+        checkpoints,
+        jax.device_put(state, replicated),
+        train_step,
+        eval_step,
+        by_example,
+    )
 
 
 def _restore_or_start(run: RunState, resume: bool) -> int:
@@ -206,8 +214,11 @@ def _restore_or_start(run: RunState, resume: bool) -> int:
             (run.out_dir / run_dir.CHECKPOINTS / str(step)).rename(aside)
             run.checkpoints.reload()
             reason = str(error).splitlines()[0][:120] if str(error) else type(error).__name__
-            print(f"warning: checkpoint step {step} does not restore ({reason}); moved it to "
-                  f"{aside} and trying the one before", file=sys.stderr)  # fmt: skip
+            print(
+                f"warning: checkpoint step {step} does not restore ({reason}); moved it to "
+                f"{aside} and trying the one before",
+                file=sys.stderr,
+            )
             continue
         run.log.truncate(step)
         (run.out_dir / run_dir.SUMMARY).unlink(missing_ok=True)  # the run goes on
@@ -290,10 +301,14 @@ def _step_loop(run: RunState, start: int, held_out, callbacks, stop_requests) ->
             step += 1
             if not math.isfinite(metrics["loss"]):
                 latest = run.checkpoints.latest_step()
-                kept = "no checkpoint was saved yet" if latest is None else (
-                    f"the last good checkpoint is step {latest} in "
-                    f"{run.out_dir / run_dir.CHECKPOINTS}"
-                )  # fmt: skip
+                kept = (
+                    "no checkpoint was saved yet"
+                    if latest is None
+                    else (
+                        f"the last good checkpoint is step {latest} in "
+                        f"{run.out_dir / run_dir.CHECKPOINTS}"
+                    )
+                )
                 raise NonFiniteLossError(f"loss is {metrics['loss']} at step {step}; {kept}")
             metrics["tokens_per_s"] = tokens_per_step / (time.perf_counter() - tick)
             run.log.append("train", step, **metrics)
@@ -304,8 +319,13 @@ def _step_loop(run: RunState, start: int, held_out, callbacks, stop_requests) ->
             if step % train.eval_every == 0 or done:
                 eval_loss, eval_accuracy = _evaluate(run, held_out)
                 summary.update(eval_accuracy=eval_accuracy, eval_loss=eval_loss)
-                run.log.append("eval", step, loss=eval_loss, accuracy=eval_accuracy,
-                               elapsed_s=time.perf_counter() - began)  # fmt: skip
+                run.log.append(
+                    "eval",
+                    step,
+                    loss=eval_loss,
+                    accuracy=eval_accuracy,
+                    elapsed_s=time.perf_counter() - began,
+                )
                 target = train.target_accuracy
                 if target is not None and eval_accuracy >= target and not done:
                     done, summary["reason"] = True, "target"
@@ -313,10 +333,11 @@ def _step_loop(run: RunState, start: int, held_out, callbacks, stop_requests) ->
                 _save(run, step)
             bar.update(1)
             bar.set_postfix(
-                loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}",
+                loss=f"{metrics['loss']:.3f}",
+                acc=f"{metrics['accuracy']:.3f}",
                 eval=f"{summary['eval_accuracy'] or 0:.3f}",
                 tok_s=f"{metrics['tokens_per_s']:.0f}",
-            )  # fmt: skip
+            )
             if done:
                 break
             if stop_requests:
