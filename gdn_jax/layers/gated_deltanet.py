@@ -70,7 +70,7 @@ class GatedDeltaNet(nnx.Module):
         allow_neg_eigval: bool = False,
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
-        impl: str = "chunked",
+        impl: checks.Impl = "chunked",
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         kernel_init=None,

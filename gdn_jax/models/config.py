@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal, get_args
 
 import jax.numpy as jnp
 
-from gdn_jax.ops.checks import SUPPORTED_CHUNK_SIZES, SUPPORTED_IMPLS
+from gdn_jax.ops.checks import SUPPORTED_CHUNK_SIZES, SUPPORTED_IMPLS, Impl
 
 # "attention_conv" is attention with the recurrent mixers' short convolutions on q, k and v:
 # the control that separates what the convolution contributes to recall from the mixer.
-MIXERS = ("gdn", "deltanet", "gated_linear", "linear", "attention", "attention_conv")
+Mixer = Literal["gdn", "deltanet", "gated_linear", "linear", "attention", "attention_conv"]
+MIXERS: tuple[str, ...] = get_args(Mixer)
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
@@ -24,7 +26,7 @@ class ModelConfig:
     d_model: int = 64
     # Token mixer of each layer, from MIXERS; the number of layers is len(mixers). A hybrid
     # stack is a mixed list, e.g. ("gdn", "gdn", "attention").
-    mixers: tuple[str, ...] = ("gdn", "gdn")
+    mixers: tuple[Mixer, ...] = ("gdn", "gdn")
     # Query/key heads H of every mixer.
     num_heads: int = 2
     # Key dim K per head (and attention's head dim); None means d_model // num_heads.
@@ -44,7 +46,7 @@ class ModelConfig:
     # Chunk size C of the chunked recurrence.
     chunk_size: int = 64
     # "chunked" (train with this) or "recurrent" (the token-by-token reference).
-    impl: str = "chunked"
+    impl: Impl = "chunked"
     # Attention: sliding window in tokens, or None for full causal attention.
     window: int | None = None
     # Attention: RoPE base.

@@ -13,7 +13,7 @@ from gdn_jax.layers import (
     SoftmaxAttention,
     SwiGLU,
 )
-from gdn_jax.models.config import ModelConfig
+from gdn_jax.models.config import Mixer, ModelConfig
 from gdn_jax.ops import checks
 
 RECURRENT_MIXERS = {
@@ -24,7 +24,7 @@ RECURRENT_MIXERS = {
 }
 
 
-def build_mixer(config: ModelConfig, name: str, *, rngs: nnx.Rngs):
+def build_mixer(config: ModelConfig, name: Mixer, *, rngs: nnx.Rngs):
     """The mixer registry: a name from ``MIXERS`` to a layer built from ``config``."""
     common = dict(
         dtype=config.jnp_dtype,

@@ -69,9 +69,9 @@ def gated_delta_rule(
     *,
     scale: float | None = None,
     initial_state: Float[Array, "B HV V K"] | None = None,
-    impl: str = "chunked",
+    impl: checks.Impl = "chunked",
     chunk_size: int = 64,
-    schedule: str = "auto",
+    schedule: checks.Schedule = "auto",
     cu_seqlens: Int[Array, " N+1"] | None = None,
     use_qk_l2norm: bool = False,
 ) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV V K"]]:
@@ -115,9 +115,9 @@ def gated_linear_attention(
     *,
     scale: float | None = None,
     initial_state: Float[Array, "B HV V K"] | None = None,
-    impl: str = "chunked",
+    impl: checks.Impl = "chunked",
     chunk_size: int = 64,
-    schedule: str = "auto",
+    schedule: checks.Schedule = "auto",
     cu_seqlens: Int[Array, " N+1"] | None = None,
     use_qk_l2norm: bool = False,
 ) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV V K"]]:

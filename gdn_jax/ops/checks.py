@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+Impl = Literal["chunked", "recurrent"]
+Schedule = Literal["auto", "hoisted", "in_scan"]
+
 SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
-SUPPORTED_IMPLS = ("chunked", "recurrent")
-SUPPORTED_SCHEDULES = ("auto", "hoisted", "in_scan")
+SUPPORTED_IMPLS: tuple[str, ...] = get_args(Impl)
+SUPPORTED_SCHEDULES: tuple[str, ...] = get_args(Schedule)
 
 
 def check_floating(fn: str, **arrays) -> None:

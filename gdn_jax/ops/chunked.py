@@ -192,7 +192,7 @@ SCHEDULES = {
 }
 
 
-def resolve_schedule(schedule: str) -> str:
+def resolve_schedule(schedule: checks.Schedule) -> str:
     """``"auto"`` is ``"in_scan"`` on CPU, where it measured faster (docs/benchmarks.md), and
     ``"hoisted"`` on every other backend."""
     if schedule != "auto":
@@ -293,7 +293,7 @@ def gated_delta_rule_chunked(
     scale: float | None = None,
     initial_state: Float[Array, "V K"] | None = None,
     chunk_size: int = 64,
-    schedule: str = "auto",
+    schedule: checks.Schedule = "auto",
 ) -> tuple[Float[Array, "T V"], Float[Array, "V K"]]:
     """One head, one sequence, chunkwise; the same contract as ``gated_delta_rule_recurrent``.
 

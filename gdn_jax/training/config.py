@@ -105,6 +105,8 @@ class Config:
 def _convert(value, annotation, name):
     """``value`` (from YAML) as the type ``annotation``, or a ValueError naming ``name``."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:  # a string here; validate() says which values are allowed
+        annotation = type(args[0])
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
