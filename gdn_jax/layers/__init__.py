@@ -3,6 +3,7 @@
 from gdn_jax.layers.attention import KVCache, SoftmaxAttention
 from gdn_jax.layers.baselines import DeltaNet, GatedLinearAttention, LinearAttention
 from gdn_jax.layers.gated_deltanet import GatedDeltaNet, RecurrentCache
+from gdn_jax.layers.mixer import TokenMixer
 from gdn_jax.layers.mlp import SwiGLU
 from gdn_jax.layers.params import NoWeightDecay
 
@@ -16,4 +17,5 @@ __all__ = [
     "RecurrentCache",
     "SoftmaxAttention",
     "SwiGLU",
+    "TokenMixer",
 ]

@@ -147,7 +147,10 @@ class SoftmaxAttention(nnx.Module):
             k_segments=segments,
         )
 
-    def init_cache(self, batch_size: int, max_len: int) -> KVCache:
+    def init_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        """An empty cache of ``max_len`` slots: prompt plus generated tokens must fit
+        (``None`` is not a bound attention can use)."""
+        checks.check_positive_int("SoftmaxAttention", batch_size=batch_size, max_len=max_len)
         shape = (batch_size, max_len, self.num_heads, self.head_dim)
         return KVCache(
             k=jnp.zeros(shape, self.q_proj.dtype),
@@ -164,11 +167,13 @@ class SoftmaxAttention(nnx.Module):
             ),
         )
 
-    def prefill(self, x, cache, *, mask=None):
+    def prefill(self, x, cache=None, *, mask=None):
         """Append ``x [B, T, D]`` (left-padded with ``mask``) to ``cache`` and attend over
-        everything cached; returns ``(y, cache)``. The cache must have room: an overflow is
-        an error when its length is known (eager decoding), and ``generate`` sizes it."""
+        everything cached; returns ``(y, cache)``. ``None`` is a cache that holds just this
+        prompt, with no room to step on. The cache must have room: an overflow is an error
+        when its length is known (eager decoding), and ``generate`` sizes it."""
         self._check(x, mask)
+        cache = self.init_cache(x.shape[0], x.shape[1]) if cache is None else cache
         batch, seq_len, _ = x.shape
         max_len = cache.k.shape[1]
         filled = int(cache.length) if checks.is_concrete(cache.length) else 0

@@ -152,8 +152,11 @@ class GatedDeltaNet(nnx.Module):
         return y
 
     def init_cache(self, batch_size: int, max_len: int | None = None) -> RecurrentCache:
-        """An empty cache; ``max_len`` is accepted for symmetry with attention and unused."""
-        del max_len
+        """An empty cache. The recurrent state has one size whatever the length, so any
+        ``max_len`` (checked when given) decodes on without limit."""
+        checks.check_positive_int(type(self).__name__, batch_size=batch_size)
+        if max_len is not None:
+            checks.check_positive_int(type(self).__name__, max_len=max_len)
         conv = None
         if self.q_conv1d is not None:
             width = self.conv_size - 1

@@ -12,6 +12,7 @@ from gdn_jax.layers import (
     LinearAttention,
     SoftmaxAttention,
     SwiGLU,
+    TokenMixer,
 )
 from gdn_jax.models.config import Mixer, ModelConfig
 from gdn_jax.ops import checks
@@ -24,7 +25,7 @@ RECURRENT_MIXERS = {
 }
 
 
-def build_mixer(config: ModelConfig, name: Mixer, *, rngs: nnx.Rngs):
+def build_mixer(config: ModelConfig, name: Mixer, *, rngs: nnx.Rngs) -> TokenMixer:
     """The mixer registry: a name from ``MIXERS`` to a layer built from ``config``."""
     common = dict(
         dtype=config.jnp_dtype,
