@@ -149,3 +149,14 @@ def test_python_lists_are_named_not_attribute_errors():
         ValueError, match=r"gated_delta_rule: cu_seqlens must be an array, got list"
     ):
         gdn_jax.gated_delta_rule(*batched, cu_seqlens=[0, 4, 8])
+
+
+def test_no_layer_accepts_an_argument_it_would_ignore():
+    from gdn_jax import LinearAttention
+
+    with pytest.raises(ValueError, match=r"LinearAttention: allow_neg_eigval=True widens beta"):
+        LinearAttention(16, 2, 8, allow_neg_eigval=True, rngs=nnx.Rngs(0))
+    # The model-wide flag reaches only the mixers with a delta correction.
+    config = ModelConfig(vocab_size=50, d_model=16, mixers=("gdn", "linear"), allow_neg_eigval=True)
+    model = LanguageModel(config, rngs=nnx.Rngs(0))
+    assert [block.mixer.allow_neg_eigval for block in model.blocks] == [True, False]

@@ -98,6 +98,11 @@ class GatedDeltaNet(nnx.Module):
         )
         checks.check_impl(name, impl)
         checks.check_chunk_size(name, chunk_size)
+        _require(
+            self.delta or not allow_neg_eigval,
+            f"{name}: allow_neg_eigval=True widens beta of the delta correction, which {name} "
+            "does not have",
+        )
 
         self.hidden_size = hidden_size
         self.num_heads, self.num_v_heads, self.head_dim = num_heads, num_v_heads, head_dim

@@ -44,7 +44,8 @@ def build_mixer(config: ModelConfig, name: Mixer, *, rngs: nnx.Rngs) -> TokenMix
             conv_size=config.conv_size,
             **common,
         )
-    return RECURRENT_MIXERS[name](
+    layer = RECURRENT_MIXERS[name]
+    return layer(
         config.d_model,
         config.num_heads,
         config.key_head_dim,
@@ -53,7 +54,7 @@ def build_mixer(config: ModelConfig, name: Mixer, *, rngs: nnx.Rngs) -> TokenMix
         use_gate=config.use_gate,
         use_short_conv=config.use_short_conv,
         conv_size=config.conv_size,
-        allow_neg_eigval=config.allow_neg_eigval,
+        allow_neg_eigval=config.allow_neg_eigval and layer.delta,  # model-wide, where it applies
         norm_eps=config.norm_eps,
         chunk_size=config.chunk_size,
         impl=config.impl,
