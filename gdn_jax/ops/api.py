@@ -8,6 +8,8 @@ It checks shapes once, then maps the single-head forms over value heads and batc
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,10 +18,21 @@ from jaxtyping import Array, Float, Int
 from gdn_jax.ops import checks
 from gdn_jax.ops.chunked import chunked_rule
 from gdn_jax.ops.normalize import l2_normalize
-from gdn_jax.ops.recurrent import recurrent_core
+from gdn_jax.ops.recurrent import recurrent_rule
 from gdn_jax.ops.step import compute_dtype, default_scale, linear_token_step, token_step
-from gdn_jax.ops.varlen import pack_layout
-from gdn_jax.ops.wy import DELTA, LINEAR
+from gdn_jax.ops.wy import DELTA, LINEAR, WriteRule
+
+
+class Rule(NamedTuple):
+    """One recurrence in both forms: the token step of the recurrent form and the write
+    rule of the chunked form."""
+
+    token: Callable
+    chunk: WriteRule
+
+
+DELTA_RULE = Rule(token_step, DELTA)  # S' = alpha S + beta (v - alpha S k) k^T
+LINEAR_RULE = Rule(linear_token_step, LINEAR)  # S' = alpha S + beta v k^T
 
 
 def _check_batched(fn, q, k, v, log_alpha, beta, initial_state, cu_seqlens):
@@ -103,7 +116,7 @@ def gated_delta_rule(
     """
     options = dict(scale=scale, initial_state=initial_state, impl=impl, chunk_size=chunk_size)
     options.update(schedule=schedule, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
-    return _batched("gated_delta_rule", True, q, k, v, log_alpha, beta, **options)
+    return _batched("gated_delta_rule", DELTA_RULE, q, k, v, log_alpha, beta, **options)
 
 
 def gated_linear_attention(
@@ -130,12 +143,12 @@ def gated_linear_attention(
     """
     options = dict(scale=scale, initial_state=initial_state, impl=impl, chunk_size=chunk_size)
     options.update(schedule=schedule, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
-    return _batched("gated_linear_attention", False, q, k, v, log_alpha, beta, **options)
+    return _batched("gated_linear_attention", LINEAR_RULE, q, k, v, log_alpha, beta, **options)
 
 
 def _batched(
     fn,
-    delta,
+    rule,
     q,
     k,
     v,
@@ -150,7 +163,8 @@ def _batched(
     cu_seqlens,
     use_qk_l2norm,
 ):
-    """Shared body of ``gated_delta_rule`` (``delta=True``) and ``gated_linear_attention``."""
+    """Shared body of ``gated_delta_rule`` and ``gated_linear_attention``: a shape check,
+    the compute-dtype inputs, then ``rule`` in the form ``impl`` vmapped over batch and heads."""
     _check_batched(fn, q, k, v, log_alpha, beta, initial_state, cu_seqlens)
     checks.check_scale(fn, scale)
     checks.check_impl(fn, impl)
@@ -160,39 +174,30 @@ def _batched(
     batch, seq_len, heads, key_dim = q.shape
     v_heads, value_dim = v.shape[2], v.shape[3]
     scale = default_scale(key_dim) if scale is None else scale
-    dt = compute_dtype(q, log_alpha, beta, initial_state)
+    compute = compute_dtype(q, log_alpha, beta, initial_state)
     out_dtype = v.dtype
 
-    q, k = q.astype(dt), k.astype(dt)
+    q, k = q.astype(compute), k.astype(compute)
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
     q = q * scale
-    v, log_alpha, beta = v.astype(dt), log_alpha.astype(dt), beta.astype(dt)
+    v, log_alpha, beta = v.astype(compute), log_alpha.astype(compute), beta.astype(compute)
 
     num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if initial_state is None:
-        initial_state = jnp.zeros((num_states, v_heads, value_dim, key_dim), dt)
-    initial_state = initial_state.astype(dt)
-
-    if cu_seqlens is None:
-        layout = None
-    else:
-        layout = pack_layout(cu_seqlens, seq_len, chunk_size if impl == "chunked" else 1)
+        initial_state = jnp.zeros((num_states, v_heads, value_dim, key_dim), compute)
+    initial_state = initial_state.astype(compute)
 
     if impl == "chunked":
         one_head = functools.partial(
             chunked_rule,
             chunk_size=chunk_size,
-            layout=layout,
-            rule=DELTA if delta else LINEAR,
+            cu_seqlens=cu_seqlens,
+            rule=rule.chunk,
             schedule=schedule,
         )
     else:
-        resets = None if layout is None else layout.resets
-        step = token_step if delta else linear_token_step
-
-        def one_head(q, k, v, log_alpha, beta, initial_states):
-            return recurrent_core(q, k, v, log_alpha, beta, initial_states, resets, step)
+        one_head = functools.partial(recurrent_rule, cu_seqlens=cu_seqlens, step=rule.token)
 
     # The value heads of one query/key head form a group of R that reads the same q and k:
     # vmapping the group with q and k unbatched shares them (and their q k^T, k k^T products)

@@ -39,6 +39,7 @@ from gdn_jax.ops import checks
 from gdn_jax.ops.blocks import scan_blocks, scan_blocks_backward
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR, ChunkDecays, chunk_decays, chunk_decays_bwd
 from gdn_jax.ops.step import core_inputs
+from gdn_jax.ops.varlen import pack_layout
 from gdn_jax.ops.wy import DELTA, WriteRule
 
 over_chunks = jax.vmap
@@ -242,20 +243,22 @@ def chunked_rule(
     initial_states,
     *,
     chunk_size,
-    layout=None,
+    cu_seqlens=None,
     rule=DELTA,
     schedule="auto",
 ):
-    """Chunk the tokens, run ``chunked_core`` with ``rule`` and ``schedule``, unchunk.
+    """Lay the tokens out in chunks, run ``chunked_core`` with ``rule`` and ``schedule``, and
+    back; the chunked twin of ``recurrent.recurrent_rule``.
 
     Arrays are in the compute dtype and ``q`` is pre-scaled: q, k ``[T, K]``, v ``[T, V]``,
-    gates ``[T]``, ``initial_states [M, V, K]``. Without ``layout`` the tail is padded with
-    inert tokens (zero q, k, v and beta, log_alpha 0: no decay, no write); with a
-    ``varlen.PackedLayout`` each packed sequence starts on a chunk boundary.
+    gates ``[T]``, ``initial_states [M, V, K]``. Without ``cu_seqlens`` the tail is padded
+    with inert tokens (zero q, k, v and beta, log_alpha 0: no decay, no write); with it each
+    packed sequence starts on a chunk boundary (``varlen.pack_layout``).
     Returns ``(y [T, V], finals [M, V, K])``.
     """
     seq_len = q.shape[0]
     log_alpha = jnp.maximum(log_alpha, LOG_ALPHA_FLOOR)
+    layout = None if cu_seqlens is None else pack_layout(cu_seqlens, seq_len, chunk_size)
     if layout is None:
         num_chunks = -(-seq_len // chunk_size)
         pad = num_chunks * chunk_size - seq_len

@@ -11,12 +11,21 @@ from jaxtyping import Array, Float
 from gdn_jax.ops import checks
 from gdn_jax.ops.blocks import scan_blocks
 from gdn_jax.ops.step import core_inputs, token_step
+from gdn_jax.ops.varlen import pack_layout
 
 
 def recurrent_core(q, k, v, log_alpha, beta, initial_states, resets=None, step=token_step):
     """Scan ``step`` over tokens on compute-dtype arrays (``q`` pre-scaled); see
     ``scan_blocks``."""
     return scan_blocks(step, (q, k, v, log_alpha, beta), initial_states, resets)
+
+
+def recurrent_rule(q, k, v, log_alpha, beta, initial_states, *, cu_seqlens=None, step=token_step):
+    """Run ``recurrent_core`` with ``step`` over the tokens, resetting the state where packed
+    ``cu_seqlens`` start a sequence; the recurrent twin of ``chunked.chunked_rule``, with the
+    same arguments and results (a block is one token, so the layout is the identity)."""
+    resets = None if cu_seqlens is None else pack_layout(cu_seqlens, q.shape[0], 1).resets
+    return recurrent_core(q, k, v, log_alpha, beta, initial_states, resets, step)
 
 
 def gated_delta_rule_recurrent(
@@ -49,5 +58,5 @@ def gated_delta_rule_recurrent(
     fn = "gated_delta_rule_recurrent"
     checks.check_single_head(fn, q, k, v, log_alpha, beta, initial_state)
     checks.check_scale(fn, scale)
-    y, finals = recurrent_core(*core_inputs(q, k, v, log_alpha, beta, initial_state, scale))
+    y, finals = recurrent_rule(*core_inputs(q, k, v, log_alpha, beta, initial_state, scale))
     return y.astype(v.dtype), finals[0]

@@ -25,16 +25,16 @@ def core_inputs(q, k, v, log_alpha, beta, initial_state, scale):
     the initial state (zeros when None) as a batch of one, ``[1, V, K]``."""
     key_dim, value_dim = q.shape[-1], v.shape[-1]
     scale = default_scale(key_dim) if scale is None else scale
-    dt = compute_dtype(q, log_alpha, beta, initial_state)
+    compute = compute_dtype(q, log_alpha, beta, initial_state)
     if initial_state is None:
-        initial_state = jnp.zeros((value_dim, key_dim), dt)
+        initial_state = jnp.zeros((value_dim, key_dim), compute)
     return (
-        q.astype(dt) * scale,
-        k.astype(dt),
-        v.astype(dt),
-        log_alpha.astype(dt),
-        beta.astype(dt),
-        initial_state.astype(dt)[None],
+        q.astype(compute) * scale,
+        k.astype(compute),
+        v.astype(compute),
+        log_alpha.astype(compute),
+        beta.astype(compute),
+        initial_state.astype(compute)[None],
     )
 
 
@@ -100,13 +100,13 @@ def gated_delta_step(
     checks.check_shape(fn, "log_alpha", log_alpha, (), "a scalar")
     checks.check_shape(fn, "beta", beta, (), "a scalar")
     scale = default_scale(key_dim) if scale is None else scale
-    dt = compute_dtype(state, q, log_alpha, beta)
+    compute = compute_dtype(state, q, log_alpha, beta)
     new_state, y = token_step(
-        state.astype(dt),
-        q.astype(dt) * scale,
-        k.astype(dt),
-        v.astype(dt),
-        jnp.asarray(log_alpha, dt),
-        jnp.asarray(beta, dt),
+        state.astype(compute),
+        q.astype(compute) * scale,
+        k.astype(compute),
+        v.astype(compute),
+        jnp.asarray(log_alpha, compute),
+        jnp.asarray(beta, compute),
     )
     return new_state, y.astype(v.dtype)
