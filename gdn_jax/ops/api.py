@@ -221,9 +221,7 @@ def _batched(
         over_heads = jax.vmap(over_group, in_axes=(1, 1, 1, 1, 1, 1), out_axes=(1, 1))
         states = initial_state.reshape(num_states, heads, group, value_dim, key_dim)
         out, final = over_heads(q[0], k[0], v[0], log_alpha[0], beta[0], states)
-        # A traced cu_seqlens may end before T; the tokens after it belong to no sequence.
-        in_sequence = jnp.arange(seq_len, dtype=jnp.int32) < cu_seqlens[-1].astype(jnp.int32)
-        out = jnp.where(in_sequence[:, None, None, None], out, 0)[None]
+        out = out[None]
     out = out.reshape(batch, seq_len, v_heads, value_dim)
     final = final.reshape(num_states, v_heads, value_dim, key_dim)
     return out.astype(out_dtype), final

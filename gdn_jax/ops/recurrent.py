@@ -23,9 +23,13 @@ def recurrent_core(q, k, v, log_alpha, beta, initial_states, resets=None, step=t
 def recurrent_rule(q, k, v, log_alpha, beta, initial_states, *, cu_seqlens=None, step=token_step):
     """Run ``recurrent_core`` with ``step`` over the tokens, resetting the state where packed
     ``cu_seqlens`` start a sequence; the recurrent twin of ``chunked.chunked_rule``, with the
-    same arguments and results (a block is one token, so the layout is the identity)."""
-    resets = None if cu_seqlens is None else pack_layout(cu_seqlens, q.shape[0], 1).resets
-    return recurrent_core(q, k, v, log_alpha, beta, initial_states, resets, step)
+    same arguments and results (a block is one token, so the layout keeps every token in
+    place, and its gather zeroes the tokens past a traced last offset)."""
+    if cu_seqlens is None:
+        return recurrent_core(q, k, v, log_alpha, beta, initial_states, None, step)
+    layout = pack_layout(cu_seqlens, q.shape[0], 1)
+    ys, finals = recurrent_core(q, k, v, log_alpha, beta, initial_states, layout.resets, step)
+    return layout.gather(ys), finals
 
 
 def gated_delta_rule_recurrent(
