@@ -1,0 +1,64 @@
+"""Reading tensors from ``*.safetensors`` checkpoints with NumPy (no PyTorch needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+
+INDEX = "model.safetensors.index.json"
+
+
+def _files(fn: str, path: Path, prefix: str) -> tuple[list[Path], set[str]]:
+    """The files to open and, for a sharded checkpoint, the names its index promises."""
+    if path.is_file():
+        return [path], set()
+    if not path.is_dir():
+        raise ValueError(f"{fn}: path {str(path)!r} is neither a file nor a directory")
+    index = path / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ValueError(f"{fn}: {index} is not a safetensors index ({error})") from None
+        names = {name for name in weight_map if name.startswith(prefix)}
+        return sorted({path / weight_map[name] for name in names}), names
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single], set()
+    raise ValueError(f"{fn}: directory {str(path)!r} has neither {INDEX} nor model.safetensors")
+
+
+def read_safetensors(path, prefix: str = "") -> dict[str, np.ndarray]:
+    """The tensors of a checkpoint whose names start with ``prefix``, with it stripped.
+
+    Args:
+      path: a ``*.safetensors`` file, or a directory holding ``model.safetensors.index.json``
+        and the shards it names (or a single ``model.safetensors``), as ``save_pretrained``
+        writes them.
+      prefix: keep only names starting with it, e.g. ``"model.layers.0.linear_attn."`` (end
+        it with a dot: ``model.layers.1`` would also match ``model.layers.10``).
+
+    Returns:
+      ``{name: np.ndarray}`` in the stored dtypes (bfloat16 as ``ml_dtypes.bfloat16``); cast
+      when loading a layer.
+    """
+    fn = "read_safetensors"
+    path = Path(path)
+    files, promised = _files(fn, path, prefix)
+    out: dict[str, np.ndarray] = {}
+    for file in files:
+        if not file.is_file():
+            raise ValueError(f"{fn}: the index names {file.name}, which is not in {path}")
+        with safe_open(file, framework="np") as handle:
+            for name in handle.keys():
+                if name.startswith(prefix) and (not promised or name in promised):
+                    out[name[len(prefix) :]] = handle.get_slice(name)[...]
+    lost = sorted(name for name in promised if name[len(prefix) :] not in out)
+    if lost:
+        raise ValueError(f"{fn}: the index of {path} names tensors its shards lack: {lost[:5]}")
+    if not out:
+        raise ValueError(f"{fn}: no tensor in {str(path)!r} starts with prefix {prefix!r}")
+    return out

@@ -1,0 +1,129 @@
+"""flash-linear-attention's ``GatedDeltaNet`` state dict <-> gdn_jax's ``GatedDeltaNet``.
+
+The two layers have the same parameters under nearly the same names; only the layouts
+differ. PyTorch's ``nn.Linear`` stores ``[out, in]`` where ``nnx.Linear`` stores
+``[in, out]``; a depthwise ``nn.Conv1d`` stores ``[D, 1, W]`` where ``ShortConvolution``
+stores ``[W, D]`` (tap ``W-1`` reads the current token in both); the output norm's weight is
+``o_norm.weight`` in PyTorch and ``o_norm.scale`` in Flax.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gdn_jax.interop.tensors import as_numpy_dict, check_tensors
+from gdn_jax.layers.gated_deltanet import GatedDeltaNet
+
+# How one parameter lies in PyTorch, by the last part of its Flax path.
+LINEAR, CONV, SAME = "linear", "conv", "same"
+
+
+def _torch_name_and_layout(path: tuple[str, ...]) -> tuple[str, str]:
+    *module, leaf = path
+    if leaf == "kernel":
+        return ".".join([*module, "weight"]), LINEAR
+    if leaf == "weight" and module and module[-1].endswith("conv1d"):
+        return ".".join(path), CONV
+    if leaf == "scale":
+        return ".".join([*module, "weight"]), SAME
+    return ".".join(path), SAME
+
+
+def _torch_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if layout == LINEAR:
+        return shape[::-1]
+    if layout == CONV:
+        return (shape[1], 1, shape[0])
+    return tuple(shape)
+
+
+def _to_torch(layout: str, x: np.ndarray) -> np.ndarray:
+    if layout == LINEAR:
+        return np.ascontiguousarray(x.T)
+    if layout == CONV:
+        return np.ascontiguousarray(x.T[:, None, :])
+    return x
+
+
+def _from_torch(layout: str, x: np.ndarray) -> np.ndarray:
+    if layout == LINEAR:
+        return x.T
+    if layout == CONV:
+        return x[:, 0, :].T
+    return x
+
+
+def _torch_names(layer: GatedDeltaNet) -> dict[str, tuple[tuple[str, ...], str, tuple]]:
+    """``{torch name: (flax path, layout, flax shape)}`` for every parameter of ``layer``."""
+    names = {}
+    for path, variable in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
+        path = tuple(str(p) for p in path)
+        name, layout = _torch_name_and_layout(path)
+        names[name] = (path, layout, tuple(variable.get_value().shape))
+    return names
+
+
+def _check_exportable(fn: str, layer) -> None:
+    if not isinstance(layer, GatedDeltaNet) or not (layer.decay and layer.delta):
+        raise ValueError(
+            f"{fn}: layer must be a GatedDeltaNet (with its decay gate and delta correction), "
+            f"got {type(layer).__name__}"
+        )
+
+
+def load_fla_layer(state_dict, **layer_kwargs) -> GatedDeltaNet:
+    """A ``GatedDeltaNet`` holding flash-linear-attention ``GatedDeltaNet`` weights.
+
+    Args:
+      state_dict: ``{name: array}`` of one layer, without prefix: ``q_proj.weight``,
+        ``k_proj.weight``, ``v_proj.weight``, ``a_proj.weight``, ``b_proj.weight``,
+        ``g_proj.weight`` (with ``use_gate``), ``q_conv1d.weight``, ``k_conv1d.weight``,
+        ``v_conv1d.weight`` (and their ``.bias`` with ``conv_bias``; none without
+        ``use_short_conv``), ``A_log``, ``dt_bias``, ``o_norm.weight``, ``o_proj.weight``.
+      **layer_kwargs: ``GatedDeltaNet``'s constructor arguments, as given to fla's layer
+        (``hidden_size``, ``num_heads``, ``head_dim``, ``expand_v``, ``num_v_heads``, ...).
+        ``param_dtype`` casts every tensor; without it each keeps its stored dtype. ``dtype``
+        (the compute dtype) defaults to that of ``q_proj.weight``.
+
+    Raises:
+      ValueError: a missing, unexpected or wrongly shaped tensor, named with both shapes,
+        before anything is built.
+    """
+    fn = "load_fla_layer"
+    if "rngs" in layer_kwargs:
+        raise ValueError(f"{fn}: rngs is not taken; every parameter comes from state_dict")
+    tensors = as_numpy_dict(fn, state_dict)
+    param_dtype = layer_kwargs.pop("param_dtype", None)
+    dtype = layer_kwargs.pop("dtype", None)
+
+    def build(compute, stored):
+        return GatedDeltaNet(**layer_kwargs, dtype=compute, param_dtype=stored, rngs=nnx.Rngs(0))
+
+    names = _torch_names(nnx.eval_shape(lambda: build(jnp.float32, jnp.float32)))
+    check_tensors(fn, tensors, {n: _torch_shape(lay, s) for n, (_, lay, s) in names.items()})
+
+    stored = jnp.dtype(param_dtype or tensors["q_proj.weight"].dtype)
+    layer = nnx.eval_shape(lambda: build(jnp.dtype(dtype or stored), stored))
+    graphdef, state = nnx.split(layer)
+    values = {}
+    for name, (path, layout, _) in names.items():
+        value = jnp.asarray(_from_torch(layout, tensors[name]), dtype=param_dtype)
+        node = values
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    nnx.replace_by_pure_dict(state, values)
+    return nnx.merge(graphdef, state)
+
+
+def export_fla_layer(layer: GatedDeltaNet) -> dict[str, np.ndarray]:
+    """``layer``'s parameters as a flash-linear-attention ``GatedDeltaNet`` state dict
+    (``{name: np.ndarray}``, each in its parameter dtype), the inverse of ``load_fla_layer``."""
+    _check_exportable("export_fla_layer", layer)
+    out = {}
+    for path, variable in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
+        name, layout = _torch_name_and_layout(tuple(str(p) for p in path))
+        out[name] = _to_torch(layout, np.asarray(variable.get_value()))
+    return out

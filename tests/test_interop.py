@@ -1,0 +1,388 @@
+"""Weights in and out of PyTorch, proven against transformers' Qwen3-Next layer itself."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from flax import nnx  # noqa: E402
+from tolerance import assert_relative_rms  # noqa: E402
+from transformers import DynamicCache, Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: E402
+from transformers.models.qwen3_next.modeling_qwen3_next import (  # noqa: E402
+    Qwen3NextGatedDeltaNet,
+)
+
+from gdn_jax import GatedDeltaNet  # noqa: E402
+from gdn_jax.interop import (  # noqa: E402
+    export_fla_layer,
+    export_qwen3_next_layer,
+    gdn_cache_to_qwen3_next,
+    load_fla_layer,
+    load_qwen3_next_layer,
+    qwen3_next_cache_to_gdn,
+    qwen3_next_layer_prefixes,
+    read_safetensors,
+)
+
+# transformers' own tester shape, and Qwen3-Next's real head shape at a small width.
+TESTER = dict(
+    hidden_size=64,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
+REAL_HEADS = dict(
+    hidden_size=64,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+)
+
+
+def qwen_config(conv=4, **shape):
+    return Qwen3NextConfig(
+        **(shape or TESTER),
+        linear_conv_kernel_dim=conv,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+    )
+
+
+def torch_layer(config, seed=0, dtype=torch.float32):
+    """A random Qwen3-Next layer; the norm weight and dt_bias, which start as ones, are
+    drawn too so that a swapped or dropped one shows."""
+    torch.manual_seed(seed)
+    layer = Qwen3NextGatedDeltaNet(config, layer_idx=0).eval()
+    with torch.no_grad():
+        layer.norm.weight.uniform_(0.5, 1.5)
+        layer.dt_bias.normal_()
+    return layer.to(dtype)
+
+
+def numpy_state(module):
+    """A torch state dict as NumPy, bfloat16 through ml_dtypes (tensor.numpy() refuses it)."""
+    out = {}
+    for name, t in module.state_dict().items():
+        t = t.detach()
+        if t.dtype == torch.bfloat16:
+            out[name] = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        else:
+            out[name] = t.numpy()
+    return out
+
+
+def to_torch(x, dtype=torch.float32):
+    return torch.from_numpy(np.asarray(x, np.float32)).to(dtype)
+
+
+def run_torch(layer, x, **kw):
+    with torch.no_grad():
+        return layer(to_torch(x, layer.out_proj.weight.dtype), **kw).float().numpy()
+
+
+def hidden(seed, batch, seq_len, width=64):
+    return np.random.default_rng(seed).standard_normal((batch, seq_len, width)).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    ("shape", "conv", "lengths"),
+    [(TESTER, 4, (1, 37, 100)), (TESTER, 2, (64, 65)), (REAL_HEADS, 4, (20, 70))],
+    ids=["tester", "tester-conv2", "real-heads"],
+)
+def test_outputs_equal_transformers(shape, conv, lengths):
+    config = qwen_config(conv, **shape)
+    reference = torch_layer(config)
+    layer = load_qwen3_next_layer(numpy_state(reference), config.to_dict())
+    for seq_len in lengths:
+        x = hidden(seq_len, 2, seq_len)
+        assert_relative_rms(
+            layer(jnp.asarray(x)), run_torch(reference, x), jnp.float32, f"T={seq_len}"
+        )
+
+
+def test_padding_mask_and_packing_on_converted_weights():
+    config = qwen_config()
+    reference = torch_layer(config, seed=1)
+    layer = load_qwen3_next_layer(numpy_state(reference), config.to_dict())
+
+    # Left padding: transformers zeroes the padded inputs, gdn_jax masks them out of the state.
+    x, pad = hidden(2, 2, 40), 7
+    mask = np.ones((2, 40), np.int32)
+    mask[1, :pad] = 0
+    x[1, :pad] = 0
+    expected = run_torch(reference, x, attention_mask=torch.from_numpy(mask))
+    y = np.asarray(layer(jnp.asarray(x), mask=jnp.asarray(mask)))
+    assert_relative_rms(y[0], expected[0], jnp.float32, "unpadded row")
+    assert_relative_rms(y[1, pad:], expected[1, pad:], jnp.float32, "left-padded row")
+
+    # Packed sequences equal transformers run on each sequence alone.
+    bounds = [0, 13, 13 + 70, 13 + 70 + 30]
+    x = hidden(3, 1, bounds[-1])
+    y = np.asarray(layer(jnp.asarray(x), cu_seqlens=jnp.asarray(bounds, jnp.int32)))
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        assert_relative_rms(
+            y[:, lo:hi], run_torch(reference, x[:, lo:hi]), jnp.float32, f"{lo}:{hi}"
+        )
+
+
+def transformers_cache(layer):
+    cache = layer_cache = DynamicCache(config=layer.config)
+    return cache, layer_cache.layers[0]
+
+
+def test_prefill_cache_and_decoding_equal_transformers():
+    config = qwen_config()
+    reference = torch_layer(config, seed=2)
+    reference.config = config
+    layer = load_qwen3_next_layer(numpy_state(reference), config.to_dict())
+    prompt, tokens = hidden(4, 2, 45), hidden(5, 2, 6)
+
+    cache, stored = transformers_cache(reference)
+    expected = [run_torch(reference, prompt, cache=cache)]
+    torch_conv = stored.conv_states[0].numpy().copy()
+    torch_state = stored.recurrent_states[0].numpy().copy()
+    for t in range(tokens.shape[1]):
+        expected.append(run_torch(reference, tokens[:, t : t + 1], cache=cache))
+
+    y, gdn_cache = layer.prefill(jnp.asarray(prompt))
+    assert_relative_rms(y, expected[0], jnp.float32, "prefill")
+    conv, state = gdn_cache_to_qwen3_next(gdn_cache)
+    assert conv.shape == torch_conv.shape and state.shape == torch_state.shape
+    # The oldest column of transformers' conv state is never read again; gdn_jax keeps W-1.
+    assert_relative_rms(conv[..., 1:], torch_conv[..., 1:], jnp.float32, "conv cache")
+    assert_relative_rms(state, torch_state, jnp.float32, "recurrent state")
+
+    # Decode from gdn_jax's own prefill cache and from transformers' cache, converted.
+    for start in (gdn_cache, qwen3_next_cache_to_gdn(torch_conv, torch_state)):
+        c = start
+        for t in range(tokens.shape[1]):
+            y, c = layer.step(jnp.asarray(tokens[:, t : t + 1]), c)
+            assert_relative_rms(y, expected[t + 1], jnp.float32, f"decode step {t}")
+
+
+def test_bfloat16_weights_and_inputs():
+    config = qwen_config()
+    reference = torch_layer(config, seed=3, dtype=torch.bfloat16)
+    weights = numpy_state(reference)
+    layer = load_qwen3_next_layer(weights, config.to_dict())
+    assert layer.q_proj.kernel[...].dtype == jnp.bfloat16  # kept as stored
+    x = hidden(6, 2, 70).astype(ml_dtypes.bfloat16)
+    # Flax's RMSNorm promotes bfloat16 to float32 for its statistics, which the suite's
+    # strict promotion (conftest.py) refuses; users run with JAX's standard promotion.
+    with jax.numpy_dtype_promotion("standard"):
+        y = layer(jnp.asarray(x))
+    assert y.dtype == jnp.bfloat16
+    assert_relative_rms(y, run_torch(reference, x), jnp.bfloat16)
+    cast = load_qwen3_next_layer(weights, config.to_dict(), dtype=jnp.float32)
+    assert cast.o_proj.kernel[...].dtype == jnp.float32
+
+
+def test_checkpoint_saved_by_transformers(tmp_path):
+    """Every linear-attention layer of a tiny Qwen3NextForCausalLM, read back from the shards
+    that save_pretrained writes, maps that layer's real input to its real output."""
+    config = Qwen3NextConfig(
+        vocab_size=96,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        linear_conv_kernel_dim=4,
+        **TESTER,
+    )
+    torch.manual_seed(4)
+    model = Qwen3NextForCausalLM(config).eval()
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+
+    seen = {}
+
+    def capture(i):
+        def hook(module, args, kwargs, output):
+            seen[i] = (kwargs["hidden_states"].numpy().copy(), output.numpy().copy())
+
+        return hook
+
+    prefixes = qwen3_next_layer_prefixes(config.to_dict())
+    assert sorted(prefixes) == [0, 1, 2]
+    # A config.json written before layer_types existed names only the interval.
+    older = {"num_hidden_layers": 8, "full_attention_interval": 4}
+    assert sorted(qwen3_next_layer_prefixes(older)) == [0, 1, 2, 4, 5, 6]
+    for i in prefixes:
+        model.model.layers[i].linear_attn.register_forward_hook(capture(i), with_kwargs=True)
+    with torch.no_grad():
+        model(torch.randint(0, 96, (2, 50)), use_cache=False)
+    for i, prefix in prefixes.items():
+        layer = load_qwen3_next_layer(read_safetensors(tmp_path, prefix), config.to_dict())
+        x, expected = seen[i]
+        assert_relative_rms(layer(jnp.asarray(x)), expected, jnp.float32, f"layer {i}")
+
+
+def gdn_layer(**kw):
+    options = dict(num_heads=2, head_dim=8, num_v_heads=4, expand_v=1.5, norm_eps=1e-6)
+    options.update(kw)
+    return GatedDeltaNet(32, rngs=nnx.Rngs(7), **options)
+
+
+def params(layer):
+    return {
+        ".".join(map(str, path)): np.asarray(v.get_value())
+        for path, v in nnx.to_flat_state(nnx.state(layer, nnx.Param))
+    }
+
+
+def assert_same_params(a, b):
+    pa, pb = params(a), params(b)
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        assert pa[name].dtype == pb[name].dtype, name
+        np.testing.assert_array_equal(pa[name], pb[name], err_msg=name)
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
+def test_qwen3_next_round_trip_is_exact(param_dtype):
+    layer = gdn_layer(param_dtype=param_dtype, dtype=param_dtype)
+    config = dict(
+        hidden_size=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=12,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6,
+    )
+    weights = export_qwen3_next_layer(layer)
+    back = load_qwen3_next_layer(weights, config)
+    assert_same_params(back, layer)
+    again = export_qwen3_next_layer(back)
+    for name, value in weights.items():
+        np.testing.assert_array_equal(again[name], value, err_msg=name)
+    x = jnp.asarray(hidden(8, 1, 9, 32), param_dtype)
+    with jax.numpy_dtype_promotion("standard"):  # Flax's RMSNorm in bfloat16, see above
+        np.testing.assert_array_equal(
+            np.asarray(back(x), np.float32), np.asarray(layer(x), np.float32)
+        )
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"conv_bias": True}, {"use_gate": False}, {"use_short_conv": False}]
+)
+def test_fla_round_trip_is_exact(options):
+    kwargs = dict(hidden_size=32, num_heads=2, head_dim=8, num_v_heads=4, expand_v=1.5, **options)
+    layer = GatedDeltaNet(**kwargs, rngs=nnx.Rngs(9))
+    weights = export_fla_layer(layer)
+    assert weights["q_proj.weight"].shape == (16, 32)  # PyTorch's [out, in]
+    if layer.q_conv1d is not None:
+        assert weights["q_conv1d.weight"].shape == (16, 1, 4)  # nn.Conv1d's [D, 1, W]
+    assert_same_params(load_fla_layer(weights, **kwargs), layer)
+
+
+def test_cache_round_trip_is_exact():
+    layer = gdn_layer()
+    _, cache = layer.prefill(jnp.asarray(hidden(10, 2, 11, 32)))
+    back = qwen3_next_cache_to_gdn(*gdn_cache_to_qwen3_next(cache))
+    for a, b in zip(back.conv, cache.conv, strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(back.state, cache.state)
+
+
+# --- malformed input: one ValueError naming the tensor or argument, nothing built ---------
+
+
+def random_qwen_weights():
+    config = qwen_config()
+    return numpy_state(torch_layer(config)), config.to_dict()
+
+
+def test_missing_extra_and_misshapen_tensors_are_named():
+    weights, config = random_qwen_weights()
+    missing = {k: v for k, v in weights.items() if k != "dt_bias"}
+    with pytest.raises(ValueError, match=r"missing tensor 'dt_bias' \(expected shape \(8,\)\)"):
+        load_qwen3_next_layer(missing, config)
+    with pytest.raises(ValueError, match=r"unexpected tensor 'conv1d.bias' \(shape \(256,\)\)"):
+        load_qwen3_next_layer({**weights, "conv1d.bias": np.zeros(256, np.float32)}, config)
+    short = {**weights, "out_proj.weight": weights["out_proj.weight"][:, :100]}
+    with pytest.raises(
+        ValueError, match=r"'out_proj.weight' has shape \(64, 100\), the config needs \(64, 128\)"
+    ):
+        load_qwen3_next_layer(short, config)
+    with pytest.raises(ValueError, match=r"tensor 'A_log' must be floating point"):
+        load_qwen3_next_layer({**weights, "A_log": np.arange(8)}, config)
+    fla = export_fla_layer(load_qwen3_next_layer(weights, config))
+    del fla["g_proj.weight"]
+    with pytest.raises(ValueError, match=r"load_fla_layer: missing tensor 'g_proj.weight'"):
+        load_fla_layer(fla, hidden_size=64, num_heads=4, head_dim=16, num_v_heads=8, expand_v=1.0)
+
+
+def test_config_that_does_not_fit_the_tensors():
+    weights, config = random_qwen_weights()
+    with pytest.raises(
+        ValueError,
+        match=r"'in_proj_qkvz.weight' has shape \(384, 64\), the config needs \(640, 64\)",
+    ):
+        load_qwen3_next_layer(weights, {**config, "linear_value_head_dim": 32})
+    with pytest.raises(ValueError, match=r"config lacks linear_conv_kernel_dim"):
+        load_qwen3_next_layer(
+            weights, {k: v for k, v in config.items() if k != "linear_conv_kernel_dim"}
+        )
+    with pytest.raises(ValueError, match=r"linear_num_value_heads=6 must be a multiple of"):
+        load_qwen3_next_layer(weights, {**config, "linear_num_value_heads": 6})
+    with pytest.raises(ValueError, match=r"hidden_act='gelu'"):
+        load_qwen3_next_layer(weights, {**config, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match=r"state_dict must be a mapping"):
+        load_qwen3_next_layer(list(weights.values()), config)
+
+
+def test_layers_qwen3_next_cannot_hold_are_refused():
+    with pytest.raises(ValueError, match=r"use_gate=False"):
+        export_qwen3_next_layer(gdn_layer(use_gate=False))
+    with pytest.raises(ValueError, match=r"allow_neg_eigval=True"):
+        export_qwen3_next_layer(gdn_layer(allow_neg_eigval=True))
+    from gdn_jax import LinearAttention
+
+    with pytest.raises(ValueError, match=r"must be a GatedDeltaNet .* got LinearAttention"):
+        export_fla_layer(LinearAttention(32, 2, 8, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"rngs is not taken"):
+        load_fla_layer({}, hidden_size=32, num_heads=2, head_dim=8, rngs=nnx.Rngs(0))
+
+
+def test_malformed_caches_are_refused():
+    with pytest.raises(
+        ValueError, match=r"conv_state must be \[B, channels, W\].*\(2, 96, 4\) and \(3, 2, 8, 8\)"
+    ):
+        qwen3_next_cache_to_gdn(np.zeros((2, 96, 4)), np.zeros((3, 2, 8, 8)))
+    with pytest.raises(ValueError, match=r"conv_state \(2, 90, 4\) does not fit"):
+        qwen3_next_cache_to_gdn(np.zeros((2, 90, 4)), np.zeros((2, 2, 8, 8)))
+    with pytest.raises(ValueError, match=r"RecurrentCache with convolution histories"):
+        gdn_cache_to_qwen3_next(gdn_layer(use_short_conv=False).init_cache(1))
+
+
+def test_read_safetensors_errors(tmp_path):
+    from safetensors.numpy import save_file
+
+    save_file(
+        {"a.x": np.zeros(3, np.float32), "b.y": np.ones(2, np.float32)}, tmp_path / "m.safetensors"
+    )
+    assert read_safetensors(tmp_path / "m.safetensors", "a.").keys() == {"x"}
+    with pytest.raises(ValueError, match=r"no tensor in .* starts with prefix 'c.'"):
+        read_safetensors(tmp_path / "m.safetensors", "c.")
+    with pytest.raises(ValueError, match=r"neither a file nor a directory"):
+        read_safetensors(tmp_path / "nothing")
+    with pytest.raises(ValueError, match=r"has neither model.safetensors.index.json nor"):
+        read_safetensors(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a.x": "m.safetensors", "a.z": "gone.safetensors"}}'
+    )
+    with pytest.raises(ValueError, match=r"the index names gone.safetensors"):
+        read_safetensors(tmp_path, "a.")
