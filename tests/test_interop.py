@@ -386,3 +386,17 @@ def test_read_safetensors_errors(tmp_path):
     )
     with pytest.raises(ValueError, match=r"the index names gone.safetensors"):
         read_safetensors(tmp_path, "a.")
+
+
+def test_bfloat16_checkpoint_keeps_its_dtype(tmp_path):
+    from safetensors.torch import save_file
+
+    reference = torch_layer(qwen_config(), seed=11, dtype=torch.bfloat16)
+    prefixed = {f"model.layers.0.linear_attn.{k}": v for k, v in reference.state_dict().items()}
+    save_file({k: v.contiguous() for k, v in prefixed.items()}, tmp_path / "model.safetensors")
+    read = read_safetensors(tmp_path, "model.layers.0.linear_attn.")
+    expected = numpy_state(reference)
+    assert read.keys() == expected.keys()
+    for name, value in expected.items():
+        assert read[name].dtype == ml_dtypes.bfloat16, name
+        np.testing.assert_array_equal(read[name], value, err_msg=name)
