@@ -117,16 +117,17 @@ def test_tied_embeddings_and_no_mlp_change_the_parameter_count():
         ),
         (dict(mixers=()), r"ModelConfig.mixers=\(\): needs at least one layer"),
         (dict(d_model=30, num_heads=4), r"ModelConfig.num_heads=4: must divide d_model=30"),
+        # Per-layer rules are the constructors' to state.
         (
             dict(num_v_heads=3),
-            r"ModelConfig.num_v_heads=3: must be a positive multiple of num_heads=2",
+            r"GatedDeltaNet: num_v_heads=3 must be a multiple of num_heads=2",
         ),
-        (dict(chunk_size=50), r"ModelConfig.chunk_size=50: allowed: \(16, 32, 64, 128\)"),
-        (dict(impl="cuda"), r"ModelConfig.impl='cuda': allowed"),
+        (dict(chunk_size=50), r"GatedDeltaNet: chunk_size=50 must be one of \(16, 32, 64, 128\)"),
+        (dict(impl="cuda"), r"GatedDeltaNet: impl='cuda' must be one of"),
         (dict(dtype="int8"), r"ModelConfig.dtype='int8': allowed"),
         (
             dict(head_dim=5, mixers=("attention",)),
-            r"ModelConfig.head_dim=5: attention layers need an even",
+            r"SoftmaxAttention: head_dim=5 must be even for RoPE",
         ),
     ],
 )

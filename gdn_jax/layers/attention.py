@@ -66,15 +66,18 @@ class SoftmaxAttention(nnx.Module):
         kernel_init=None,
         rngs: nnx.Rngs,
     ):
+        name = "SoftmaxAttention"
         checks.check_positive_int(
-            "SoftmaxAttention", hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim
+            name,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            conv_size=conv_size,
         )
-        if head_dim % 2:
-            raise ValueError(f"SoftmaxAttention: head_dim={head_dim} must be even for RoPE")
-        if window is not None and window < 1:
-            raise ValueError(f"SoftmaxAttention: window={window} must be >= 1 or None")
-        if conv_size < 1:
-            raise ValueError(f"SoftmaxAttention: conv_size={conv_size} must be >= 1")
+        checks.require(name, head_dim % 2 == 0, f"head_dim={head_dim} must be even for RoPE")
+        if window is not None:
+            checks.check_positive_int(name, window=window)
+        checks.check_positive_number(name, rope_theta=rope_theta)
         linear = bias_free_linear(
             dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
         )
@@ -177,12 +180,12 @@ class SoftmaxAttention(nnx.Module):
         batch, seq_len, _ = x.shape
         max_len = cache.k.shape[1]
         filled = int(cache.length) if checks.is_concrete(cache.length) else 0
-        if filled + seq_len > max_len:
-            raise ValueError(
-                f"SoftmaxAttention: {seq_len} more token(s) do not fit a cache of max_len="
-                f"{max_len} holding {filled}; make it with init_cache(batch, max_len >= "
-                f"{filled + seq_len})"
-            )
+        checks.require(
+            "SoftmaxAttention",
+            filled + seq_len <= max_len,
+            f"{seq_len} more token(s) do not fit a cache of max_len={max_len} holding {filled}; "
+            f"make it with init_cache(batch, max_len >= {filled + seq_len})",
+        )
         real = jnp.ones((batch, seq_len), bool) if mask is None else mask.astype(bool)
         positions = cache.next_position[:, None] + jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1
         q, k, v, conv = self._qkv(x, positions, mask=mask, conv_history=cache.conv)

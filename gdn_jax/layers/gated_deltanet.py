@@ -33,11 +33,6 @@ class RecurrentCache(NamedTuple):
     state: Float[Array, "B HV V K"]
 
 
-def _require(condition, message):
-    if not condition:
-        raise ValueError(message)
-
-
 class GatedDeltaNet(nnx.Module):
     """Gated DeltaNet token mixer: ``x [B, T, hidden_size] -> [B, T, hidden_size]``.
 
@@ -88,20 +83,23 @@ class GatedDeltaNet(nnx.Module):
         )
         checks.check_positive_number(name, expand_v=expand_v, norm_eps=norm_eps)
         head_v_dim = head_dim * expand_v
-        _require(
+        checks.require(
+            name,
             float(head_v_dim).is_integer(),
-            f"{name}: head_dim * expand_v = {head_dim} * {expand_v} must be a positive integer",
+            f"head_dim * expand_v = {head_dim} * {expand_v} must be a positive integer",
         )
-        _require(
+        checks.require(
+            name,
             num_v_heads % num_heads == 0,
-            f"{name}: num_v_heads={num_v_heads} must be a multiple of num_heads={num_heads}",
+            f"num_v_heads={num_v_heads} must be a multiple of num_heads={num_heads}",
         )
         checks.check_impl(name, impl)
         checks.check_chunk_size(name, chunk_size)
-        _require(
+        checks.require(
+            name,
             self.delta or not allow_neg_eigval,
-            f"{name}: allow_neg_eigval=True widens beta of the delta correction, which {name} "
-            "does not have",
+            f"allow_neg_eigval=True widens beta of the delta correction, which {name} does not "
+            "have",
         )
 
         self.hidden_size = hidden_size

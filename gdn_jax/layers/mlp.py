@@ -6,12 +6,16 @@ import jax
 from flax import nnx
 
 from gdn_jax.layers.params import bias_free_linear
+from gdn_jax.ops import checks
 
 
 class SwiGLU(nnx.Module):
     """``down(silu(gate(x)) * up(x))`` (Shazeer, 2020), bias-free."""
 
     def __init__(self, hidden_size, intermediate_size, *, dtype, param_dtype, kernel_init, rngs):
+        checks.check_positive_int(
+            "SwiGLU", hidden_size=hidden_size, intermediate_size=intermediate_size
+        )
         linear = bias_free_linear(
             dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
         )

@@ -7,7 +7,7 @@ from typing import Literal, get_args
 
 import jax.numpy as jnp
 
-from gdn_jax.ops.checks import SUPPORTED_CHUNK_SIZES, SUPPORTED_IMPLS, Impl
+from gdn_jax.ops.checks import Impl
 
 # "attention_conv" is attention with the recurrent mixers' short convolutions on q, k and v:
 # the control that separates what the convolution contributes to recall from the mixer.
@@ -66,7 +66,14 @@ class ModelConfig:
     param_dtype: str = "float32"
 
     def validate(self) -> ModelConfig:
-        """Raise ``ValueError`` naming the first bad field; return ``self`` when all are fine."""
+        """Raise ``ValueError`` naming the first bad field; return ``self`` when all are fine.
+
+        Checks the field types (a config is data, often read from YAML) and the model-level
+        rules: the mixer list, the head split of ``d_model``, dtypes and the positive numbers
+        the model itself uses. Per-layer rules (``chunk_size``, ``impl``, ``num_v_heads``,
+        ``expand_v``, the RoPE head dim, ``window``, ``mlp_hidden``) belong to the layer
+        constructors, which raise when the model is built (``LanguageModel`` or
+        ``check_buildable``)."""
 
         def fail(field, message):
             raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}: {message}")
@@ -100,29 +107,10 @@ class ModelConfig:
                 fail("mixers", f"unknown mixer {name!r}; allowed: {MIXERS}")
         if self.head_dim is None and self.d_model % self.num_heads:
             fail("num_heads", f"must divide d_model={self.d_model} when head_dim is None")
-        if self.head_dim is not None and self.head_dim < 1:
-            fail("head_dim", "must be a positive integer or None")
-        head_v_dim = self.key_head_dim * self.expand_v
-        if head_v_dim < 1 or not float(head_v_dim).is_integer():
-            fail("expand_v", f"head_dim * expand_v = {head_v_dim} must be a positive integer")
-        if self.num_v_heads is not None and (
-            self.num_v_heads < 1 or self.num_v_heads % self.num_heads
-        ):
-            fail("num_v_heads", f"must be a positive multiple of num_heads={self.num_heads}")
-        if "attention" in self.mixers and self.key_head_dim % 2:
-            fail("head_dim", "attention layers need an even head dim for RoPE")
-        if self.chunk_size not in SUPPORTED_CHUNK_SIZES:
-            fail("chunk_size", f"allowed: {SUPPORTED_CHUNK_SIZES}")
-        if self.impl not in SUPPORTED_IMPLS:
-            fail("impl", f"allowed: {SUPPORTED_IMPLS}")
-        if self.window is not None and self.window < 1:
-            fail("window", "must be >= 1 or None")
-        if self.mlp_hidden is not None and self.mlp_hidden < 1:
-            fail("mlp_hidden", "must be a positive integer or None")
         for field in ("dtype", "param_dtype"):
             if getattr(self, field) not in DTYPES:
                 fail(field, f"allowed: {DTYPES}")
-        for field in ("norm_eps", "init_std", "rope_theta"):
+        for field in ("norm_eps", "init_std"):
             if not getattr(self, field) > 0:
                 fail(field, "must be positive")
         return self

@@ -51,26 +51,30 @@ def generate(model, prompt, *, mask=None, max_new_tokens: int, temperature: floa
       The generated tokens ``[B, max_new_tokens]`` (int32). One compilation per model
       structure, prompt shape, ``max_new_tokens`` and ``temperature``.
     """
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int)
-        or max_new_tokens < 1
-    ):
-        raise ValueError(f"generate: max_new_tokens={max_new_tokens!r} must be >= 1 (an integer)")
+    checks.require(
+        "generate",
+        type(max_new_tokens) is int and max_new_tokens >= 1,
+        f"max_new_tokens={max_new_tokens!r} must be >= 1 (an integer)",
+    )
     if temperature != 0:
         checks.check_positive_number("generate", temperature=temperature)
     checks.check_arrays("generate", prompt=prompt, mask=mask)
-    if prompt.ndim != 2 or prompt.shape[1] < 1 or not jnp.issubdtype(prompt.dtype, jnp.integer):
-        raise ValueError(
-            f"generate: prompt must be integer tokens [B, T] with T >= 1, got shape "
-            f"{prompt.shape} and dtype {prompt.dtype}"
-        )
-    if temperature > 0 and key is None:
-        raise ValueError("generate: sampling (temperature > 0) needs a PRNG key")
-    if mask is not None and mask.shape != prompt.shape:
-        raise ValueError(
-            f"generate: mask.shape={mask.shape} must equal prompt.shape={prompt.shape}"
-        )
+    checks.require(
+        "generate",
+        prompt.ndim == 2 and prompt.shape[1] >= 1 and jnp.issubdtype(prompt.dtype, jnp.integer),
+        f"prompt must be integer tokens [B, T] with T >= 1, got shape {prompt.shape} and dtype "
+        f"{prompt.dtype}",
+    )
+    checks.require(
+        "generate",
+        temperature == 0 or key is not None,
+        "sampling (temperature > 0) needs a PRNG key",
+    )
+    checks.require(
+        "generate",
+        mask is None or mask.shape == prompt.shape,
+        f"mask.shape={getattr(mask, 'shape', None)} must equal prompt.shape={prompt.shape}",
+    )
     key = jax.random.key(0) if key is None else key
     mask = jnp.ones(prompt.shape, jnp.int32) if mask is None else mask
     graphdef, state = nnx.split(model)

@@ -102,6 +102,13 @@ class Block(nnx.Module):
         return self._mlp(x + y), cache
 
 
+def check_buildable(config: ModelConfig) -> ModelConfig:
+    """Raise the ``ValueError`` that building ``config``'s model would raise, without
+    allocating it: the config's own rules, then each layer constructor's."""
+    nnx.eval_shape(lambda: LanguageModel(config, rngs=nnx.Rngs(0)))
+    return config
+
+
 class LanguageModel(nnx.Module):
     """Token embedding, ``len(config.mixers)`` blocks, final RMSNorm, LM head.
 
@@ -145,11 +152,12 @@ class LanguageModel(nnx.Module):
 
     def _embed(self, tokens):
         checks.check_arrays("LanguageModel", tokens=tokens)
-        if tokens.ndim != 2 or tokens.shape[1] < 1 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(
-                f"LanguageModel: tokens must be integer ids [B, T] with T >= 1, got shape "
-                f"{tokens.shape} and dtype {tokens.dtype}"
-            )
+        checks.require(
+            "LanguageModel",
+            tokens.ndim == 2 and tokens.shape[1] >= 1 and jnp.issubdtype(tokens.dtype, jnp.integer),
+            f"tokens must be integer ids [B, T] with T >= 1, got shape {tokens.shape} and dtype "
+            f"{tokens.dtype}",
+        )
         return self.embed(tokens)
 
     def hidden(self, tokens, *, mask=None, cu_seqlens=None):

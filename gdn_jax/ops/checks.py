@@ -23,6 +23,13 @@ SUPPORTED_IMPLS: tuple[str, ...] = get_args(Impl)
 SUPPORTED_SCHEDULES: tuple[str, ...] = get_args(Schedule)
 
 
+def require(fn: str, condition: bool, message: str) -> None:
+    """The general rule: ``ValueError("{fn}: {message}")`` unless ``condition``; ``message``
+    names the argument and its value, as the specific checks below do."""
+    if not condition:
+        raise ValueError(f"{fn}: {message}")
+
+
 def check_floating(fn: str, **arrays) -> None:
     """Every named array must have a floating dtype (None entries are skipped)."""
     for name, x in arrays.items():

@@ -16,6 +16,7 @@ import yaml
 
 from gdn_jax.data.mqar import MQARConfig
 from gdn_jax.models.config import ModelConfig
+from gdn_jax.models.lm import check_buildable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +74,7 @@ class Config:
                 value = getattr(getattr(self, section), field.name)
                 if isinstance(value, float) and not math.isfinite(value):
                     raise ValueError(f"{section}.{field.name}={value} must be finite")
-        self.model.validate()
+        check_buildable(self.model)  # the layer constructors' rules, before any run starts
         self.data.validate()
         t = self.train
         if not 0 <= t.seed < 2**32:
