@@ -160,3 +160,13 @@ def test_no_layer_accepts_an_argument_it_would_ignore():
     config = ModelConfig(vocab_size=50, d_model=16, mixers=("gdn", "linear"), allow_neg_eigval=True)
     model = LanguageModel(config, rngs=nnx.Rngs(0))
     assert [block.mixer.allow_neg_eigval for block in model.blocks] == [True, False]
+
+
+def test_baselines_are_siblings_not_kinds_of_gated_deltanet():
+    from gdn_jax.layers import DeltaNet, GatedLinearAttention, LinearAttention, RecurrentMixer
+
+    for cls in (DeltaNet, GatedLinearAttention, LinearAttention):
+        layer = cls(16, 2, 8, rngs=nnx.Rngs(0))
+        assert isinstance(layer, RecurrentMixer) and not isinstance(layer, GatedDeltaNet)
+    with pytest.raises(ValueError, match=r"RecurrentMixer: build GatedDeltaNet, DeltaNet"):
+        RecurrentMixer(16, 2, 8, rngs=nnx.Rngs(0))

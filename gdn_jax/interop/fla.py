@@ -66,11 +66,8 @@ def _torch_names(layer: GatedDeltaNet) -> dict[str, tuple[tuple[str, ...], str, 
 
 
 def _check_exportable(fn: str, layer) -> None:
-    if not isinstance(layer, GatedDeltaNet) or not (layer.decay and layer.delta):
-        raise ValueError(
-            f"{fn}: layer must be a GatedDeltaNet (with its decay gate and delta correction), "
-            f"got {type(layer).__name__}"
-        )
+    if not isinstance(layer, GatedDeltaNet):
+        raise ValueError(f"{fn}: layer must be a GatedDeltaNet, got {type(layer).__name__}")
 
 
 def load_fla_layer(state_dict, **layer_kwargs) -> GatedDeltaNet:

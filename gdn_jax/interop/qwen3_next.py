@@ -26,7 +26,8 @@ import numpy as np
 
 from gdn_jax.interop.fla import export_fla_layer, load_fla_layer
 from gdn_jax.interop.tensors import as_numpy_dict, check_tensors
-from gdn_jax.layers.gated_deltanet import GatedDeltaNet, RecurrentCache
+from gdn_jax.layers.gated_deltanet import GatedDeltaNet
+from gdn_jax.layers.recurrent_mixer import RecurrentCache
 
 CONFIG_KEYS = (
     "hidden_size",

@@ -2,10 +2,11 @@
 
 from gdn_jax.layers.attention import KVCache, SoftmaxAttention
 from gdn_jax.layers.baselines import DeltaNet, GatedLinearAttention, LinearAttention
-from gdn_jax.layers.gated_deltanet import GatedDeltaNet, RecurrentCache
+from gdn_jax.layers.gated_deltanet import GatedDeltaNet
 from gdn_jax.layers.mixer import TokenMixer
 from gdn_jax.layers.mlp import SwiGLU
 from gdn_jax.layers.params import NoWeightDecay
+from gdn_jax.layers.recurrent_mixer import RecurrentCache, RecurrentMixer
 
 __all__ = [
     "DeltaNet",
@@ -15,6 +16,7 @@ __all__ = [
     "LinearAttention",
     "NoWeightDecay",
     "RecurrentCache",
+    "RecurrentMixer",
     "SoftmaxAttention",
     "SwiGLU",
     "TokenMixer",

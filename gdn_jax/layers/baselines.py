@@ -1,27 +1,29 @@
-"""Recall baselines built from GatedDeltaNet's block with one part of the recurrence removed.
+"""Recall baselines: the recurrent mixer with one part of the recurrence removed.
 
 Everything else (projections, short convolutions, q/k L2 norm, gated output norm) stays, so
 a comparison isolates the recurrence itself.
 """
 
-from gdn_jax.layers.gated_deltanet import GatedDeltaNet
+from gdn_jax.layers.recurrent_mixer import RecurrentMixer
 
 
-class DeltaNet(GatedDeltaNet):
+class DeltaNet(RecurrentMixer):
     """DeltaNet (Schlag et al., 2021; Yang et al., 2024): no decay gate, ``alpha = 1``:
     ``S_t = S_{t-1} + beta_t (v_t - S_{t-1} k_t) k_t^T``."""
 
     decay = False
+    delta = True
 
 
-class GatedLinearAttention(GatedDeltaNet):
+class GatedLinearAttention(RecurrentMixer):
     """Linear attention with a scalar decay gate per head and token, Mamba-2 style (not GLA's
     per-feature gate): ``S_t = alpha_t S_{t-1} + v_t k_t^T``."""
 
+    decay = True
     delta = False
 
 
-class LinearAttention(GatedDeltaNet):
+class LinearAttention(RecurrentMixer):
     """Plain causal linear attention, neither decay nor correction: ``S_t = S_{t-1} + v_t k_t^T``."""
 
     decay = False

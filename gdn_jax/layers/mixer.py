@@ -11,7 +11,8 @@ from jaxtyping import Array, Float, Int
 class TokenMixer(Protocol):
     """A sequence-mixing layer ``x [B, T, D] -> [B, T, D]`` that also decodes from a cache.
 
-    Implemented by ``GatedDeltaNet`` (and its baselines) and ``SoftmaxAttention``;
+    Implemented by the ``RecurrentMixer``s (``GatedDeltaNet`` and its baselines) and
+    ``SoftmaxAttention``;
     ``tests/test_layers.py`` checks that each one's methods take exactly these arguments.
     """
 

@@ -1,0 +1,249 @@
+"""The recurrent token mixer behind Gated DeltaNet and its baselines.
+
+Wiring only: projections, short convolutions, gates and the gated output norm around
+``gdn_jax.gated_delta_rule`` (or ``gated_linear_attention`` without the delta correction).
+The parameter names, shapes and initialisation follow flash-linear-attention's
+``GatedDeltaNet``, so parameter counts match for one config. Two switches, ``decay`` and
+``delta``, say which parts of the recurrence a mixer has; ``GatedDeltaNet`` has both, the
+baselines in ``baselines.py`` drop one or both.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+from gdn_jax.layers.conv import ShortConvolution, convolve_qkv
+from gdn_jax.layers.params import NoWeightDecay, a_log_init, bias_free_linear, dt_bias_init
+from gdn_jax.ops import checks, gated_delta_rule, gated_linear_attention
+
+
+class RecurrentCache(NamedTuple):
+    """Decoding state of one recurrent layer (a pytree).
+
+    Attributes:
+      conv: the last ``conv_size - 1`` inputs of the q, k and v convolutions, each
+        ``[B, W-1, channels]``; ``None`` without short convolutions.
+      state: the memory ``[B, HV, V, K]`` in float32.
+    """
+
+    conv: tuple[Array, Array, Array] | None
+    state: Float[Array, "B HV V K"]
+
+
+class RecurrentMixer(nnx.Module):
+    """Recurrent token mixer: ``x [B, T, hidden_size] -> [B, T, hidden_size]``.
+
+    In order: bias-free q, k, v projections; causal depthwise convolution with SiLU on each;
+    q, k L2-normalised (inside the op); with ``delta``, ``beta = sigmoid(b_proj(x))`` (times 2
+    with ``allow_neg_eigval``), else ``beta = 1`` and no correction; with ``decay``,
+    ``log_alpha = -exp(A_log) * softplus(a_proj(x) + dt_bias)`` in float32, else
+    ``alpha = 1``; the chunked rule with ``scale = head_dim ** -0.5``; a per-head RMSNorm
+    gated by ``silu(g_proj(x))`` (plain RMSNorm without ``use_gate``); bias-free ``o_proj``.
+    ``a_proj`` and ``b_proj`` read the layer input, not the convolution output.
+
+    Use one of the named mixers, which fix the two switches: ``GatedDeltaNet``, ``DeltaNet``,
+    ``GatedLinearAttention``, ``LinearAttention``. Each is a ``RecurrentMixer``, not one of
+    another, so none inherits an argument it would ignore.
+    """
+
+    decay: bool  # alpha_t = exp(log_alpha_t) from a_proj, A_log, dt_bias; else alpha = 1
+    delta: bool  # delta-rule correction with beta from b_proj; else S += v k^T
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        *,
+        expand_v: float = 2.0,
+        num_v_heads: int | None = None,
+        use_gate: bool = True,
+        use_short_conv: bool = True,
+        conv_size: int = 4,
+        conv_bias: bool = False,
+        allow_neg_eigval: bool = False,
+        norm_eps: float = 1e-5,
+        chunk_size: int = 64,
+        impl: checks.Impl = "chunked",
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        kernel_init=None,
+        rngs: nnx.Rngs,
+    ):
+        num_v_heads = num_heads if num_v_heads is None else num_v_heads
+        name = type(self).__name__
+        checks.require(
+            name,
+            hasattr(type(self), "decay") and hasattr(type(self), "delta"),
+            "build GatedDeltaNet, DeltaNet, GatedLinearAttention or LinearAttention, which "
+            "say whether the mixer has a decay gate and a delta correction",
+        )
+        checks.check_positive_int(
+            name,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            num_v_heads=num_v_heads,
+            conv_size=conv_size,
+        )
+        checks.check_positive_number(name, expand_v=expand_v, norm_eps=norm_eps)
+        head_v_dim = head_dim * expand_v
+        checks.require(
+            name,
+            float(head_v_dim).is_integer(),
+            f"head_dim * expand_v = {head_dim} * {expand_v} must be a positive integer",
+        )
+        checks.require(
+            name,
+            num_v_heads % num_heads == 0,
+            f"num_v_heads={num_v_heads} must be a multiple of num_heads={num_heads}",
+        )
+        checks.check_impl(name, impl)
+        checks.check_chunk_size(name, chunk_size)
+        checks.require(
+            name,
+            self.delta or not allow_neg_eigval,
+            f"allow_neg_eigval=True widens beta of the delta correction, which {name} does not "
+            "have",
+        )
+
+        self.hidden_size = hidden_size
+        self.num_heads, self.num_v_heads, self.head_dim = num_heads, num_v_heads, head_dim
+        self.head_v_dim = int(head_v_dim)
+        self.key_dim, self.value_dim = num_heads * head_dim, num_v_heads * self.head_v_dim
+        self.allow_neg_eigval, self.use_gate = allow_neg_eigval, use_gate
+        self.chunk_size, self.impl, self.conv_size = chunk_size, impl, conv_size
+
+        linear = bias_free_linear(
+            dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
+        )
+        self.q_proj = linear(hidden_size, self.key_dim)
+        self.k_proj = linear(hidden_size, self.key_dim)
+        self.v_proj = linear(hidden_size, self.value_dim)
+        self.a_proj = linear(hidden_size, num_v_heads) if self.decay else None
+        self.b_proj = linear(hidden_size, num_v_heads) if self.delta else None
+        if self.decay:
+            self.A_log = NoWeightDecay(a_log_init(rngs.params(), (num_v_heads,), param_dtype))
+            self.dt_bias = NoWeightDecay(dt_bias_init(rngs.params(), (num_v_heads,), param_dtype))
+        if use_short_conv:
+            conv = functools.partial(
+                ShortConvolution,
+                conv_size=conv_size,
+                use_bias=conv_bias,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                rngs=rngs,
+            )
+            self.q_conv1d = conv(self.key_dim)
+            self.k_conv1d = conv(self.key_dim)
+            self.v_conv1d = conv(self.value_dim)
+        else:
+            self.q_conv1d = self.k_conv1d = self.v_conv1d = None
+        self.g_proj = linear(hidden_size, self.value_dim) if use_gate else None
+        self.o_norm = nnx.RMSNorm(
+            self.head_v_dim, epsilon=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
+        self.o_proj = linear(self.value_dim, hidden_size)
+
+    def __call__(self, x, *, mask=None, cu_seqlens=None):
+        """Mix ``x [B, T, D]``.
+
+        Args:
+          x: ``[B, T, hidden_size]``.
+          mask: optional ``[B, T]`` 0/1 padding mask. Padded tokens neither write to the state
+            nor reach the convolution (they enter it as zeros), so padding at either end of a
+            sequence leaves the other tokens' outputs as they are without it.
+          cu_seqlens: optional ``[N+1]`` offsets of sequences packed along T (``B == 1``); the
+            state and the convolutions restart at each sequence.
+        """
+        y, _ = self._mix(x, mask=mask, cu_seqlens=cu_seqlens, cache=None, impl=self.impl)
+        return y
+
+    def init_cache(self, batch_size: int, max_len: int | None = None) -> RecurrentCache:
+        """An empty cache. The recurrent state has one size whatever the length, so any
+        ``max_len`` (checked when given) decodes on without limit."""
+        checks.check_positive_int(type(self).__name__, batch_size=batch_size)
+        if max_len is not None:
+            checks.check_positive_int(type(self).__name__, max_len=max_len)
+        conv = None
+        if self.q_conv1d is not None:
+            width = self.conv_size - 1
+            conv = tuple(
+                jnp.zeros((batch_size, width, d), self.q_proj.dtype)
+                for d in (self.key_dim, self.key_dim, self.value_dim)
+            )
+        state = jnp.zeros((batch_size, self.num_v_heads, self.head_v_dim, self.head_dim))
+        return RecurrentCache(conv, state.astype(jnp.float32))
+
+    def prefill(self, x, cache=None, *, mask=None):
+        """Run a prompt ``x [B, T, D]`` (left-padded with ``mask``) from ``cache`` (empty when
+        ``None``) and return ``(y, cache)`` for decoding on."""
+        cache = self.init_cache(x.shape[0]) if cache is None else cache
+        return self._mix(x, mask=mask, cu_seqlens=None, cache=cache, impl=self.impl)
+
+    def step(self, x, cache):
+        """One token per sequence, ``x [B, 1, D]``: ``(y [B, 1, D], cache)``, token by token."""
+        return self._mix(x, mask=None, cu_seqlens=None, cache=cache, impl="recurrent")
+
+    def _mix(self, x, *, mask, cu_seqlens, cache, impl):
+        name = type(self).__name__
+        checks.check_hidden(name, x, self.hidden_size)
+        batch, seq_len, _ = x.shape
+        if mask is not None:
+            checks.check_mask(name, mask, batch, seq_len)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if mask is not None:
+            keep = mask.astype(x.dtype)[..., None]
+            q, k, v = q * keep, k * keep, v * keep
+        conv_cache = None
+        if self.q_conv1d is not None:
+            (q, k, v), conv_cache = convolve_qkv(
+                (self.q_conv1d, self.k_conv1d, self.v_conv1d),
+                (q, k, v),
+                histories=None if cache is None else cache.conv,
+                cu_seqlens=cu_seqlens,
+            )
+        q = q.reshape(batch, seq_len, self.num_heads, self.head_dim)
+        k = k.reshape(batch, seq_len, self.num_heads, self.head_dim)
+        v = v.reshape(batch, seq_len, self.num_v_heads, self.head_v_dim)
+
+        gate_shape = (batch, seq_len, self.num_v_heads)
+        if self.delta:
+            beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+            beta = 2.0 * beta if self.allow_neg_eigval else beta
+        else:
+            beta = jnp.ones(gate_shape, jnp.float32)
+        if self.decay:
+            rate = jnp.exp(self.A_log[...].astype(jnp.float32))[None, None, :]
+            dt_bias = self.dt_bias[...].astype(jnp.float32)[None, None, :]
+            log_alpha = -rate * jax.nn.softplus(self.a_proj(x).astype(jnp.float32) + dt_bias)
+        else:
+            log_alpha = jnp.zeros(gate_shape, jnp.float32)
+        if mask is not None:
+            keep = mask.astype(jnp.float32)[..., None]
+            beta, log_alpha = beta * keep, log_alpha * keep
+
+        rule = gated_delta_rule if self.delta else gated_linear_attention
+        o, state = rule(
+            q,
+            k,
+            v,
+            log_alpha,
+            beta,
+            initial_state=None if cache is None else cache.state,
+            impl=impl,
+            chunk_size=self.chunk_size,
+            cu_seqlens=cu_seqlens,
+            use_qk_l2norm=True,
+        )
+        o = self.o_norm(o)
+        if self.use_gate:
+            o = o * jax.nn.silu(self.g_proj(x)).reshape(o.shape)
+        y = self.o_proj(o.reshape(batch, seq_len, self.value_dim))
+        return y, RecurrentCache(conv_cache, state)
