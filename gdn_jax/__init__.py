@@ -1,8 +1,11 @@
 """Gated DeltaNet in JAX.
 
-Dimension legend, used in every docstring and shape annotation:
-  B batch, T tokens, H query/key heads, HV value heads, K key dim, V value dim,
-  C chunk size, N chunks (or packed sequences, for ``cu_seqlens``), D model width.
+Dimension legend, one meaning per letter, used in every docstring and shape annotation:
+  B batch (sequences or examples side by side), T tokens, D model width,
+  H query/key heads, HV value heads, K key dim, V value dim,
+  C chunk size, NC chunks or scan blocks of one sequence,
+  N packed sequences (``cu_seqlens`` has N+1 offsets), W short-convolution width,
+  S key/value slots of softmax attention (its cache length).
 
 The memory state of one head is ``S [V, K]``: one row per value feature, one column per key
 feature (flash-linear-attention stores its transpose, ``[K, V]``).

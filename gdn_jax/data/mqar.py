@@ -113,7 +113,7 @@ def make_mqar(config: MQARConfig, *, num_examples: int, seed: int) -> tuple[np.n
         seed: Seed for ``np.random.default_rng``; use ``split_seeds`` for disjoint splits.
 
     Returns:
-        ``(inputs, labels)``, both int32 ``[N, T]``. ``labels`` is ``IGNORE_INDEX`` except at the
+        ``(inputs, labels)``, both int32 ``[B, T]``. ``labels`` is ``IGNORE_INDEX`` except at the
         ``num_kv_pairs`` query positions, where it holds the queried key's value.
 
     Raises:
@@ -230,20 +230,20 @@ def per_example_accuracy(predictions: np.ndarray, labels: np.ndarray) -> np.ndar
     """Fraction of supervised positions predicted right, per example.
 
     Args:
-        predictions: Predicted token ids ``[N, T]``.
-        labels: Targets ``[N, T]``, ``IGNORE_INDEX`` where unsupervised.
+        predictions: Predicted token ids ``[B, T]``.
+        labels: Targets ``[B, T]``, ``IGNORE_INDEX`` where unsupervised.
 
     Returns:
-        float64 ``[N]``; NaN for an example with no supervised position.
+        float64 ``[B]``; NaN for an example with no supervised position.
 
     Raises:
-        ValueError: if the shapes differ or are not ``[N, T]``.
+        ValueError: if the shapes differ or are not ``[B, T]``.
     """
     predictions, labels = np.asarray(predictions), np.asarray(labels)
     if predictions.shape != labels.shape or labels.ndim != 2:
         raise ValueError(
             f"predictions.shape={predictions.shape} and labels.shape={labels.shape} must be the"
-            " same [N, T]"
+            " same [B, T]"
         )
     supervised = labels != IGNORE_INDEX
     correct = ((predictions == labels) & supervised).sum(axis=1)
@@ -259,8 +259,8 @@ def mqar_accuracy(predictions: np.ndarray, labels: np.ndarray) -> float:
     examples with no supervised position are left out.
 
     Args:
-        predictions: Predicted token ids ``[N, T]``.
-        labels: Targets ``[N, T]``, ``IGNORE_INDEX`` where unsupervised.
+        predictions: Predicted token ids ``[B, T]``.
+        labels: Targets ``[B, T]``, ``IGNORE_INDEX`` where unsupervised.
 
     Returns:
         Accuracy in ``[0, 1]``.

@@ -23,19 +23,19 @@ class KVCache(NamedTuple):
     """Keys and values of the tokens seen so far, in ``L = max_len`` slots (a pytree).
 
     Attributes:
-      k, v: ``[B, L, H, D]``.
-      valid: ``[B, L]``, whether a slot holds a real (not padded, already written) token.
-      positions: ``[B, L]`` token positions of the slots, for the causal and window masks.
+      k, v: ``[B, S, H, K]``, ``S`` slots of head dim ``K``.
+      valid: ``[B, S]``, whether a slot holds a real (not padded, already written) token.
+      positions: ``[B, S]`` token positions of the slots, for the causal and window masks.
       length: slots written so far (the same for every row: prompts are left-padded).
       next_position: ``[B]`` position of each row's next token (its count of real tokens).
       conv: with short convolutions, the last ``conv_size - 1`` inputs of the q, k and v
-        convolutions, each ``[B, W-1, H*D]``; otherwise None.
+        convolutions, each ``[B, W-1, H*K]``; otherwise None.
     """
 
-    k: Float[Array, "B L H D"]
-    v: Float[Array, "B L H D"]
-    valid: Bool[Array, "B L"]
-    positions: Int[Array, "B L"]
+    k: Float[Array, "B S H K"]
+    v: Float[Array, "B S H K"]
+    valid: Bool[Array, "B S"]
+    positions: Int[Array, "B S"]
     length: Int[Array, ""]
     next_position: Int[Array, " B"]
     conv: tuple[Array, Array, Array] | None = None
@@ -104,7 +104,7 @@ class SoftmaxAttention(nnx.Module):
             checks.check_mask("SoftmaxAttention", mask, *x.shape[:2])
 
     def _qkv(self, x, positions, *, mask=None, cu_seqlens=None, conv_history=None):
-        """Projected, convolved (with short convolutions) and rotated q, k, v ``[B, T, H, D]``,
+        """Projected, convolved (with short convolutions) and rotated q, k, v ``[B, T, H, K]``,
         and the convolutions' new history (None without them)."""
         batch, seq_len, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)

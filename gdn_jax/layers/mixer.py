@@ -21,7 +21,7 @@ class TokenMixer(Protocol):
         x: Float[Array, "B T D"],
         *,
         mask: Array | None = None,
-        cu_seqlens: Int[Array, " M+1"] | None = None,
+        cu_seqlens: Int[Array, " N+1"] | None = None,
     ) -> Float[Array, "B T D"]:
         """Mix ``x`` with an optional ``[B, T]`` padding mask or packed ``cu_seqlens``."""
 

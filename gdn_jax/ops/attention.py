@@ -8,10 +8,10 @@ from jaxtyping import Array, Bool, Float, Int
 
 
 def rotary(
-    x: Float[Array, "T H D"], positions: Int[Array, " T"], *, theta: float = 10000.0
-) -> Float[Array, "T H D"]:
+    x: Float[Array, "T H K"], positions: Int[Array, " T"], *, theta: float = 10000.0
+) -> Float[Array, "T H K"]:
     """Rotary position embedding (Su et al., 2021), halves convention: feature ``i`` pairs with
-    ``i + D/2`` and turns by ``position * theta^(-2i/D)``. Computed in float32."""
+    ``i + K/2`` and turns by ``position * theta^(-2i/K)``. Computed in float32."""
     half = x.shape[-1] // 2
     freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angles = positions.astype(jnp.float32)[:, None, None] * freqs[None, None, :]
@@ -21,9 +21,9 @@ def rotary(
 
 
 def causal_attention(
-    q: Float[Array, "T H D"],
-    k: Float[Array, "S H D"],
-    v: Float[Array, "S H D"],
+    q: Float[Array, "T H K"],
+    k: Float[Array, "S H K"],
+    v: Float[Array, "S H K"],
     *,
     q_positions: Int[Array, " T"],
     k_positions: Int[Array, " S"],
@@ -31,7 +31,7 @@ def causal_attention(
     q_segments: Int[Array, " T"] | None = None,
     k_segments: Int[Array, " S"] | None = None,
     window: int | None = None,
-) -> Float[Array, "T H D"]:
+) -> Float[Array, "T H K"]:
     """Softmax attention where query ``t`` sees key ``s`` iff ``k_valid[s]``,
     ``k_positions[s] <= q_positions[t]``, the two share a segment (packed sequences) and, with
     ``window``, ``q_positions[t] - k_positions[s] < window``.

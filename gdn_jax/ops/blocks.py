@@ -1,7 +1,7 @@
 """Scanning a state update over blocks (tokens or chunks), with resets for packed sequences.
 
 Both the recurrent form (a block is one token) and the chunked form (a block is ``C``
-tokens) are a ``jax.lax.scan`` of a ``step(state, *block) -> (new_state, y)`` over ``N``
+tokens) are a ``jax.lax.scan`` of a ``step(state, *block) -> (new_state, y)`` over ``NC``
 blocks. Packed sequences add two integer arrays over the blocks:
 
 - ``start_seq[n] = m`` when block ``n`` is the first block of sequence ``m`` (else -1): the
@@ -24,15 +24,15 @@ def scan_blocks(step, blocks, initial_states, resets=None, *, keep_starts=False)
 
     Args:
       step: ``step(state [V, K], *block) -> (new_state [V, K], y)``.
-      blocks: tuple of arrays with a leading block axis ``N``.
-      initial_states: ``[M, V, K]``, one per sequence (``M = 1`` without resets).
-      resets: ``None`` or ``(start_seq [N], end_seq [N])``.
+      blocks: tuple of arrays with a leading block axis ``NC``.
+      initial_states: ``[N, V, K]``, one per sequence (``N = 1`` without resets).
+      resets: ``None`` or ``(start_seq [NC], end_seq [NC])``.
       keep_starts: also return the state at each block's start (after any reset). The
         chunked form keeps these, one state per chunk; the recurrent form must not, since
         that would be one state per token.
 
     Returns:
-      ``(ys [N, ...], finals [M, V, K])``, plus ``starts [N, V, K]`` when ``keep_starts``.
+      ``(ys [NC, ...], finals [N, V, K])``, plus ``starts [NC, V, K]`` when ``keep_starts``.
     """
 
     def emit(y, state):
@@ -69,12 +69,12 @@ def scan_blocks_backward(step_bwd, xs, d_finals, resets=None):
     Args:
       step_bwd: ``step_bwd(d_state_after [V, K], *x) -> (d_state_before [V, K], out)``, the
         pullback of one block's state update with whatever else it needs in ``x``.
-      xs: tuple of arrays with a leading block axis ``N``, one slice per call of ``step_bwd``.
-      d_finals: ``[M, V, K]`` cotangents of the final states.
+      xs: tuple of arrays with a leading block axis ``NC``, one slice per call of ``step_bwd``.
+      d_finals: ``[N, V, K]`` cotangents of the final states.
       resets: as in ``scan_blocks``.
 
     Returns:
-      ``(outs [N, ...], d_initial_states [M, V, K])``.
+      ``(outs [NC, ...], d_initial_states [N, V, K])``.
     """
     if resets is None:
 

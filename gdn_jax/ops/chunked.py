@@ -203,11 +203,11 @@ def resolve_schedule(schedule: checks.Schedule) -> str:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def chunked_core(rule, schedule, q, k, v, log_alpha, beta, initial_states, resets):
-    """The chunked form for one head: q, k ``[N, C, K]`` (q pre-scaled), v ``[N, C, V]``,
-    gates ``[N, C]``, ``initial_states [M, V, K]``, ``resets`` as in ``blocks.scan_blocks``;
+    """The chunked form for one head: q, k ``[NC, C, K]`` (q pre-scaled), v ``[NC, C, V]``,
+    gates ``[NC, C]``, ``initial_states [N, V, K]``, ``resets`` as in ``blocks.scan_blocks``;
     ``rule`` is ``wy.DELTA`` or ``wy.LINEAR``, ``schedule`` a key of ``SCHEDULES``.
 
-    Returns ``(y [N, C, V], finals [M, V, K])``.
+    Returns ``(y [NC, C, V], finals [N, V, K])``.
     """
     forward, _ = SCHEDULES[schedule]
     inputs = (q, k, v, log_alpha, beta)
@@ -251,10 +251,10 @@ def chunked_rule(
     back; the chunked twin of ``recurrent.recurrent_rule``.
 
     Arrays are in the compute dtype and ``q`` is pre-scaled: q, k ``[T, K]``, v ``[T, V]``,
-    gates ``[T]``, ``initial_states [M, V, K]``. Without ``cu_seqlens`` the tail is padded
+    gates ``[T]``, ``initial_states [N, V, K]``. Without ``cu_seqlens`` the tail is padded
     with inert tokens (zero q, k, v and beta, log_alpha 0: no decay, no write); with it each
     packed sequence starts on a chunk boundary (``varlen.pack_layout``).
-    Returns ``(y [T, V], finals [M, V, K])``.
+    Returns ``(y [T, V], finals [N, V, K])``.
     """
     seq_len = q.shape[0]
     log_alpha = jnp.maximum(log_alpha, LOG_ALPHA_FLOOR)

@@ -23,10 +23,10 @@ class PackedLayout(NamedTuple):
     positions: Int[Array, " T"]
     num_blocks: int
     block_size: int
-    resets: tuple[Int[Array, " NB"], Int[Array, " NB"]]
+    resets: tuple[Int[Array, " NC"], Int[Array, " NC"]]
 
     def scatter(self, x):
-        """``x [T, ...]`` onto the aligned axis ``[NB * block_size, ...]``, gaps zero; tokens
+        """``x [T, ...]`` onto the aligned axis ``[NC * block_size, ...]``, gaps zero; tokens
         past the last sequence are dropped."""
         size = self.num_blocks * self.block_size
         return jnp.zeros((size, *x.shape[1:]), x.dtype).at[self.positions].set(x, mode="drop")
