@@ -4,6 +4,11 @@ from gdn_jax.ops.api import gated_delta_rule, gated_linear_attention
 from gdn_jax.ops.chunked import gated_delta_rule_chunked
 from gdn_jax.ops.normalize import l2_normalize
 from gdn_jax.ops.recurrent import gated_delta_rule_recurrent
+from gdn_jax.ops.sequence_parallel import (
+    gated_delta_rule_seq_parallel,
+    gated_linear_attention_seq_parallel,
+    halo_from_previous,
+)
 from gdn_jax.ops.step import default_scale, gated_delta_step
 
 __all__ = [
@@ -11,7 +16,10 @@ __all__ = [
     "gated_delta_rule",
     "gated_delta_rule_chunked",
     "gated_delta_rule_recurrent",
+    "gated_delta_rule_seq_parallel",
     "gated_delta_step",
     "gated_linear_attention",
+    "gated_linear_attention_seq_parallel",
+    "halo_from_previous",
     "l2_normalize",
 ]

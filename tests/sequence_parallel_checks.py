@@ -1,0 +1,290 @@
+"""Sequence-parallel checks on 8 virtual CPU devices; run by test_sequence_parallel.py.
+
+The device count is fixed when JAX starts, so these run in their own process. The checks
+compare ``gated_delta_rule_seq_parallel`` on 2, 4 and 8 shards with the one-device
+``gdn_jax.gated_delta_rule`` (chunked): outputs, final states and the gradient of every
+input, in float32 with the tolerance table (and once in float64 to 1e-9), with and without
+an initial state and with packed sequences across shard boundaries. Also: the linear rule,
+a two-axis mesh, the sizes of the arrays that cross devices, ``halo_from_previous`` and the
+divisibility error. Prints one line per check and exits with status 1 if any failed.
+
+    python tests/sequence_parallel_checks.py   # sets its own XLA_FLAGS
+"""
+
+import functools
+import os
+import re
+import sys
+import time
+import traceback
+
+DEVICES = 8
+# Compiling is nearly all of this script's time (the programs are tiny): LLVM's optimisation
+# level 0 halves it and changes nothing but rounding. A value the caller gave is kept.
+FLAGS = {
+    "xla_force_host_platform_device_count": str(DEVICES),
+    "xla_backend_optimization_level": "0",
+}
+_given = os.environ.get("XLA_FLAGS", "").split()
+_names = {flag.lstrip("-").split("=")[0] for flag in _given}
+os.environ["XLA_FLAGS"] = " ".join(
+    _given + [f"--{name}={value}" for name, value in FLAGS.items() if name not in _names]
+)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from jaxtyping import install_import_hook  # noqa: E402
+
+# The shape annotations of the module under test are checked at call time (jaxtyping's
+# dimension letters, beartype's types); only its own, so a failure here is its own.
+install_import_hook("gdn_jax.ops.sequence_parallel", "beartype.beartype")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from tolerance import assert_close  # noqa: E402
+
+import gdn_jax  # noqa: E402
+from gdn_jax.ops.conv import causal_depthwise_conv  # noqa: E402
+from gdn_jax.ops.sequence_parallel import (  # noqa: E402
+    gated_delta_rule_seq_parallel,
+    gated_linear_attention_seq_parallel,
+    halo_from_previous,
+)
+
+# The standard of tests/conftest.py.
+jax.config.update("jax_enable_x64", True)
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# T / n = 40, 20, 10 tokens per shard: none a multiple of C, one shorter than C, and none
+# equal to another dimension, so a token-sized collective cannot pass for a state-sized one.
+B, T, H, HV, K, V, C = 2, 80, 2, 4, 8, 16, 16
+F32 = jnp.float32
+# Packed offsets (N = 6, B = 1). With 8 shards (boundaries every 10 tokens): a sequence
+# ends on a boundary (20), the next non-empty one starts on it after an empty one, spans
+# shards 2-4, and [47, 73) spans four. The second set adds empty sequences at the start and
+# the end and a start on the 2-, 4- and 8-shard boundary 40; the third ends before T, which
+# only a traced cu_seqlens may do (the tokens after it belong to no sequence).
+PACKED = {
+    "crossing": [0, 5, 20, 20, 47, 73, 80],
+    "empty ends": [0, 0, 33, 40, 40, 80, 80],
+    "ends before T": [0, 12, 30, 30, 61, 61, 61],
+}
+FAILURES = []
+if jax.device_count() < DEVICES:
+    sys.exit(f"FAIL expected {DEVICES} devices, got {jax.device_count()}: XLA_FLAGS came too late")
+
+
+def check(name, *args):
+    """Run the decorated check now with ``args``; print its result and time, and record a
+    failure instead of stopping."""
+
+    def decorate(fn):
+        began = time.perf_counter()
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - every failure is reported, then the script fails
+            FAILURES.append(name)
+            print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
+        else:
+            print(f"ok   {name} ({time.perf_counter() - began:.1f} s)", flush=True)
+        return fn
+
+    return decorate
+
+
+def random_inputs(seed, batch, num_states):
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), F32)
+
+    k = normal(batch, T, H, K)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    log_alpha = jnp.asarray(-rng.uniform(0.0, 0.5, (batch, T, HV)), F32)
+    beta = jnp.asarray(rng.uniform(0.1, 1.0, (batch, T, HV)), F32)
+    inputs = (normal(batch, T, H, K), k, normal(batch, T, HV, V), log_alpha, beta)
+    state = 0.5 * normal(num_states, HV, V, K)
+    # Fixed weights for a scalar loss that reads every output and final state.
+    weights = (normal(batch, T, HV, V), normal(num_states, HV, V, K))
+    return inputs, state, weights
+
+
+def mesh_of(shards):
+    return Mesh(np.array(jax.devices()[:shards]), ("seq",))
+
+
+def loss_and_grads(op, inputs, state, weights, cu_seqlens, **options):
+    """Jitted ``(o, final)`` and the gradients of ``sum(o w_o) + sum(final w_f)`` with respect
+    to q, k, v, log_alpha, beta and, when given, the initial state. ``cu_seqlens`` is traced,
+    so the packed cases of one shard count share one compiled program."""
+    run = jitted_loss(op, state is None, tuple(sorted(options.items())))
+    (_, (o, final)), grads = run(*inputs, state, cu_seqlens, weights)
+    return o, final, grads
+
+
+@functools.cache
+def jitted_loss(op, stateless, options):
+    def loss(q, k, v, log_alpha, beta, state, cu_seqlens, weights):
+        o, final = op(
+            q, k, v, log_alpha, beta, initial_state=state, cu_seqlens=cu_seqlens, **dict(options)
+        )
+        return jnp.sum(o * weights[0]) + jnp.sum(final * weights[1]), (o, final)
+
+    argnums = tuple(range(5 if stateless else 6))
+    return jax.jit(jax.value_and_grad(loss, argnums, has_aux=True))
+
+
+NAMES = ("q", "k", "v", "log_alpha", "beta", "initial_state")
+
+
+def compare(shards, inputs, state, weights, cu_seqlens=None, linear=False, **options):
+    options = dict(chunk_size=C, **options)
+    reference = gdn_jax.gated_linear_attention if linear else gdn_jax.gated_delta_rule
+    parallel = gated_linear_attention_seq_parallel if linear else gated_delta_rule_seq_parallel
+    expected = loss_and_grads(
+        reference, inputs, state, weights, cu_seqlens, impl="chunked", **options
+    )
+    actual = loss_and_grads(
+        parallel, inputs, state, weights, cu_seqlens, mesh=mesh_of(shards), **options
+    )
+    dtype = inputs[0].dtype
+    assert actual[0].dtype == expected[0].dtype == dtype, (actual[0].dtype, expected[0].dtype)
+    assert actual[1].dtype == expected[1].dtype, (actual[1].dtype, expected[1].dtype)
+    assert_close(actual[0], expected[0], dtype, "o")
+    assert_close(actual[1], expected[1], dtype, "final state")
+    assert len(actual[2]) == len(expected[2]) == (5 if state is None else 6)
+    for name, got, want in zip(NAMES, actual[2], expected[2], strict=False):
+        assert got.shape == want.shape, (name, got.shape, want.shape)
+        assert_close(got, want, dtype, f"gradient of {name}")
+
+
+# Without an initial state only the zeros made before the shard_map differ: one shard count.
+for shards, with_state in ((2, True), (4, True), (8, True), (4, False)):
+    inputs, state, weights = random_inputs(shards, B, B)
+    state = state if with_state else None
+
+    @check(f"{shards} shards, {'an' if with_state else 'no'} initial state", shards)
+    def _(shards, inputs=inputs, state=state, weights=weights):
+        compare(shards, inputs, state, weights)
+
+
+for shards in (2, 4, 8):
+    inputs, state, weights = random_inputs(10 + shards, 1, len(PACKED["crossing"]) - 1)
+    for label, offsets in PACKED.items():
+
+        @check(f"{shards} shards, packed sequences: {label}", shards, offsets)
+        def _(shards, offsets, inputs=inputs, state=state, weights=weights):
+            compare(shards, inputs, state, weights, jnp.asarray(offsets, jnp.int32))
+
+
+@check("8 shards, packed sequences crossing boundaries, float64 to 1e-9")
+def _():
+    inputs, state, weights = random_inputs(18, 1, len(PACKED["crossing"]) - 1)
+    inputs, state, weights = jax.tree.map(lambda x: x.astype(jnp.float64), (inputs, state, weights))
+    compare(8, inputs, state, weights, jnp.asarray(PACKED["crossing"], jnp.int32))
+
+
+@check("linear rule, 4 shards, q and k L2-normalised inside, hoisted schedule")
+def _():
+    inputs, state, weights = random_inputs(20, B, B)
+    compare(4, inputs, state, weights, linear=True, use_qk_l2norm=True, schedule="hoisted")
+
+
+@check("a (data 2, seq 4) mesh with the batch sharded over data")
+def _():
+    inputs, state, weights = random_inputs(21, B, B)
+    expected = loss_and_grads(
+        gdn_jax.gated_delta_rule, inputs, state, weights, None, chunk_size=C, impl="chunked"
+    )
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "seq"))
+    tokens = NamedSharding(mesh, P("data", "seq"))
+    inputs = tuple(jax.device_put(x, tokens) for x in inputs)
+    state = jax.device_put(state, NamedSharding(mesh, P("data")))
+    parallel = gated_delta_rule_seq_parallel
+    actual = loss_and_grads(parallel, inputs, state, weights, None, mesh=mesh, chunk_size=C)
+    assert actual[0].sharding.spec[:2] == ("data", "seq"), actual[0].sharding
+    for name, got, want in zip(("o", "final", "grads"), actual, expected, strict=True):
+        for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert_close(a, e, F32, name)
+
+
+COLLECTIVE = re.compile(
+    r"= (\(?[^=]*?\)?) (all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all)"
+    r"(?:-start)?\("
+)
+
+
+@check("only state-sized arrays cross devices, forward and backward")
+def _():
+    shards, local = 8, T // 8
+    inputs, state, weights = random_inputs(22, B, B)
+    # The program of the 8-shard check above, already compiled.
+    options = dict(chunk_size=C, mesh=mesh_of(shards))
+    run = jitted_loss(gated_delta_rule_seq_parallel, False, tuple(sorted(options.items())))
+    hlo = run.lower(*inputs, state, None, weights).compile().as_text()
+    found = COLLECTIVE.findall(hlo)
+    kinds = {op for _, op in found}
+    # The gather of the carries, its transpose, and the sums of the final states.
+    assert {"all-gather", "all-reduce"} <= kinds, f"collectives found: {found}"
+    bound = shards * B * HV * (V + K) * K
+    for shape_text, op in found:
+        for dims in re.findall(r"\[([\d,]*)\]", shape_text):
+            dims = [int(d) for d in dims.split(",") if d]
+            assert local not in dims and T not in dims, f"token-sized {op}: {shape_text}"
+            assert int(np.prod(dims)) <= bound, f"{op} of {shape_text} exceeds {bound}"
+    print("     collectives:", sorted({f"{op} {shape}" for shape, op in found}))
+
+
+@check("halo_from_previous: the previous shard's last tokens, and a sharded convolution")
+def _():
+    shards, width, channels = 8, 3, 5
+    mesh = mesh_of(shards)
+    rng = np.random.default_rng(23)
+    x = jnp.asarray(rng.standard_normal((T, channels)), F32)
+    weight = jnp.asarray(rng.standard_normal((width + 1, channels)), F32)
+
+    def per_shard(x):
+        halo = halo_from_previous(x, width, "seq")
+        return halo, causal_depthwise_conv(x, weight, history=halo)[0]
+
+    run = jax.shard_map(per_shard, mesh=mesh, in_specs=P("seq"), out_specs=(P("seq"), P("seq")))
+    halos, y = jax.jit(run)(x)
+    local = T // shards
+    blocks = np.asarray(x).reshape(shards, local, channels)
+    expected = np.concatenate([np.zeros((1, width, channels)), blocks[:-1, -width:]])
+    np.testing.assert_array_equal(np.asarray(halos).reshape(shards, width, channels), expected)
+    assert_close(y, causal_depthwise_conv(x, weight)[0], F32, "sharded convolution")
+
+    too_wide = jax.shard_map(
+        lambda x: halo_from_previous(x, local + 1, "seq"),
+        mesh=mesh,
+        in_specs=P("seq"),
+        out_specs=P("seq"),
+    )
+    try:
+        too_wide(x)
+    except ValueError as error:
+        assert "width=11 must be at most the tokens per shard" in str(error), error
+    else:
+        raise AssertionError("a halo wider than a shard was accepted")
+
+
+@check("T not divisible by the axis size is refused")
+def _():
+    inputs, _, _ = random_inputs(24, B, B)
+    cut = tuple(x[:, : T - 2] for x in inputs)
+    try:
+        gated_delta_rule_seq_parallel(*cut, mesh=mesh_of(8), chunk_size=C)
+    except ValueError as error:
+        assert "T=78 (q.shape[1]) must be divisible by the 8 devices" in str(error), error
+    else:
+        raise AssertionError("T=78 over 8 shards was accepted")
+
+
+if FAILURES:
+    print(f"{len(FAILURES)} check(s) failed: {', '.join(FAILURES)}")
+    sys.exit(1)
+print("all sequence-parallel checks passed")
