@@ -4,6 +4,11 @@ import os
 
 import jax
 import pytest
+from jaxtyping import install_import_hook
+
+# Every shape annotation in gdn_jax is checked at call (trace) time in the test session:
+# jaxtyping binds the dimension letters across a call's arguments and beartype checks them.
+install_import_hook("gdn_jax", "beartype.beartype")
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_dtype_promotion", "strict")

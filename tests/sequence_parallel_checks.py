@@ -34,9 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from jaxtyping import install_import_hook  # noqa: E402
 
-# The shape annotations of the module under test are checked at call time (jaxtyping's
-# dimension letters, beartype's types); only its own, so a failure here is its own.
-install_import_hook("gdn_jax.ops.sequence_parallel", "beartype.beartype")
+# As in conftest.py: every shape annotation in gdn_jax is checked at call (trace) time.
+install_import_hook("gdn_jax", "beartype.beartype")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

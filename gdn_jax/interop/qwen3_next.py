@@ -20,6 +20,7 @@ The layer's function is the same: SiLU after the convolution, q and k L2-normali
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import no_type_check
 
 import jax.numpy as jnp
 import numpy as np
@@ -40,6 +41,7 @@ CONFIG_KEYS = (
 )
 
 
+@no_type_check  # a public entry point: checks.py names its bad arguments
 def qwen3_next_layer_kwargs(config) -> dict:
     """``GatedDeltaNet``'s constructor arguments for the linear-attention layers of a
     Qwen3-Next ``config`` (a mapping with ``Qwen3NextConfig``'s attribute names, or the config
@@ -132,6 +134,7 @@ def _to_fla(tensors: dict, kwargs: dict) -> dict[str, np.ndarray]:
     }
 
 
+@no_type_check  # a public entry point: checks.py names its bad arguments
 def load_qwen3_next_layer(state_dict, config, *, dtype=None) -> GatedDeltaNet:
     """A ``GatedDeltaNet`` holding one ``Qwen3NextGatedDeltaNet`` layer's weights.
 
@@ -158,6 +161,7 @@ def load_qwen3_next_layer(state_dict, config, *, dtype=None) -> GatedDeltaNet:
     return load_fla_layer(_to_fla(tensors, kwargs), **kwargs, **layer_dtype)
 
 
+@no_type_check  # a public entry point: checks.py names its bad arguments
 def export_qwen3_next_layer(layer: GatedDeltaNet) -> dict[str, np.ndarray]:
     """``layer``'s parameters as a ``Qwen3NextGatedDeltaNet`` state dict, the inverse of
     ``load_qwen3_next_layer``. The layer must have Qwen3-Next's form: output gate, short
@@ -195,6 +199,7 @@ def export_qwen3_next_layer(layer: GatedDeltaNet) -> dict[str, np.ndarray]:
     }
 
 
+@no_type_check  # a public entry point: checks.py names its bad arguments
 def qwen3_next_cache_to_gdn(conv_state, recurrent_state) -> RecurrentCache:
     """transformers' per-layer decoding cache as gdn_jax's ``RecurrentCache``.
 
@@ -225,6 +230,7 @@ def qwen3_next_cache_to_gdn(conv_state, recurrent_state) -> RecurrentCache:
     )
 
 
+@no_type_check  # a public entry point: checks.py names its bad arguments
 def gdn_cache_to_qwen3_next(cache: RecurrentCache) -> tuple[np.ndarray, np.ndarray]:
     """gdn_jax's ``RecurrentCache`` as transformers' ``(conv_state [B, channels, W],
     recurrent_state [B, HV, K, V])``. The oldest column of ``conv_state``, which no later
@@ -242,6 +248,7 @@ def gdn_cache_to_qwen3_next(cache: RecurrentCache) -> tuple[np.ndarray, np.ndarr
     )
 
 
+@no_type_check  # a public entry point: checks.py names its bad arguments
 def qwen3_next_layer_prefixes(config) -> dict[int, str]:
     """``{layer index: "model.layers.{i}.linear_attn."}`` for the linear-attention layers of a
     Qwen3-Next ``config``, the prefixes to give ``read_safetensors``. The layers come from

@@ -5,7 +5,7 @@ the recurrent mixers' short convolutions on q, k and v."""
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,7 @@ class KVCache(NamedTuple):
     conv: tuple[Array, Array, Array] | None = None
 
 
+@no_type_check  # checks.py names bad arguments and inputs
 class SoftmaxAttention(nnx.Module):
     """Multi-head causal softmax attention, bias-free projections, RoPE on q and k, an
     optional sliding ``window`` (a token sees itself and the ``window - 1`` before it).

@@ -11,7 +11,7 @@ baselines in ``baselines.py`` drop one or both.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ class RecurrentCache(NamedTuple):
     state: Float[Array, "B HV V K"]
 
 
+@no_type_check  # checks.py names bad arguments and inputs
 class RecurrentMixer(nnx.Module):
     """Recurrent token mixer: ``x [B, T, hidden_size] -> [B, T, hidden_size]``.
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, get_args
+from typing import Literal, get_args, no_type_check
 
 import jax.numpy as jnp
 
@@ -16,6 +16,7 @@ MIXERS: tuple[str, ...] = get_args(Mixer)
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
+@no_type_check  # data: validate() names bad fields
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A stack of pre-norm blocks; every field is checked by ``validate``."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -35,44 +35,7 @@ DELTA_RULE = Rule(token_step, DELTA)  # S' = alpha S + beta (v - alpha S k) k^T
 LINEAR_RULE = Rule(linear_token_step, LINEAR)  # S' = alpha S + beta v k^T
 
 
-def _check_batched(fn, q, k, v, log_alpha, beta, initial_state, cu_seqlens):
-    checks.check_arrays(
-        fn, q=q, k=k, v=v, log_alpha=log_alpha, beta=beta, initial_state=initial_state
-    )
-    checks.check_floating(
-        fn, q=q, k=k, v=v, log_alpha=log_alpha, beta=beta, initial_state=initial_state
-    )
-    checks.check_same_dtype(fn, q=q, k=k, v=v)
-    checks.check_rank(fn, "q", q, 4, "[B, T, H, K]")
-    checks.check_rank(fn, "v", v, 4, "[B, T, HV, V]")
-    batch, seq_len, heads, key_dim = q.shape
-    v_heads, value_dim = v.shape[2], v.shape[3]
-    checks.check_shape(fn, "k", k, q.shape, "[B, T, H, K] like q")
-    checks.check_shape(fn, "v", v, (batch, seq_len, v_heads, value_dim), "[B, T, HV, V]")
-    checks.check_shape(fn, "log_alpha", log_alpha, (batch, seq_len, v_heads), "[B, T, HV]")
-    checks.check_shape(fn, "beta", beta, (batch, seq_len, v_heads), "[B, T, HV]")
-    if v_heads % heads:
-        raise ValueError(
-            f"{fn}: value heads HV={v_heads} (v.shape={v.shape}) must be a multiple of "
-            f"query/key heads H={heads} (q.shape={q.shape})"
-        )
-    if seq_len < 1:
-        raise ValueError(f"{fn}: need at least one token, got q.shape={q.shape}")
-    num_states = batch
-    if cu_seqlens is not None:
-        if batch != 1:
-            raise ValueError(
-                f"{fn}: cu_seqlens packs sequences along T and needs B == 1, got q.shape={q.shape}"
-            )
-        checks.check_cu_seqlens(fn, cu_seqlens, seq_len)
-        num_states = cu_seqlens.shape[0] - 1
-    if initial_state is not None:
-        layout = "[N, HV, V, K]" if cu_seqlens is not None else "[B, HV, V, K]"
-        checks.check_shape(
-            fn, "initial_state", initial_state, (num_states, v_heads, value_dim, key_dim), layout
-        )
-
-
+@no_type_check  # a public entry point: checks.py names its bad arguments
 def gated_delta_rule(
     q: Float[Array, "B T H K"],
     k: Float[Array, "B T H K"],
@@ -119,6 +82,7 @@ def gated_delta_rule(
     return _batched("gated_delta_rule", DELTA_RULE, q, k, v, log_alpha, beta, **options)
 
 
+@no_type_check  # a public entry point: checks.py names its bad arguments
 def gated_linear_attention(
     q: Float[Array, "B T H K"],
     k: Float[Array, "B T H K"],
@@ -146,6 +110,57 @@ def gated_linear_attention(
     return _batched("gated_linear_attention", LINEAR_RULE, q, k, v, log_alpha, beta, **options)
 
 
+def prepare_batched(q, k, v, log_alpha, beta, initial_state, *, scale, use_qk_l2norm, num_states):
+    """The batched inputs as the one-head forms take them: in the compute dtype (float32, or
+    float64 for float64 input), q and k L2-normalised when asked, ``q`` pre-scaled, and the
+    initial states (zeros when None) ``[B or N, HV, V, K]``."""
+    key_dim, (v_heads, value_dim) = q.shape[-1], v.shape[2:]
+    scale = default_scale(key_dim) if scale is None else scale
+    compute = compute_dtype(q, log_alpha, beta, initial_state)
+    q, k = q.astype(compute), k.astype(compute)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    if initial_state is None:
+        initial_state = jnp.zeros((num_states, v_heads, value_dim, key_dim), compute)
+    rest = (x.astype(compute) for x in (v, log_alpha, beta, initial_state))
+    return (q * scale, k, *rest)
+
+
+def over_batch_and_heads(one_head, q, k, v, log_alpha, beta, initial_states, cu_seqlens=None):
+    """Run ``one_head`` (one head, one sequence, as ``chunked.chunked_rule``: ``(q [T, K],
+    ..., initial_states [N, V, K], cu_seqlens=) -> (y [T, V], finals [N, V, K])``) over the
+    batch, the key heads and the value-head groups. Returns ``(o [B, T, HV, V], finals
+    [B or N, HV, V, K])``."""
+    batch, seq_len, heads, key_dim = q.shape
+    v_heads, value_dim = v.shape[2], v.shape[3]
+    num_states = initial_states.shape[0]
+    # The value heads of one query/key head form a group of R that reads the same q and k:
+    # vmapping the group with q and k unbatched shares them (and their q k^T, k k^T products)
+    # instead of materialising R copies.
+    group = v_heads // heads
+    v = v.reshape(batch, seq_len, heads, group, value_dim)
+    log_alpha, beta = (x.reshape(batch, seq_len, heads, group) for x in (log_alpha, beta))
+    states = initial_states.reshape(num_states, heads, group, value_dim, key_dim)
+    if cu_seqlens is None:
+        # Each (batch, head) is one sequence with one initial state: [V, K] -> [1, V, K].
+        def one_sequence(q, k, v, log_alpha, beta, state):
+            y, finals = one_head(q, k, v, log_alpha, beta, state[None])
+            return y, finals[0]
+
+        over_group = jax.vmap(one_sequence, in_axes=(None, None, 1, 1, 1, 0), out_axes=(1, 0))
+        over_heads = jax.vmap(over_group, in_axes=(1, 1, 1, 1, 1, 0), out_axes=(1, 0))
+        out, final = jax.vmap(over_heads)(q, k, v, log_alpha, beta, states)
+    else:
+        # B == 1; each head carries the N packed sequences' states: [N, HV, V, K].
+        packed = functools.partial(one_head, cu_seqlens=cu_seqlens)
+        over_group = jax.vmap(packed, in_axes=(None, None, 1, 1, 1, 1), out_axes=(1, 1))
+        over_heads = jax.vmap(over_group, in_axes=(1, 1, 1, 1, 1, 1), out_axes=(1, 1))
+        out, final = over_heads(q[0], k[0], v[0], log_alpha[0], beta[0], states)
+        out = out[None]
+    out = out.reshape(batch, seq_len, v_heads, value_dim)
+    return out, final.reshape(num_states, v_heads, value_dim, key_dim)
+
+
 def _batched(
     fn,
     rule,
@@ -164,64 +179,30 @@ def _batched(
     use_qk_l2norm,
 ):
     """Shared body of ``gated_delta_rule`` and ``gated_linear_attention``: a shape check,
-    the compute-dtype inputs, then ``rule`` in the form ``impl`` vmapped over batch and heads."""
-    _check_batched(fn, q, k, v, log_alpha, beta, initial_state, cu_seqlens)
+    the compute-dtype inputs, then ``rule`` in the form ``impl`` over batch and heads."""
+    checks.check_batched(fn, q, k, v, log_alpha, beta, initial_state, cu_seqlens)
     checks.check_scale(fn, scale)
     checks.check_impl(fn, impl)
     if impl == "chunked":
         checks.check_chunk_size(fn, chunk_size)
         checks.check_schedule(fn, schedule)
-    batch, seq_len, heads, key_dim = q.shape
-    v_heads, value_dim = v.shape[2], v.shape[3]
-    scale = default_scale(key_dim) if scale is None else scale
-    compute = compute_dtype(q, log_alpha, beta, initial_state)
-    out_dtype = v.dtype
-
-    q, k = q.astype(compute), k.astype(compute)
-    if use_qk_l2norm:
-        q, k = l2_normalize(q), l2_normalize(k)
-    q = q * scale
-    v, log_alpha, beta = v.astype(compute), log_alpha.astype(compute), beta.astype(compute)
-
-    num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    if initial_state is None:
-        initial_state = jnp.zeros((num_states, v_heads, value_dim, key_dim), compute)
-    initial_state = initial_state.astype(compute)
-
+    num_states = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    inputs = prepare_batched(
+        q,
+        k,
+        v,
+        log_alpha,
+        beta,
+        initial_state,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        num_states=num_states,
+    )
     if impl == "chunked":
         one_head = functools.partial(
-            chunked_rule,
-            chunk_size=chunk_size,
-            cu_seqlens=cu_seqlens,
-            rule=rule.chunk,
-            schedule=schedule,
+            chunked_rule, chunk_size=chunk_size, rule=rule.chunk, schedule=schedule
         )
     else:
-        one_head = functools.partial(recurrent_rule, cu_seqlens=cu_seqlens, step=rule.token)
-
-    # The value heads of one query/key head form a group of R that reads the same q and k:
-    # vmapping the group with q and k unbatched shares them (and their q k^T, k k^T products)
-    # instead of materialising R copies.
-    group = v_heads // heads
-    v = v.reshape(batch, seq_len, heads, group, value_dim)
-    log_alpha, beta = (x.reshape(batch, seq_len, heads, group) for x in (log_alpha, beta))
-    if cu_seqlens is None:
-        # Each (batch, head) is one sequence with one initial state: [V, K] -> [1, V, K].
-        def one_sequence(q, k, v, log_alpha, beta, state):
-            y, finals = one_head(q, k, v, log_alpha, beta, state[None])
-            return y, finals[0]
-
-        over_group = jax.vmap(one_sequence, in_axes=(None, None, 1, 1, 1, 0), out_axes=(1, 0))
-        over_heads = jax.vmap(over_group, in_axes=(1, 1, 1, 1, 1, 0), out_axes=(1, 0))
-        states = initial_state.reshape(batch, heads, group, value_dim, key_dim)
-        out, final = jax.vmap(over_heads)(q, k, v, log_alpha, beta, states)
-    else:
-        # B == 1; each head carries the N packed sequences' states: [N, HV, V, K].
-        over_group = jax.vmap(one_head, in_axes=(None, None, 1, 1, 1, 1), out_axes=(1, 1))
-        over_heads = jax.vmap(over_group, in_axes=(1, 1, 1, 1, 1, 1), out_axes=(1, 1))
-        states = initial_state.reshape(num_states, heads, group, value_dim, key_dim)
-        out, final = over_heads(q[0], k[0], v[0], log_alpha[0], beta[0], states)
-        out = out[None]
-    out = out.reshape(batch, seq_len, v_heads, value_dim)
-    final = final.reshape(num_states, v_heads, value_dim, key_dim)
-    return out.astype(out_dtype), final
+        one_head = functools.partial(recurrent_rule, step=rule.token)
+    out, final = over_batch_and_heads(one_head, *inputs, cu_seqlens)
+    return out.astype(v.dtype), final

@@ -169,3 +169,41 @@ def check_cu_seqlens(fn: str, cu_seqlens, seq_len: int) -> None:
             f"{fn}: cu_seqlens must rise from 0 to T={seq_len} without decreasing, "
             f"got {values.tolist()}"
         )
+
+
+def check_batched(fn: str, q, k, v, log_alpha, beta, initial_state, cu_seqlens) -> None:
+    """The batched, multi-head contract: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` with HV a
+    multiple of H, gates ``[B, T, HV]``, ``initial_state [B, HV, V, K]`` (``[N, HV, V, K]``
+    with packed ``cu_seqlens``, which need ``B == 1``)."""
+    arrays = dict(q=q, k=k, v=v, log_alpha=log_alpha, beta=beta, initial_state=initial_state)
+    check_arrays(fn, **arrays)
+    check_floating(fn, **arrays)
+    check_same_dtype(fn, q=q, k=k, v=v)
+    check_rank(fn, "q", q, 4, "[B, T, H, K]")
+    check_rank(fn, "v", v, 4, "[B, T, HV, V]")
+    batch, seq_len, heads, key_dim = q.shape
+    v_heads, value_dim = v.shape[2], v.shape[3]
+    check_shape(fn, "k", k, q.shape, "[B, T, H, K] like q")
+    check_shape(fn, "v", v, (batch, seq_len, v_heads, value_dim), "[B, T, HV, V]")
+    check_shape(fn, "log_alpha", log_alpha, (batch, seq_len, v_heads), "[B, T, HV]")
+    check_shape(fn, "beta", beta, (batch, seq_len, v_heads), "[B, T, HV]")
+    require(
+        fn,
+        heads >= 1 and v_heads % heads == 0,
+        f"value heads HV={v_heads} (v.shape={v.shape}) must be a multiple of query/key heads "
+        f"H={heads} (q.shape={q.shape})",
+    )
+    require(fn, seq_len >= 1, f"need at least one token, got q.shape={q.shape}")
+    num_states = batch
+    if cu_seqlens is not None:
+        require(
+            fn,
+            batch == 1,
+            f"cu_seqlens packs sequences along T and needs B == 1, got q.shape={q.shape}",
+        )
+        check_cu_seqlens(fn, cu_seqlens, seq_len)
+        num_states = cu_seqlens.shape[0] - 1
+    if initial_state is not None:
+        layout = "[N, HV, V, K]" if cu_seqlens is not None else "[B, HV, V, K]"
+        expected = (num_states, v_heads, value_dim, key_dim)
+        check_shape(fn, "initial_state", initial_state, expected, layout)

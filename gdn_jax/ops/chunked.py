@@ -30,10 +30,11 @@ intermediates then stay in cache). Both compose the same per-chunk functions.
 from __future__ import annotations
 
 import functools
+from typing import no_type_check
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.blocks import scan_blocks, scan_blocks_backward
@@ -45,7 +46,14 @@ from gdn_jax.ops.wy import DELTA, WriteRule
 over_chunks = jax.vmap
 
 
-def state_step(state, w, u, k_to_end, whole, q_from_start):
+def state_step(
+    state: Float[Array, "V K"],
+    w: Float[Array, "C K"] | None,
+    u: Float[Array, "C V"],
+    k_to_end: Float[Array, "C K"],
+    whole: Float[Array, ""],
+    q_from_start: Float[Array, "C K"],
+):
     """One chunk of the state pass, with every product that touches the state.
 
     ``(S [V, K], w [C, K] or None, u [C, V], K diag(exp(g_C - g)) [C, K], exp(g_C),
@@ -82,7 +90,13 @@ def state_step_bwd(d_end, start, w, u, k_to_end, whole, q_from_start, d_u_intra,
     return d_start, outs
 
 
-def chunk_output(q, k, decays: ChunkDecays, corrections, y_start):
+def chunk_output(
+    q: Float[Array, "C K"],
+    k: Float[Array, "C K"],
+    decays: ChunkDecays,
+    corrections: Float[Array, "C V"],
+    y_start: Float[Array, "C V"],
+) -> Float[Array, "C V"]:
     """``Y [C, V]`` of one chunk: its read of the start state plus the causal intra-chunk
     part."""
     attn_CxC = (q @ k.T) * decays.within
@@ -118,7 +132,15 @@ def chunk_prepare(rule: WriteRule, q, k, v, log_alpha, beta):
     return decays, factors, k * decays.to_end[:, None], q * decays.from_start[:, None]
 
 
-def chunk_forward(rule: WriteRule, state, q, k, v, log_alpha, beta):
+def chunk_forward(
+    rule: WriteRule,
+    state: Float[Array, "V K"],
+    q: Float[Array, "C K"],
+    k: Float[Array, "C K"],
+    v: Float[Array, "C V"],
+    log_alpha: Float[Array, " C"],
+    beta: Float[Array, " C"],
+) -> tuple[Float[Array, "V K"], Float[Array, "C V"]]:
     """All three stages for one chunk: ``(S, chunk inputs) -> (S', Y [C, V])``."""
     decays, (w, u, _), k_to_end, q_from_start = chunk_prepare(rule, q, k, v, log_alpha, beta)
     new_state, (corrections, y_start) = state_step(
@@ -235,18 +257,18 @@ chunked_core.defvjp(_chunked_core_fwd, _chunked_core_bwd)
 
 
 def chunked_rule(
-    q,
-    k,
-    v,
-    log_alpha,
-    beta,
-    initial_states,
+    q: Float[Array, "T K"],
+    k: Float[Array, "T K"],
+    v: Float[Array, "T V"],
+    log_alpha: Float[Array, " T"],
+    beta: Float[Array, " T"],
+    initial_states: Float[Array, "N V K"],
     *,
-    chunk_size,
-    cu_seqlens=None,
-    rule=DELTA,
-    schedule="auto",
-):
+    chunk_size: int,
+    cu_seqlens: Int[Array, " N+1"] | None = None,
+    rule: WriteRule = DELTA,
+    schedule: checks.Schedule = "auto",
+) -> tuple[Float[Array, "T V"], Float[Array, "N V K"]]:
     """Lay the tokens out in chunks, run ``chunked_core`` with ``rule`` and ``schedule``, and
     back; the chunked twin of ``recurrent.recurrent_rule``.
 
@@ -286,6 +308,7 @@ def chunked_rule(
     return from_chunks(ys), finals
 
 
+@no_type_check  # a public entry point: checks.py names its bad arguments
 def gated_delta_rule_chunked(
     q: Float[Array, "T K"],
     k: Float[Array, "T K"],

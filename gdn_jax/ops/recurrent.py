@@ -6,7 +6,9 @@ one ``[V, K]`` state per token (``T * V * K`` floats per head), so train with th
 
 from __future__ import annotations
 
-from jaxtyping import Array, Float
+from typing import no_type_check
+
+from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.blocks import scan_blocks
@@ -14,13 +16,32 @@ from gdn_jax.ops.step import core_inputs, token_step
 from gdn_jax.ops.varlen import pack_layout
 
 
-def recurrent_core(q, k, v, log_alpha, beta, initial_states, resets=None, step=token_step):
+def recurrent_core(
+    q: Float[Array, "T K"],
+    k: Float[Array, "T K"],
+    v: Float[Array, "T V"],
+    log_alpha: Float[Array, " T"],
+    beta: Float[Array, " T"],
+    initial_states: Float[Array, "N V K"],
+    resets=None,
+    step=token_step,
+) -> tuple[Float[Array, "T V"], Float[Array, "N V K"]]:
     """Scan ``step`` over tokens on compute-dtype arrays (``q`` pre-scaled); see
     ``scan_blocks``."""
     return scan_blocks(step, (q, k, v, log_alpha, beta), initial_states, resets)
 
 
-def recurrent_rule(q, k, v, log_alpha, beta, initial_states, *, cu_seqlens=None, step=token_step):
+def recurrent_rule(
+    q: Float[Array, "T K"],
+    k: Float[Array, "T K"],
+    v: Float[Array, "T V"],
+    log_alpha: Float[Array, " T"],
+    beta: Float[Array, " T"],
+    initial_states: Float[Array, "N V K"],
+    *,
+    cu_seqlens: Int[Array, " N+1"] | None = None,
+    step=token_step,
+) -> tuple[Float[Array, "T V"], Float[Array, "N V K"]]:
     """Run ``recurrent_core`` with ``step`` over the tokens, resetting the state where packed
     ``cu_seqlens`` start a sequence; the recurrent twin of ``chunked.chunked_rule``, with the
     same arguments and results (a block is one token, so the layout keeps every token in
@@ -32,6 +53,7 @@ def recurrent_rule(q, k, v, log_alpha, beta, initial_states, *, cu_seqlens=None,
     return layout.gather(ys), finals
 
 
+@no_type_check  # a public entry point: checks.py names its bad arguments
 def gated_delta_rule_recurrent(
     q: Float[Array, "T K"],
     k: Float[Array, "T K"],

@@ -39,6 +39,7 @@ chunks of ``C``.
 from __future__ import annotations
 
 import functools
+from typing import no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -47,11 +48,15 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, Shaped
 
 from gdn_jax.ops import checks
-from gdn_jax.ops.api import DELTA_RULE, LINEAR_RULE, Rule
+from gdn_jax.ops.api import (
+    DELTA_RULE,
+    LINEAR_RULE,
+    Rule,
+    over_batch_and_heads,
+    prepare_batched,
+)
 from gdn_jax.ops.chunked import chunked_rule
-from gdn_jax.ops.normalize import l2_normalize
-from gdn_jax.ops.step import compute_dtype, default_scale
-from gdn_jax.ops.wy import DELTA
+from gdn_jax.ops.wy import DELTA, WriteRule
 
 
 def _compose(first, second):
@@ -82,19 +87,19 @@ def _with_start(stacked, start, value_dim):
 
 
 def seq_parallel_rule(
-    q,
-    k,
-    v,
-    log_alpha,
-    beta,
-    initial_states,
+    q: Float[Array, "T K"],
+    k: Float[Array, "T K"],
+    v: Float[Array, "T V"],
+    log_alpha: Float[Array, " T"],
+    beta: Float[Array, " T"],
+    initial_states: Float[Array, "N V K"],
     *,
-    axis_name,
-    chunk_size,
-    cu_seqlens=None,
-    rule=DELTA,
-    schedule="auto",
-):
+    axis_name: str,
+    chunk_size: int,
+    cu_seqlens: Int[Array, " N+1"] | None = None,
+    rule: WriteRule = DELTA,
+    schedule: checks.Schedule = "auto",
+) -> tuple[Float[Array, "T V"], Float[Array, "N V K"]]:
     """One head over one shard of the tokens, called inside ``jax.shard_map``; the
     sequence-parallel twin of ``chunked.chunked_rule``, with its arguments and results.
 
@@ -177,6 +182,7 @@ def seq_parallel_rule(
     return y, total
 
 
+@no_type_check  # a public entry point: checks.py names its bad arguments
 def halo_from_previous(x: Shaped[Array, "T ..."], width: int, axis_name: str):
     """Inside ``jax.shard_map``, given this shard's tokens ``x [T / n, ...]``: the last
     ``width`` tokens of the previous shard along ``axis_name``, ``[width, ...]``, zeros on
@@ -217,42 +223,7 @@ def _check_mesh(fn, mesh, axis_name, seq_len):
         )
 
 
-def _check_batched(fn, q, k, v, log_alpha, beta, initial_state, cu_seqlens):
-    """The shapes and dtypes of ``api.gated_delta_rule``'s arguments."""
-    arrays = dict(q=q, k=k, v=v, log_alpha=log_alpha, beta=beta, initial_state=initial_state)
-    checks.check_arrays(fn, **arrays)
-    checks.check_floating(fn, **arrays)
-    checks.check_same_dtype(fn, q=q, k=k, v=v)
-    checks.check_rank(fn, "q", q, 4, "[B, T, H, K]")
-    checks.check_rank(fn, "v", v, 4, "[B, T, HV, V]")
-    batch, seq_len, heads, key_dim = q.shape
-    v_heads, value_dim = v.shape[2], v.shape[3]
-    checks.check_shape(fn, "k", k, q.shape, "[B, T, H, K] like q")
-    checks.check_shape(fn, "v", v, (batch, seq_len, v_heads, value_dim), "[B, T, HV, V]")
-    checks.check_shape(fn, "log_alpha", log_alpha, (batch, seq_len, v_heads), "[B, T, HV]")
-    checks.check_shape(fn, "beta", beta, (batch, seq_len, v_heads), "[B, T, HV]")
-    if heads < 1 or v_heads % heads:
-        raise ValueError(
-            f"{fn}: value heads HV={v_heads} (v.shape={v.shape}) must be a multiple of "
-            f"query/key heads H={heads} (q.shape={q.shape})"
-        )
-    if seq_len < 1:
-        raise ValueError(f"{fn}: need at least one token, got q.shape={q.shape}")
-    num_states = batch
-    if cu_seqlens is not None:
-        if batch != 1:
-            raise ValueError(
-                f"{fn}: cu_seqlens packs sequences along T and needs B == 1, got q.shape={q.shape}"
-            )
-        checks.check_cu_seqlens(fn, cu_seqlens, seq_len)
-        num_states = cu_seqlens.shape[0] - 1
-    if initial_state is not None:
-        layout = "[N, HV, V, K]" if cu_seqlens is not None else "[B, HV, V, K]"
-        checks.check_shape(
-            fn, "initial_state", initial_state, (num_states, v_heads, value_dim, key_dim), layout
-        )
-
-
+@no_type_check  # a public entry point: checks.py names its bad arguments
 def gated_delta_rule_seq_parallel(
     q: Float[Array, "B T H K"],
     k: Float[Array, "B T H K"],
@@ -298,6 +269,7 @@ def gated_delta_rule_seq_parallel(
     return _seq_parallel(fn, DELTA_RULE, q, k, v, log_alpha, beta, **options)
 
 
+@no_type_check  # a public entry point: checks.py names its bad arguments
 def gated_linear_attention_seq_parallel(
     q: Float[Array, "B T H K"],
     k: Float[Array, "B T H K"],
@@ -341,27 +313,23 @@ def _seq_parallel(
     cu_seqlens,
     use_qk_l2norm,
 ):
-    _check_batched(fn, q, k, v, log_alpha, beta, initial_state, cu_seqlens)
+    checks.check_batched(fn, q, k, v, log_alpha, beta, initial_state, cu_seqlens)
     _check_mesh(fn, mesh, axis_name, q.shape[1])
     checks.check_scale(fn, scale)
     checks.check_chunk_size(fn, chunk_size)
     checks.check_schedule(fn, schedule)
-    batch, seq_len, heads, key_dim = q.shape
-    v_heads, value_dim = v.shape[2], v.shape[3]
-    scale = default_scale(key_dim) if scale is None else scale
-    compute = compute_dtype(q, log_alpha, beta, initial_state)
-    out_dtype = v.dtype
-
-    q, k = q.astype(compute), k.astype(compute)
-    if use_qk_l2norm:
-        q, k = l2_normalize(q), l2_normalize(k)
-    q = q * scale
-    v, log_alpha, beta = v.astype(compute), log_alpha.astype(compute), beta.astype(compute)
-    num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    if initial_state is None:
-        initial_state = jnp.zeros((num_states, v_heads, value_dim, key_dim), compute)
-    initial_state = initial_state.astype(compute)
-
+    num_states = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    inputs = prepare_batched(
+        q,
+        k,
+        v,
+        log_alpha,
+        beta,
+        initial_state,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        num_states=num_states,
+    )
     one_head = functools.partial(
         seq_parallel_rule,
         axis_name=axis_name,
@@ -369,37 +337,13 @@ def _seq_parallel(
         rule=rule.chunk,
         schedule=schedule,
     )
-    # As in api.gated_delta_rule: the R value heads of one key head share its q and k.
-    group = v_heads // heads
-    split_heads = (heads, group)
 
     def per_shard(q, k, v, log_alpha, beta, initial_state, *cu):
-        cu = cu[0] if cu else None
-        local_len = q.shape[1]
-        v = v.reshape(batch, local_len, *split_heads, value_dim)
-        log_alpha, beta = (x.reshape(batch, local_len, *split_heads) for x in (log_alpha, beta))
-        states = initial_state.reshape(num_states, *split_heads, value_dim, key_dim)
-        if cu is None:
-
-            def one_sequence(q, k, v, log_alpha, beta, state):
-                y, finals = one_head(q, k, v, log_alpha, beta, state[None])
-                return y, finals[0]
-
-            over_group = jax.vmap(one_sequence, in_axes=(None, None, 1, 1, 1, 0), out_axes=(1, 0))
-            over_heads = jax.vmap(over_group, in_axes=(1, 1, 1, 1, 1, 0), out_axes=(1, 0))
-            out, final = jax.vmap(over_heads)(q, k, v, log_alpha, beta, states)
-        else:
-            packed = functools.partial(one_head, cu_seqlens=cu)
-            over_group = jax.vmap(packed, in_axes=(None, None, 1, 1, 1, 1), out_axes=(1, 1))
-            over_heads = jax.vmap(over_group, in_axes=(1, 1, 1, 1, 1, 1), out_axes=(1, 1))
-            out, final = over_heads(q[0], k[0], v[0], log_alpha[0], beta[0], states)
-            out = out[None]
-        out = out.reshape(batch, local_len, v_heads, value_dim)
-        return out, final.reshape(num_states, v_heads, value_dim, key_dim)
+        return over_batch_and_heads(one_head, q, k, v, log_alpha, beta, initial_state, *cu)
 
     tokens = P(None, axis_name)
     # The states and offsets are the same on every shard.
-    replicated = (initial_state,) if cu_seqlens is None else (initial_state, cu_seqlens)
+    replicated = inputs[5:] if cu_seqlens is None else (*inputs[5:], cu_seqlens)
     run = jax.shard_map(
         per_shard,
         mesh=mesh,
@@ -407,5 +351,5 @@ def _seq_parallel(
         out_specs=(tokens, P()),
         axis_names={axis_name},
     )
-    out, final = run(q, k, v, log_alpha, beta, *replicated)
-    return out.astype(out_dtype), final
+    out, final = run(*inputs[:5], *replicated)
+    return out.astype(v.dtype), final

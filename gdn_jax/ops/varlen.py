@@ -37,7 +37,7 @@ class PackedLayout(NamedTuple):
         return y.at[self.positions].get(mode="fill", fill_value=0)
 
 
-def pack_layout(cu_seqlens: Int[Array, " N+1"], seq_len: int, block_size: int) -> PackedLayout:
+def pack_layout(cu_seqlens: Int[Array, " _N1"], seq_len: int, block_size: int) -> PackedLayout:
     """The aligned layout of ``N`` packed sequences over ``seq_len`` tokens."""
     num_seqs = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.astype(jnp.int32)
@@ -65,7 +65,9 @@ def pack_layout(cu_seqlens: Int[Array, " N+1"], seq_len: int, block_size: int) -
     return PackedLayout(positions, num_blocks, block_size, resets)
 
 
-def segment_positions(cu_seqlens: Int[Array, " N+1"], seq_len: int):
+def segment_positions(
+    cu_seqlens: Int[Array, " _N1"], seq_len: int
+) -> tuple[Int[Array, " T"], Int[Array, " T"]]:
     """For each packed token: the index of its sequence and its position inside it, ``[T]``."""
     t = jnp.arange(seq_len, dtype=jnp.int32)
     cu = cu_seqlens.astype(jnp.int32)

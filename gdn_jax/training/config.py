@@ -7,9 +7,11 @@ at start-up, so a typo fails before anything compiles, with the dotted name in t
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -139,7 +141,8 @@ def _convert(value, annotation, name):
 
 def from_dict(cls, data: dict, *, prefix: str = ""):
     """Build dataclass ``cls`` from a nested dict; unknown keys and bad values raise."""
-    hints = typing.get_type_hints(cls)
+    # inspect, not typing.get_type_hints, which returns nothing for a @no_type_check class.
+    hints = inspect.get_annotations(cls, eval_str=True)
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - fields)
     if unknown:
@@ -159,7 +162,7 @@ def _set(tree: dict, dotted: str, value) -> None:
     tree[leaf] = value
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Read ``path`` (YAML, or defaults when None), apply ``key.sub=value`` overrides (values
     parsed as YAML: ``64``, ``3e-3``, ``[gdn, attention]``, ``null``), check everything."""
     data = {}

@@ -1,0 +1,68 @@
+"""Rules about the code itself: enforced annotations and no private imports across modules."""
+
+import ast
+from pathlib import Path
+
+import jax.numpy as jnp
+import jaxtyping
+import pytest
+
+import gdn_jax
+from gdn_jax.ops.chunked import chunked_rule
+from gdn_jax.ops.recurrent import recurrent_rule
+
+PACKAGE = Path(gdn_jax.__file__).parent
+
+
+def test_core_shape_annotations_are_checked_in_the_test_session():
+    """conftest.py runs jaxtyping's import hook over gdn_jax: a core called against its
+    annotations fails at once rather than computing something."""
+    q, v = jnp.zeros((8, 4)), jnp.zeros((8, 3))
+    gates, states = jnp.zeros(8), jnp.zeros((1, 3, 4))
+    k_too_wide = jnp.zeros((8, 5))
+    with pytest.raises(jaxtyping.TypeCheckError, match="k"):
+        chunked_rule(q, k_too_wide, v, gates, gates, states, chunk_size=16)
+    with pytest.raises(jaxtyping.TypeCheckError, match="initial_states"):
+        recurrent_rule(q, q, v, gates, gates, jnp.zeros((1, 4, 3)))
+    wrong_offsets = jnp.asarray([0, 8], jnp.int32)  # N+1 = 2 offsets, but N = 2 states
+    with pytest.raises(jaxtyping.TypeCheckError, match="cu_seqlens"):
+        chunked_rule(
+            q, q, v, gates, gates, jnp.zeros((2, 3, 4)), chunk_size=16, cu_seqlens=wrong_offsets
+        )
+
+
+def private_uses(source: str) -> list[str]:
+    """Private names (one leading underscore) that ``source`` takes from gdn_jax modules:
+    ``from gdn_jax.x import _y`` or ``x._y`` on a name imported from gdn_jax."""
+    tree = ast.parse(source)
+    imported, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gdn_jax"):
+            for alias in node.names:
+                imported.add(alias.asname or alias.name)
+                if alias.name.startswith("_"):
+                    found.append(f"{node.module}.{alias.name}")
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in imported
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_the_private_import_check_can_fail():
+    source = "from gdn_jax.ops import api\nfrom gdn_jax.ops.api import _batched\napi._batched\n"
+    assert private_uses(source) == ["gdn_jax.ops.api._batched", "api._batched"]
+
+
+def test_no_module_imports_a_private_name_from_another():
+    offenders = {
+        str(path.relative_to(PACKAGE)): found
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (found := private_uses(path.read_text()))
+    }
+    assert not offenders, offenders
