@@ -13,7 +13,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from gdn_jax.layers.conv import ShortConvolution, convolve_qkv
-from gdn_jax.layers.params import bias_free_linear
+from gdn_jax.layers.params import COLUMNS, ROWS, bias_free_linear
 from gdn_jax.ops import checks
 from gdn_jax.ops.attention import causal_attention, rotary
 from gdn_jax.ops.varlen import segment_positions
@@ -83,8 +83,10 @@ class SoftmaxAttention(nnx.Module):
             dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
         )
         inner = num_heads * head_dim
-        self.q_proj, self.k_proj = linear(hidden_size, inner), linear(hidden_size, inner)
-        self.v_proj, self.o_proj = linear(hidden_size, inner), linear(inner, hidden_size)
+        self.q_proj = linear(hidden_size, inner, COLUMNS)
+        self.k_proj = linear(hidden_size, inner, COLUMNS)
+        self.v_proj = linear(hidden_size, inner, COLUMNS)
+        self.o_proj = linear(inner, hidden_size, ROWS)
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.window, self.rope_theta, self.conv_size = window, rope_theta, conv_size
         convs = None

@@ -5,9 +5,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from gdn_jax.layers.params import conv_init
+from gdn_jax.layers.params import COLUMNS, PER_HEAD, SEQ_AXIS, conv_init, param
 from gdn_jax.ops.conv import causal_depthwise_conv
+from gdn_jax.ops.sequence_parallel import halo_from_previous
 from gdn_jax.ops.varlen import segment_positions
 
 
@@ -16,8 +18,10 @@ class ShortConvolution(nnx.Module):
     flash-linear-attention's ``ShortConvolution(activation="silu")``."""
 
     def __init__(self, channels, conv_size, *, use_bias=False, dtype, param_dtype, rngs):
-        self.weight = nnx.Param(conv_init(rngs.params(), (conv_size, channels), param_dtype))
-        self.bias = nnx.Param(jnp.zeros((channels,), param_dtype)) if use_bias else None
+        # Channels are heads' features, split over the model axis like the projection before.
+        self.weight = param(conv_init(rngs.params(), (conv_size, channels), param_dtype), COLUMNS)
+        bias = jnp.zeros((channels,), param_dtype)
+        self.bias = param(bias, PER_HEAD) if use_bias else None
         self.dtype = dtype
 
     def __call__(self, x, *, history=None, same_segment=None):
@@ -35,19 +39,59 @@ class ShortConvolution(nnx.Module):
         return jax.nn.silu(y), history
 
 
-def convolve_qkv(convs, qkv, *, histories=None, cu_seqlens=None):
+def convolve_qkv(convs, qkv, *, histories=None, cu_seqlens=None, seq_mesh=None):
     """Run the q, k and v short convolutions ``convs`` over ``qkv``, each ``[B, T, channels]``,
     from ``histories`` (the previous call's, or None for a fresh start); with packed
-    ``cu_seqlens`` no tap reaches across a sequence start. Returns ``(qkv, histories)``."""
+    ``cu_seqlens`` no tap reaches across a sequence start. Returns ``(qkv, histories)``.
+
+    With ``seq_mesh`` (a mesh with a ``SEQ_AXIS``; no ``histories``), T is split over that
+    axis and each shard takes the ``W - 1`` tokens before it from the previous shard."""
     same_segment = None
     if cu_seqlens is not None:
         conv_size = convs[0].weight.shape[0]
         _, offset = segment_positions(cu_seqlens, qkv[0].shape[1])
         lags = jnp.arange(conv_size - 1, 0, -1, dtype=jnp.int32)[:, None]
         same_segment = offset[None, :] >= lags  # tap j looks back W-1-j tokens
+    if seq_mesh is not None:
+        return _convolve_seq_parallel(convs, qkv, same_segment, seq_mesh), None
     histories = (None, None, None) if histories is None else histories
     outs = [
         conv(z, history=h, same_segment=same_segment)
         for conv, z, h in zip(convs, qkv, histories, strict=True)
     ]
     return tuple(y for y, _ in outs), tuple(h for _, h in outs)
+
+
+def _convolve_seq_parallel(convs, qkv, same_segment, mesh):
+    """``convolve_qkv`` with T split over ``SEQ_AXIS`` of ``mesh``: each shard convolves its
+    own tokens from the halo of the previous shard (zeros on the first)."""
+    width = convs[0].weight.shape[0]
+    params = [
+        (c.weight[...].astype(c.dtype), None if c.bias is None else c.bias[...]) for c in convs
+    ]
+
+    def per_shard(params, qkv, same_segment):
+        outs = []
+        for (weight, bias), x in zip(params, qkv, strict=True):
+            halo = halo_from_previous(x.swapaxes(0, 1), width - 1, SEQ_AXIS).swapaxes(0, 1)
+            bias = None if bias is None else bias.astype(x.dtype)
+
+            def one(x, history, weight=weight, bias=bias):
+                y, _ = causal_depthwise_conv(
+                    x, weight, bias, history=history, same_segment=same_segment
+                )
+                return y
+
+            outs.append(jax.nn.silu(jax.vmap(one)(x, halo)))
+        return tuple(outs)
+
+    tokens = P(None, SEQ_AXIS)
+    segments = None if same_segment is None else P(None, SEQ_AXIS)
+    run = jax.shard_map(
+        per_shard,
+        mesh=mesh,
+        in_specs=(P(), (tokens,) * 3, segments),
+        out_specs=(tokens,) * 3,
+        axis_names={SEQ_AXIS},
+    )
+    return run(params, tuple(qkv), same_segment)

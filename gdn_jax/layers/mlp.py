@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from gdn_jax.layers.params import bias_free_linear
+from gdn_jax.layers.params import COLUMNS, ROWS, bias_free_linear
 from gdn_jax.ops import checks
 
 
@@ -19,9 +19,10 @@ class SwiGLU(nnx.Module):
         linear = bias_free_linear(
             dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
         )
-        self.gate_proj = linear(hidden_size, intermediate_size)
-        self.up_proj = linear(hidden_size, intermediate_size)
-        self.down_proj = linear(intermediate_size, hidden_size)
+        # Megatron's split over the model axis: the inner width by columns, then by rows.
+        self.gate_proj = linear(hidden_size, intermediate_size, COLUMNS)
+        self.up_proj = linear(hidden_size, intermediate_size, COLUMNS)
+        self.down_proj = linear(intermediate_size, hidden_size, ROWS)
 
     def __call__(self, x):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+# Head (tensor) parallelism: the mesh axis "model" splits every layer by heads. Each parameter
+# carries how it splits in Flax's partitioning metadata (``nnx.get_partition_spec``):
+# projections into heads by their output columns, projections out of heads by their input
+# rows, per-head vectors along their head axis; the rest is whole on every device. A grouped
+# value head lives with its key head because value heads are numbered key head by key head.
+MODEL_AXIS = "model"
+# Sequence (context) parallelism: a mesh axis "seq" of more than one device splits T, and the
+# recurrent mixers pass the state and the convolution's halo across it.
+SEQ_AXIS = "seq"
+COLUMNS = (None, MODEL_AXIS)
+ROWS = (MODEL_AXIS, None)
+PER_HEAD = (MODEL_AXIS,)
+
+
+def partitioned(init, sharding):
+    """``init`` whose parameters carry ``sharding`` as metadata only: nothing is placed until
+    the caller puts the state on a mesh (no mesh is needed to build a layer)."""
+    return nnx.with_partitioning(init, sharding, eager_sharding=False)
+
+
+def param(value, sharding, kind=nnx.Param):
+    """A parameter of ``kind`` with ``sharding`` metadata (see ``partitioned``)."""
+    return kind(value, out_sharding=sharding, eager_sharding=False)
 
 
 class NoWeightDecay(nnx.Param):
@@ -39,15 +61,22 @@ def conv_init(key, shape, dtype=jnp.float32):
 
 
 def bias_free_linear(*, dtype, param_dtype, kernel_init=None, rngs):
-    """``nnx.Linear`` without bias and with these settings: ``linear(in, out)``. The default
-    ``kernel_init`` is Flax's, LeCun normal."""
+    """``nnx.Linear`` without bias and with these settings: ``linear(in, out, sharding)``,
+    ``sharding`` one of ``COLUMNS`` (into heads), ``ROWS`` (out of heads) or ``None``. The
+    default ``kernel_init`` is Flax's, LeCun normal."""
     if kernel_init is None:
         kernel_init = nnx.initializers.lecun_normal()
-    return functools.partial(
-        nnx.Linear,
-        use_bias=False,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        kernel_init=kernel_init,
-        rngs=rngs,
-    )
+
+    def linear(in_features, out_features, sharding=None):
+        init = kernel_init if sharding is None else partitioned(kernel_init, sharding)
+        return nnx.Linear(
+            in_features,
+            out_features,
+            use_bias=False,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=init,
+            rngs=rngs,
+        )
+
+    return linear

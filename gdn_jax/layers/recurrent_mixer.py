@@ -19,8 +19,31 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from gdn_jax.layers.conv import ShortConvolution, convolve_qkv
-from gdn_jax.layers.params import NoWeightDecay, a_log_init, bias_free_linear, dt_bias_init
+from gdn_jax.layers.params import (
+    COLUMNS,
+    PER_HEAD,
+    ROWS,
+    SEQ_AXIS,
+    NoWeightDecay,
+    a_log_init,
+    bias_free_linear,
+    dt_bias_init,
+    param,
+)
 from gdn_jax.ops import checks, gated_delta_rule, gated_linear_attention
+from gdn_jax.ops.sequence_parallel import (
+    gated_delta_rule_seq_parallel,
+    gated_linear_attention_seq_parallel,
+)
+
+
+def seq_parallel_mesh():
+    """The mesh in context when it splits T (a ``SEQ_AXIS`` of more than one device), else
+    None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or SEQ_AXIS not in mesh.axis_names or mesh.shape[SEQ_AXIS] == 1:
+        return None
+    return mesh
 
 
 class RecurrentCache(NamedTuple):
@@ -124,14 +147,16 @@ class RecurrentMixer(nnx.Module):
         linear = bias_free_linear(
             dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
         )
-        self.q_proj = linear(hidden_size, self.key_dim)
-        self.k_proj = linear(hidden_size, self.key_dim)
-        self.v_proj = linear(hidden_size, self.value_dim)
-        self.a_proj = linear(hidden_size, num_v_heads) if self.decay else None
-        self.b_proj = linear(hidden_size, num_v_heads) if self.delta else None
+        self.q_proj = linear(hidden_size, self.key_dim, COLUMNS)
+        self.k_proj = linear(hidden_size, self.key_dim, COLUMNS)
+        self.v_proj = linear(hidden_size, self.value_dim, COLUMNS)
+        self.a_proj = linear(hidden_size, num_v_heads, COLUMNS) if self.decay else None
+        self.b_proj = linear(hidden_size, num_v_heads, COLUMNS) if self.delta else None
         if self.decay:
-            self.A_log = NoWeightDecay(a_log_init(rngs.params(), (num_v_heads,), param_dtype))
-            self.dt_bias = NoWeightDecay(dt_bias_init(rngs.params(), (num_v_heads,), param_dtype))
+            a_log = a_log_init(rngs.params(), (num_v_heads,), param_dtype)
+            dt_bias = dt_bias_init(rngs.params(), (num_v_heads,), param_dtype)
+            self.A_log = param(a_log, PER_HEAD, NoWeightDecay)
+            self.dt_bias = param(dt_bias, PER_HEAD, NoWeightDecay)
         if use_short_conv:
             conv = functools.partial(
                 ShortConvolution,
@@ -146,11 +171,11 @@ class RecurrentMixer(nnx.Module):
             self.v_conv1d = conv(self.value_dim)
         else:
             self.q_conv1d = self.k_conv1d = self.v_conv1d = None
-        self.g_proj = linear(hidden_size, self.value_dim) if use_gate else None
+        self.g_proj = linear(hidden_size, self.value_dim, COLUMNS) if use_gate else None
         self.o_norm = nnx.RMSNorm(
             self.head_v_dim, epsilon=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
-        self.o_proj = linear(self.value_dim, hidden_size)
+        self.o_proj = linear(self.value_dim, hidden_size, ROWS)
 
     def __call__(self, x, *, mask=None, cu_seqlens=None):
         """Mix ``x [B, T, D]``.
@@ -202,6 +227,9 @@ class RecurrentMixer(nnx.Module):
         if mask is not None:
             keep = mask.astype(x.dtype)[..., None]
             q, k, v = q * keep, k * keep, v * keep
+        # A mesh in context (jax.set_mesh) with a "seq" axis splits T: the convolution takes
+        # its halo and the rule its start state from the previous shard.
+        seq_mesh = seq_parallel_mesh() if impl == "chunked" and cache is None else None
         conv_cache = None
         if self.q_conv1d is not None:
             (q, k, v), conv_cache = convolve_qkv(
@@ -209,6 +237,7 @@ class RecurrentMixer(nnx.Module):
                 (q, k, v),
                 histories=None if cache is None else cache.conv,
                 cu_seqlens=cu_seqlens,
+                seq_mesh=seq_mesh,
             )
         q = q.reshape(batch, seq_len, self.num_heads, self.head_dim)
         k = k.reshape(batch, seq_len, self.num_heads, self.head_dim)
@@ -230,19 +259,18 @@ class RecurrentMixer(nnx.Module):
             keep = mask.astype(jnp.float32)[..., None]
             beta, log_alpha = beta * keep, log_alpha * keep
 
-        rule = gated_delta_rule if self.delta else gated_linear_attention
-        o, state = rule(
-            q,
-            k,
-            v,
-            log_alpha,
-            beta,
-            initial_state=None if cache is None else cache.state,
-            impl=impl,
-            chunk_size=self.chunk_size,
-            cu_seqlens=cu_seqlens,
-            use_qk_l2norm=True,
-        )
+        options = dict(chunk_size=self.chunk_size, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
+        if seq_mesh is not None:
+            rule = (
+                gated_delta_rule_seq_parallel if self.delta else gated_linear_attention_seq_parallel
+            )
+            o, state = rule(q, k, v, log_alpha, beta, mesh=seq_mesh, axis_name=SEQ_AXIS, **options)
+        else:
+            rule = gated_delta_rule if self.delta else gated_linear_attention
+            initial_state = None if cache is None else cache.state
+            o, state = rule(
+                q, k, v, log_alpha, beta, initial_state=initial_state, impl=impl, **options
+            )
         o = self.o_norm(o)
         if self.use_gate:
             o = o * jax.nn.silu(self.g_proj(x)).reshape(o.shape)

@@ -131,8 +131,10 @@ def seq_parallel_rule(
         cu = cu_seqlens.astype(jnp.int32)
         num_seqs = cu.shape[0] - 1
         ids = jnp.arange(num_seqs, dtype=jnp.int32)
-        # Past a traced last offset the search returns N: no sequence holds the token.
-        entering = jnp.searchsorted(cu, first, side="right") - 1
+        # The sequence holding token t is (number of offsets <= t) - 1, a count rather than
+        # jnp.searchsorted, which fails on a shard-varying t inside shard_map (jax 0.10.2).
+        # Past a traced last offset the count gives N: no sequence holds the token.
+        entering = jnp.sum(cu <= first, dtype=jnp.int32) - 1
         enters = (entering < num_seqs) & (cu[jnp.minimum(entering, num_seqs - 1)] < first)
         from_left = (enters & (ids == entering))[:, None, None]
         values = jnp.where(from_left, jnp.zeros_like(initial_states), initial_states)
@@ -157,7 +159,7 @@ def seq_parallel_rule(
     if cu_seqlens is None:
         carry = finals[0]
     else:
-        holder = jnp.searchsorted(cu, first + local_len - 1, side="right") - 1
+        holder = jnp.sum(cu <= first + local_len - 1, dtype=jnp.int32) - 1
         held = holder < num_seqs
         carry = jnp.where(
             held, finals[jnp.minimum(holder, num_seqs - 1)], jnp.zeros_like(finals[0])

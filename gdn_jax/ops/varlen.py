@@ -71,6 +71,9 @@ def segment_positions(
     """For each packed token: the index of its sequence and its position inside it, ``[T]``."""
     t = jnp.arange(seq_len, dtype=jnp.int32)
     cu = cu_seqlens.astype(jnp.int32)
-    # With empty sequences several cu entries coincide; 'right' picks the one that owns t.
-    seq = jnp.searchsorted(cu, t, side="right") - 1
+    # Token t belongs to the last sequence starting at or before it: with empty sequences
+    # several offsets coincide and the count picks the one that owns t. A count over the
+    # [T, N+1] comparisons rather than jnp.searchsorted, which fails inside shard_map when
+    # the offsets vary across shards (jax 0.10.2), as the sequence-parallel form's do.
+    seq = jnp.sum(cu[None, :] <= t[:, None], axis=1, dtype=jnp.int32) - 1
     return seq, t - cu[seq]

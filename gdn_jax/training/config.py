@@ -22,6 +22,18 @@ from gdn_jax.models.lm import check_buildable
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axis sizes; -1 (on at most one axis) takes the devices the others leave."""
+
+    # Data parallel: examples of the batch split over devices.
+    data: int = -1
+    # Head (tensor) parallel: heads, MLP width and their parameters split over devices.
+    model: int = 1
+    # Sequence (context) parallel: the tokens of each example split over devices.
+    seq: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Optimisation, evaluation and bookkeeping of one run."""
 
@@ -60,6 +72,8 @@ class TrainConfig:
     out_dir: str = "runs/mqar_gdn"
     # Show a progress bar.
     progress: bool = True
+    # How the devices are arranged (all on data by default); see MeshConfig.
+    mesh: MeshConfig = MeshConfig()
 
 
 @dataclasses.dataclass(frozen=True)

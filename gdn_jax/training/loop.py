@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from gdn_jax.data.mqar import make_batch, make_mqar, split_seeds
 from gdn_jax.models import LanguageModel
+from gdn_jax.training import mesh as mesh_lib
 from gdn_jax.training import run_dir
 from gdn_jax.training.config import Config, to_dict
 from gdn_jax.training.metrics_log import MetricsLog
@@ -78,15 +79,10 @@ def plot_metrics(log: MetricsLog, out_path: Path) -> None:
     plt.close(fig)
 
 
-def check_devices(config: Config) -> list:
-    """The devices to run on; the batch must split evenly over them."""
-    devices = jax.devices()
-    if config.train.batch_size % len(devices):
-        raise RunError(
-            f"train.batch_size={config.train.batch_size} does not divide over the "
-            f"{len(devices)} devices ({devices[0].device_kind})"
-        )
-    return devices
+def check_devices(config: Config, devices=None) -> Mesh:
+    """The run's mesh over ``devices`` (every device of every process when None):
+    ``train.mesh`` must fit them, and the batch, tokens and heads must split over its axes."""
+    return mesh_lib.check_mesh(config, jax.devices() if devices is None else devices)
 
 
 def claim_run_dir(config: Config, *, resume: bool, overwrite: bool) -> run_dir.RunLock:
@@ -156,29 +152,48 @@ class RunState:
     state: TrainState
     train_step: object
     eval_step: object
-    by_example: NamedSharding
+    batch_shardings: dict
 
 
-def _init_state(config: Config, devices, out_dir: Path) -> RunState:
-    """Model, optimizer, jitted steps and the checkpoint manager, on a 1-D data mesh."""
+def _on_mesh(mesh: Mesh, fn):
+    """``fn`` called with ``mesh`` in context, so that the layers see its ``seq`` axis while
+    ``jax.jit`` traces them."""
+
+    def call(*args):
+        with jax.set_mesh(mesh):
+            return fn(*args)
+
+    return call
+
+
+def _init_state(config: Config, mesh: Mesh, out_dir: Path) -> RunState:
+    """Model, optimizer, jitted steps and the checkpoint manager, placed on ``mesh``: the
+    batch by ``batch_shardings``, parameters and optimizer state by the layers' partitioning
+    metadata (whole on every device when the mesh has only a data axis)."""
     train = config.train
-    mesh = Mesh(np.array(devices), ("data",))
-    replicated, by_example = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    replicated = NamedSharding(mesh, P())
+    batch_shardings = mesh_lib.batch_shardings(mesh)
     model = LanguageModel(config.model, rngs=nnx.Rngs(train.seed))
     graphdef, params = nnx.split(model)
     optimizer = make_optimizer(train, params)
     pure = nnx.to_pure_dict(params)
     state = TrainState(jnp.zeros((), jnp.int32), pure, optimizer.init(pure))
+    param_shardings = mesh_lib.param_shardings(mesh, params)
+    state_shardings = TrainState(
+        replicated,
+        param_shardings,
+        mesh_lib.opt_state_shardings(mesh, optimizer, state.opt_state, param_shardings),
+    )
     schedule = learning_rate_schedule(train)
     train_step = jax.jit(
         make_train_step(graphdef, optimizer, schedule, logits_at_labels=train.logits_at_labels),
-        in_shardings=(replicated, by_example),
-        out_shardings=(replicated, replicated),
+        in_shardings=(state_shardings, batch_shardings),
+        out_shardings=(state_shardings, replicated),
         donate_argnums=0,
     )
     eval_step = jax.jit(
         make_eval_step(graphdef, logits_at_labels=train.logits_at_labels),
-        in_shardings=(replicated, by_example),
+        in_shardings=(state_shardings.params, batch_shardings),
     )
     checkpoints = ocp.CheckpointManager(
         out_dir / run_dir.CHECKPOINTS,
@@ -189,10 +204,10 @@ def _init_state(config: Config, devices, out_dir: Path) -> RunState:
         out_dir,
         MetricsLog(out_dir / run_dir.METRICS),
         checkpoints,
-        jax.device_put(state, replicated),
-        train_step,
-        eval_step,
-        by_example,
+        jax.device_put(state, state_shardings),
+        _on_mesh(mesh, train_step),
+        _on_mesh(mesh, eval_step),
+        batch_shardings,
     )
 
 
@@ -227,7 +242,7 @@ def _restore_or_start(run: RunState, resume: bool) -> int:
     raise RunError(f"--resume: no checkpoint in {run.out_dir / run_dir.CHECKPOINTS} restores")
 
 
-def _held_out_set(config: Config, by_example) -> list[dict]:
+def _held_out_set(config: Config, batch_shardings) -> list[dict]:
     """The fixed held-out batches, from the test seed, batched and placed once."""
     train = config.train
     _, test_seed = split_seeds(train.seed)
@@ -236,7 +251,7 @@ def _held_out_set(config: Config, by_example) -> list[dict]:
         config.data, num_examples=num_batches * train.batch_size, seed=test_seed
     )
     rows = (slice(i * train.batch_size, (i + 1) * train.batch_size) for i in range(num_batches))
-    return [jax.device_put(make_batch(inputs[r], labels[r]), by_example) for r in rows]
+    return [mesh_lib.place(make_batch(inputs[r], labels[r]), batch_shardings) for r in rows]
 
 
 def _evaluate(run: RunState, held_out: list[dict]) -> tuple[float, float]:
@@ -294,7 +309,7 @@ def _step_loop(run: RunState, start: int, held_out, callbacks, stop_requests) ->
             inputs, labels = make_mqar(
                 config.data, num_examples=train.batch_size, seed=batch_seed(train_seed, step)
             )
-            batch = jax.device_put(make_batch(inputs, labels), run.by_example)
+            batch = mesh_lib.place(make_batch(inputs, labels), run.batch_shardings)
             tick = time.perf_counter()
             run.state, metrics = run.train_step(run.state, batch)
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -349,7 +364,14 @@ def _step_loop(run: RunState, start: int, held_out, callbacks, stop_requests) ->
     return summary
 
 
-def run(config: Config, *, resume: bool = False, overwrite: bool = False, callbacks=()) -> dict:
+def run(
+    config: Config,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    callbacks=(),
+    devices=None,
+) -> dict:
     """Train ``config`` and return a summary (final step, held-out accuracy, wall time).
 
     Args:
@@ -360,6 +382,7 @@ def run(config: Config, *, resume: bool = False, overwrite: bool = False, callba
       overwrite: delete an earlier run in ``out_dir`` first (a fresh run refuses otherwise).
       callbacks: functions ``callback(step, metrics)`` called after every step with the
         host-side metrics (a dict of floats).
+      devices: the devices ``train.mesh`` arranges; all of them (``jax.devices()``) when None.
 
     Raises:
       RunError: the run must not start (checked before anything is written).
@@ -368,7 +391,7 @@ def run(config: Config, *, resume: bool = False, overwrite: bool = False, callba
       SaveError: a checkpoint could not be written; the earlier ones are kept.
       Interrupted: SIGINT or SIGTERM arrived; a checkpoint at the current step was saved.
     """
-    devices = check_devices(config)
+    mesh = check_devices(config, devices)
     lock = claim_run_dir(config, resume=resume, overwrite=overwrite)
     out_dir = lock.path.parent
     try:
@@ -376,10 +399,10 @@ def run(config: Config, *, resume: bool = False, overwrite: bool = False, callba
             summary = run_dir.read_summary(out_dir)
             if run_dir.is_finished(summary, config.train.steps, config.train.target_accuracy):
                 return dict(summary, already_finished=True)
-        state = _init_state(config, devices, out_dir)
+        state = _init_state(config, mesh, out_dir)
         try:
             start = _restore_or_start(state, resume)
-            held_out = _held_out_set(config, state.by_example)
+            held_out = _held_out_set(config, state.batch_shardings)
             with _stop_requests() as stop_requests:
                 try:
                     summary = _step_loop(state, start, held_out, callbacks, stop_requests)

@@ -31,6 +31,8 @@ RUN_FILES = (CONFIG, METRICS, PLOT, SUMMARY, CHECKPOINTS)
 RESUMABLE_FIELDS = (
     "train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
     "train.target_accuracy", "train.progress", "train.out_dir",
+    # Checkpoints are saved sharded and restore onto any mesh.
+    "train.mesh.data", "train.mesh.model", "train.mesh.seq",
 )  # fmt: skip
 
 

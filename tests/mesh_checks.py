@@ -1,0 +1,243 @@
+"""Head- and sequence-parallel layers and training on 8 virtual CPU devices; run by
+test_mesh.py in its own process (the device count is fixed when JAX starts).
+
+Checks, each against one device:
+- the Gated DeltaNet layer (grouped value heads, short convolutions with their halo) on
+  meshes with 2, 4 and 8 sequence shards and with (data 2, model 2, seq 2): outputs and the
+  gradients of the input and of every parameter, with and without packed sequences that
+  cross shard boundaries;
+- five training steps of a small hybrid model (Gated DeltaNet + attention) with
+  ``train.mesh = (data 2, model 2, seq 2)``: the same losses;
+- the compiled training step gathers no q, k or v across heads;
+- the checkpoint of that run restores on another mesh (data 4, seq 2) and the run goes on
+  with the losses of the one-device run.
+Prints one line per check; exits with status 1 if any failed.
+"""
+
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
+)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from jaxtyping import install_import_hook  # noqa: E402
+
+install_import_hook("gdn_jax", "beartype.beartype")  # as in conftest.py
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from tolerance import assert_close  # noqa: E402
+
+# The layers under the suite's strict promotion; training (optax's own arithmetic) under
+# JAX's default, as in test_train.py.
+from gdn_jax import GatedDeltaNet  # noqa: E402
+from gdn_jax.models import ModelConfig  # noqa: E402
+from gdn_jax.training import mesh as mesh_lib  # noqa: E402
+from gdn_jax.training.config import Config, MeshConfig, TrainConfig  # noqa: E402
+from gdn_jax.training.loop import run  # noqa: E402
+from gdn_jax.training.metrics_log import MetricsLog  # noqa: E402
+
+FAILED = []
+
+
+def check(name):
+    def wrap(fn):
+        began = time.perf_counter()
+        try:
+            fn()
+            print(f"ok   {name} ({time.perf_counter() - began:.1f} s)", flush=True)
+        except Exception:
+            FAILED.append(name)
+            print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
+        return fn
+
+    return wrap
+
+
+def mesh(data, model, seq):
+    devices = np.asarray(jax.devices()[: data * model * seq]).reshape(data, model, seq)
+    return Mesh(devices, mesh_lib.AXES)
+
+
+LAYER = dict(num_heads=2, head_dim=8, num_v_heads=4, expand_v=1.0, chunk_size=16)
+
+
+def layer_loss(graphdef, params, x, cu_seqlens):
+    y = nnx.merge(graphdef, params)(x, cu_seqlens=cu_seqlens)
+    return jnp.sum(jnp.sin(y))
+
+
+def layer_run(where, x, cu_seqlens=None):
+    """The layer's output and the gradients of x and every parameter, jitted on ``where``."""
+    layer = GatedDeltaNet(16, rngs=nnx.Rngs(0), **LAYER)
+    graphdef, params = nnx.split(layer)
+    grad = jax.value_and_grad(layer_loss, argnums=(1, 2))
+
+    def both(params, x, cu_seqlens):
+        y = nnx.merge(graphdef, params)(x, cu_seqlens=cu_seqlens)
+        return y, grad(graphdef, params, x, cu_seqlens)
+
+    if where is None:
+        with jax.numpy_dtype_promotion("strict"):
+            return jax.jit(both)(params, x, cu_seqlens)
+    with jax.set_mesh(where):
+        placed = jax.device_put(nnx.to_pure_dict(params), mesh_lib.param_shardings(where, params))
+        nnx.replace_by_pure_dict(params, placed)
+        data = "data" if x.shape[0] % where.shape["data"] == 0 and x.shape[0] > 1 else None
+        x = jax.device_put(x, NamedSharding(where, P(data, "seq")))
+        with jax.numpy_dtype_promotion("strict"):
+            return jax.jit(both)(params, x, cu_seqlens)
+
+
+def compare(actual, expected, what):
+    (y_a, (l_a, g_a)), (y_e, (l_e, g_e)) = actual, expected
+    assert_close(y_a, y_e, jnp.float32, f"{what}: y")
+    assert_close(l_a, l_e, jnp.float32, f"{what}: loss")
+    d_params_a, d_x_a = g_a
+    d_params_e, d_x_e = g_e
+    assert_close(d_x_a, d_x_e, jnp.float32, f"{what}: dx")
+    flat_a = nnx.to_flat_state(d_params_a)
+    flat_e = dict(nnx.to_flat_state(d_params_e))
+    for path, value in flat_a:
+        assert_close(value.get_value(), flat_e[path].get_value(), jnp.float32, f"{what}: d{path}")
+
+
+rng = np.random.default_rng(0)
+X = jnp.asarray(rng.standard_normal((2, 48, 16)), jnp.float32)
+X_PACKED = X[:1]
+CU = jnp.asarray([0, 5, 20, 37, 48], jnp.int32)  # sequences crossing 2-, 4- and 8-way bounds
+
+
+@check("layer on 2, 4, 8 sequence shards and (data 2, model 2, seq 2)")
+def _():
+    expected = layer_run(None, X)
+    for shape in [(1, 1, 2), (1, 1, 4), (1, 1, 8), (2, 2, 2)]:
+        compare(layer_run(mesh(*shape), X), expected, f"mesh {shape}")
+
+
+@check("layer with packed sequences across shard boundaries")
+def _():
+    expected = layer_run(None, X_PACKED, CU)
+    for shape in [(1, 1, 2), (1, 1, 4), (1, 2, 4)]:
+        compare(layer_run(mesh(*shape), X_PACKED, CU), expected, f"packed, mesh {shape}")
+
+
+def make_config(out_dir, steps, mesh_config):
+    from gdn_jax.data.mqar import MQARConfig
+
+    return Config(
+        model=ModelConfig(
+            vocab_size=64,
+            d_model=48,
+            mixers=("gdn", "attention"),
+            num_heads=4,
+            head_dim=8,
+            num_v_heads=8,
+            chunk_size=16,
+        ),
+        data=MQARConfig(vocab_size=64, seq_len=40, num_kv_pairs=4),
+        train=TrainConfig(
+            steps=steps,
+            batch_size=8,
+            warmup_steps=2,
+            eval_every=1000,
+            eval_examples=8,
+            checkpoint_every=5,
+            out_dir=str(out_dir),
+            progress=False,
+            mesh=mesh_config,
+        ),
+    ).validate()
+
+
+def losses(out_dir):
+    return {
+        row["step"]: row["loss"]
+        for row in MetricsLog(Path(out_dir) / "metrics.jsonl").read("train")
+    }
+
+
+ROOT = Path(tempfile.mkdtemp())
+ONE = MeshConfig(data=1, model=1, seq=1)
+CUBE = MeshConfig(data=2, model=2, seq=2)
+
+
+@check("5 (and 8) training steps on (data 2, model 2, seq 2) equal one device")
+def _():
+    run(make_config(ROOT / "one", 8, ONE), devices=jax.devices()[:1])
+    run(make_config(ROOT / "cube", 8, CUBE))
+    one, cube = losses(ROOT / "one"), losses(ROOT / "cube")
+    assert sorted(one) == sorted(cube) == list(range(1, 9)), (one, cube)
+    assert_close(
+        [cube[s] for s in range(1, 9)], [one[s] for s in range(1, 9)], jnp.float32, "losses"
+    )
+
+
+@check("the compiled step gathers no q, k or v across heads")
+def _():
+    from gdn_jax.data.mqar import make_batch, make_mqar
+    from gdn_jax.models import LanguageModel
+    from gdn_jax.training.step import loss_and_accuracy
+
+    config = make_config(ROOT / "unused", 8, CUBE)
+    where = mesh(2, 2, 2)
+    graphdef, params = nnx.split(LanguageModel(config.model, rngs=nnx.Rngs(0)))
+    pure = jax.device_put(nnx.to_pure_dict(params), mesh_lib.param_shardings(where, params))
+    batch = mesh_lib.place(
+        make_batch(*make_mqar(config.data, num_examples=8, seed=0)),
+        mesh_lib.batch_shardings(where),
+    )
+
+    def loss(pure, batch):
+        return loss_and_accuracy(nnx.merge(graphdef, pure), batch, logits_at_labels=True)[0]
+
+    with jax.set_mesh(where):
+        hlo = jax.jit(jax.grad(loss)).lower(pure, batch).compile().as_text()
+    # Sizes are picked apart: T = 40 and T / seq = 20 tokens, d_model 48, H*K = 32,
+    # HV*V = 64, state rows V+K = 16. An all-gather of q, k or v across heads would gather a
+    # non-token axis of an array that has a token axis; gathering the token axis is attention
+    # fetching K and V along seq, which the design allows.
+    gathers = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(.*?dimensions=\{(\d+)\}", hlo)
+    across_heads = []
+    for shape, dim in gathers:
+        sizes = [int(n) for n in shape.split(",") if n]
+        tokens = [i for i, n in enumerate(sizes) if n in (20, 40)]
+        if tokens and int(dim) not in tokens:
+            across_heads.append((shape, dim))
+    lines = [line.strip()[:200] for line in hlo.splitlines() if "all-gather(" in line]
+    assert not across_heads, "all-gathers across heads:\n" + "\n".join(lines)
+    print(f"     all-gathers (shape, axis): {sorted(set(gathers))}")
+
+
+@check("a checkpoint of one mesh restores on another and the run goes on")
+def _():
+    cube = ROOT / "cube"
+    # Go back to the step-5 checkpoint, then continue on (data 4, seq 2).
+    shutil.rmtree(cube / "checkpoints" / "8")
+    (cube / "summary.json").unlink()
+    run(make_config(cube, 8, MeshConfig(data=4, model=1, seq=2)), resume=True)
+    one, resumed = losses(ROOT / "one"), losses(cube)
+    assert_close(
+        [resumed[s] for s in range(6, 9)],
+        [one[s] for s in range(6, 9)],
+        jnp.float32,
+        "resumed losses",
+    )
+
+
+if FAILED:
+    print(f"{len(FAILED)} check(s) failed: {FAILED}")
+    sys.exit(1)
+print("all mesh checks passed")

@@ -1,0 +1,41 @@
+"""Training on a mesh: the multi-device checks in a subprocess, the mesh config here."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gdn_jax.training.config import MeshConfig, load_config
+from gdn_jax.training.mesh import mesh_shape
+from gdn_jax.training.run_dir import RunError
+
+CHECKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mesh_checks.py")
+
+
+def test_multi_device_checks_pass(subprocess_env):
+    """Layers on 2/4/8 sequence shards and (data 2, model 2, seq 2), training steps, the
+    compiled step's all-gathers and a restore onto another mesh (see mesh_checks.py)."""
+    result = subprocess.run(
+        [sys.executable, CHECKS], env=subprocess_env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+
+
+def test_mesh_sizes_resolve_and_refuse():
+    assert mesh_shape(MeshConfig(), 8) == (8, 1, 1)
+    assert mesh_shape(MeshConfig(data=-1, model=2, seq=2), 8) == (2, 2, 2)
+    assert mesh_shape(MeshConfig(data=2, model=1, seq=-1), 8) == (2, 1, 4)
+    with pytest.raises(RunError, match=r"only one axis may be -1, got data, seq"):
+        mesh_shape(MeshConfig(data=-1, seq=-1), 8)
+    with pytest.raises(RunError, match=r"does not fit the 8 devices"):
+        mesh_shape(MeshConfig(data=1, model=3, seq=1), 8)
+    with pytest.raises(RunError, match=r"train.mesh.seq=0 must be a positive integer or -1"):
+        mesh_shape(MeshConfig(seq=0), 8)
+
+
+def test_mesh_is_set_from_the_command_line():
+    config = load_config(None, ["train.mesh.seq=4", "train.mesh.model=2"])
+    assert config.train.mesh == MeshConfig(data=-1, model=2, seq=4)
+    with pytest.raises(ValueError, match=r"train.mesh"):
+        load_config(None, ["train.mesh.pipeline=2"])
