@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from gdn_jax.training.config import MeshConfig, load_config
@@ -39,3 +40,55 @@ def test_mesh_is_set_from_the_command_line():
     assert config.train.mesh == MeshConfig(data=-1, model=2, seq=4)
     with pytest.raises(ValueError, match=r"train.mesh"):
         load_config(None, ["train.mesh.pipeline=2"])
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def train_losses(out_dir):
+    from gdn_jax.training.metrics_log import MetricsLog
+
+    return [r["loss"] for r in MetricsLog(out_dir / "metrics.jsonl").read("train")]
+
+
+def test_two_processes_train_like_one(subprocess_env, tmp_path):
+    """Two processes of 2 CPU devices each (jax.distributed, a localhost coordinator, gloo)
+    run 3 steps of train.py with the losses of one process on one device."""
+    from test_cli import TINY
+
+    overrides = [*TINY, "train.steps=3", "train.checkpoint_every=3", "train.eval_every=3"]
+    alone = [sys.executable, "-m", "gdn_jax.training.cli"]
+    for item in [*overrides, f"train.out_dir={tmp_path / 'one'}"]:
+        alone += ["--set", item]
+    subprocess.run(alone, env=subprocess_env, check=True, capture_output=True, timeout=240)
+    env = dict(
+        subprocess_env,
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        JAX_COORDINATOR_ADDRESS=f"localhost:{free_port()}",
+        JAX_NUM_PROCESSES="2",
+    )
+    command = [sys.executable, "-m", "gdn_jax.training.cli"]
+    for item in [*overrides, f"train.out_dir={tmp_path / 'two'}"]:
+        command += ["--set", item]
+    processes = [
+        subprocess.Popen(
+            command, env=dict(env, JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    try:
+        outputs = [p.communicate(timeout=240)[0] for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    assert [p.returncode for p in processes] == [0, 0], "\n".join(outputs)
+    assert "devices: 4 x cpu" in outputs[0], outputs[0]
+    one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert len(one) == len(two) == 3
+    np.testing.assert_allclose(two, one, rtol=2e-4)

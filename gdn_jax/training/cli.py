@@ -88,11 +88,11 @@ def _main(argv) -> int:
     from gdn_jax.training.mesh import initialize_distributed
     from gdn_jax.training.run_dir import RunError
 
+    initialize_distributed()  # before anything touches a device, the config check included
     try:
         config = load_config(resolve_config(args.config), args.overrides)
     except (ValueError, OSError) as error:
         return fail(error)
-    initialize_distributed()
     devices = jax.devices()
     print(f"devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()})")
     print(

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
@@ -77,6 +78,16 @@ def plot_metrics(log: MetricsLog, out_path: Path) -> None:
     fig.tight_layout()
     fig.savefig(out_path, dpi=120)
     plt.close(fig)
+
+
+def _is_primary() -> bool:
+    return jax.process_index() == 0
+
+
+def _sync(name: str) -> None:
+    """Wait for every process (nothing to wait for in a one-process run)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
 def check_devices(config: Config, devices=None) -> Mesh:
@@ -194,6 +205,7 @@ def _init_state(config: Config, mesh: Mesh, out_dir: Path) -> RunState:
     eval_step = jax.jit(
         make_eval_step(graphdef, logits_at_labels=train.logits_at_labels),
         in_shardings=(state_shardings.params, batch_shardings),
+        out_shardings=replicated,  # every process reads the whole per-example accuracy
     )
     checkpoints = ocp.CheckpointManager(
         out_dir / run_dir.CHECKPOINTS,
@@ -202,7 +214,7 @@ def _init_state(config: Config, mesh: Mesh, out_dir: Path) -> RunState:
     return RunState(
         config,
         out_dir,
-        MetricsLog(out_dir / run_dir.METRICS),
+        MetricsLog(out_dir / run_dir.METRICS, writes=_is_primary()),
         checkpoints,
         jax.device_put(state, state_shardings),
         _on_mesh(mesh, train_step),
@@ -214,8 +226,10 @@ def _init_state(config: Config, mesh: Mesh, out_dir: Path) -> RunState:
 def _restore_or_start(run: RunState, resume: bool) -> int:
     """Restore the newest checkpoint that restores (with ``resume``) and return its step;
     a checkpoint that fails is moved aside to ``broken_checkpoints/`` with a warning."""
+    primary = _is_primary()
     if not resume:
-        run_dir.write_config(run.out_dir, to_dict(run.config))
+        if primary:
+            run_dir.write_config(run.out_dir, to_dict(run.config))
         return 0
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), run.state
@@ -225,8 +239,10 @@ def _restore_or_start(run: RunState, resume: bool) -> int:
             run.state = run.checkpoints.restore(step, args=ocp.args.StandardRestore(abstract))
         except Exception as error:  # any failure to restore means: not this one
             aside = run.out_dir / "broken_checkpoints" / str(step)
-            aside.parent.mkdir(exist_ok=True)
-            (run.out_dir / run_dir.CHECKPOINTS / str(step)).rename(aside)
+            if primary:
+                aside.parent.mkdir(exist_ok=True)
+                (run.out_dir / run_dir.CHECKPOINTS / str(step)).rename(aside)
+            _sync("broken checkpoint moved aside")
             run.checkpoints.reload()
             reason = str(error).splitlines()[0][:120] if str(error) else type(error).__name__
             print(
@@ -236,8 +252,9 @@ def _restore_or_start(run: RunState, resume: bool) -> int:
             )
             continue
         run.log.truncate(step)
-        (run.out_dir / run_dir.SUMMARY).unlink(missing_ok=True)  # the run goes on
-        run_dir.write_config(run.out_dir, to_dict(run.config))
+        if primary:
+            (run.out_dir / run_dir.SUMMARY).unlink(missing_ok=True)  # the run goes on
+            run_dir.write_config(run.out_dir, to_dict(run.config))
         return step
     raise RunError(f"--resume: no checkpoint in {run.out_dir / run_dir.CHECKPOINTS} restores")
 
@@ -300,7 +317,8 @@ def _step_loop(run: RunState, start: int, held_out, callbacks, stop_requests) ->
     config, train = run.config, run.config.train
     train_seed, _ = split_seeds(train.seed)
     tokens_per_step = train.batch_size * config.data.seq_len
-    bar = tqdm(total=train.steps, initial=start, disable=not train.progress, unit="step")
+    show = train.progress and _is_primary()
+    bar = tqdm(total=train.steps, initial=start, disable=not show, unit="step")
     summary = dict(start_step=start, eval_accuracy=None, eval_loss=None, reason="steps")
     began = time.perf_counter()
     step = start
@@ -392,8 +410,12 @@ def run(
       Interrupted: SIGINT or SIGTERM arrived; a checkpoint at the current step was saved.
     """
     mesh = check_devices(config, devices)
-    lock = claim_run_dir(config, resume=resume, overwrite=overwrite)
-    out_dir = lock.path.parent
+    # With several processes, process 0 alone owns the run directory (lock, config, metrics,
+    # plot, summary); every process writes its shards of each checkpoint.
+    primary = _is_primary()
+    lock = claim_run_dir(config, resume=resume, overwrite=overwrite) if primary else None
+    _sync("run directory claimed")
+    out_dir = Path(config.train.out_dir).absolute() if lock is None else lock.path.parent
     try:
         if resume:
             summary = run_dir.read_summary(out_dir)
@@ -407,11 +429,13 @@ def run(
                 try:
                     summary = _step_loop(state, start, held_out, callbacks, stop_requests)
                 finally:
-                    if state.log.path.exists():
+                    if primary and state.log.path.exists():
                         plot_metrics(state.log, out_dir / run_dir.PLOT)
-            run_dir.write_summary(out_dir, summary)
+            if primary:
+                run_dir.write_summary(out_dir, summary)
             return summary
         finally:
             state.checkpoints.close()
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()

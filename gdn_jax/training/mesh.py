@@ -25,6 +25,11 @@ def initialize_distributed() -> bool:
     ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` set, or in a
     cluster JAX detects itself (SLURM, Open MPI). Returns whether it did."""
     env = os.environ
+    several = "JAX_COORDINATOR_ADDRESS" in env or int(env.get("SLURM_NTASKS", "1")) > 1
+    several = several or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+    if several and "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in env:
+        # CPU devices of different processes talk through gloo (no effect on GPU or TPU).
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if "JAX_COORDINATOR_ADDRESS" in env:
         jax.distributed.initialize(
             coordinator_address=env["JAX_COORDINATOR_ADDRESS"],

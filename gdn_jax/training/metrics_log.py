@@ -14,10 +14,15 @@ class MetricsLog:
     """``metrics.jsonl`` in a run directory: ``train`` records per step, ``eval`` records
     per evaluation."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, writes: bool = True):
+        """``writes=False``: a reader only (the other processes of a multi-process run,
+        where process 0 keeps the log)."""
         self.path = Path(path)
+        self.writes = writes
 
     def append(self, kind: str, step: int, **values) -> None:
+        if not self.writes:
+            return
         with self.path.open("a") as f:
             f.write(json.dumps(dict(kind=kind, step=step, **values)) + "\n")
 
@@ -30,7 +35,7 @@ class MetricsLog:
 
     def truncate(self, last_step: int) -> None:
         """Drop the records after ``last_step``: a run resumed from there writes them again."""
-        if self.path.exists():
+        if self.writes and self.path.exists():
             kept = [json.dumps(r) + "\n" for r in self.read() if r["step"] <= last_step]
             self.path.write_text("".join(kept))
 
