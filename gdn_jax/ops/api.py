@@ -110,11 +110,13 @@ def gated_linear_attention(
     return _batched("gated_linear_attention", LINEAR_RULE, q, k, v, log_alpha, beta, **options)
 
 
-def prepare_batched(q, k, v, log_alpha, beta, initial_state, *, scale, use_qk_l2norm, num_states):
+def prepare_batched(q, k, v, log_alpha, beta, initial_state, *, scale, use_qk_l2norm, cu_seqlens):
     """The batched inputs as the one-head forms take them: in the compute dtype (float32, or
     float64 for float64 input), q and k L2-normalised when asked, ``q`` pre-scaled, and the
-    initial states (zeros when None) ``[B or N, HV, V, K]``."""
+    initial states (zeros when None) ``[B, HV, V, K]``, or ``[N, HV, V, K]`` for packed
+    ``cu_seqlens``."""
     key_dim, (v_heads, value_dim) = q.shape[-1], v.shape[2:]
+    num_states = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     scale = default_scale(key_dim) if scale is None else scale
     compute = compute_dtype(q, log_alpha, beta, initial_state)
     q, k = q.astype(compute), k.astype(compute)
@@ -186,7 +188,6 @@ def _batched(
     if impl == "chunked":
         checks.check_chunk_size(fn, chunk_size)
         checks.check_schedule(fn, schedule)
-    num_states = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     inputs = prepare_batched(
         q,
         k,
@@ -196,7 +197,7 @@ def _batched(
         initial_state,
         scale=scale,
         use_qk_l2norm=use_qk_l2norm,
-        num_states=num_states,
+        cu_seqlens=cu_seqlens,
     )
     if impl == "chunked":
         one_head = functools.partial(

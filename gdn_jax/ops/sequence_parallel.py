@@ -320,7 +320,6 @@ def _seq_parallel(
     checks.check_scale(fn, scale)
     checks.check_chunk_size(fn, chunk_size)
     checks.check_schedule(fn, schedule)
-    num_states = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     inputs = prepare_batched(
         q,
         k,
@@ -330,7 +329,7 @@ def _seq_parallel(
         initial_state,
         scale=scale,
         use_qk_l2norm=use_qk_l2norm,
-        num_states=num_states,
+        cu_seqlens=cu_seqlens,
     )
     one_head = functools.partial(
         seq_parallel_rule,
