@@ -27,16 +27,23 @@ class ShortConvolution(nnx.Module):
     def __call__(self, x, *, history=None, same_segment=None):
         """``x [B, T, D]``, ``history [B, W-1, D]`` or None, ``same_segment [W-1, T]`` or None.
         Returns ``(silu(conv(x)) [B, T, D], history [B, W-1, D])``."""
-        weight = self.weight[...].astype(self.dtype)
+        return short_conv(*self.filters(), x, history, same_segment)
+
+    def filters(self):
+        """``(weight [W, D], bias [D] or None)`` in the compute dtype."""
         bias = None if self.bias is None else self.bias[...].astype(self.dtype)
+        return self.weight[...].astype(self.dtype), bias
 
-        def one(x, history):
-            return causal_depthwise_conv(
-                x, weight, bias, history=history, same_segment=same_segment
-            )
 
-        y, history = jax.vmap(one)(x, history)
-        return jax.nn.silu(y), history
+def short_conv(weight, bias, x, history, same_segment):
+    """``(silu(conv(x)) [B, T, D], history [B, W-1, D])``: ``causal_depthwise_conv`` over each
+    row of ``x [B, T, D]`` from its ``history`` (zeros when None), then SiLU."""
+
+    def one(x, history):
+        return causal_depthwise_conv(x, weight, bias, history=history, same_segment=same_segment)
+
+    y, history = jax.vmap(one)(x, history)
+    return jax.nn.silu(y), history
 
 
 def convolve_qkv(convs, qkv, *, histories=None, cu_seqlens=None, seq_mesh=None):
@@ -66,23 +73,13 @@ def _convolve_seq_parallel(convs, qkv, same_segment, mesh):
     """``convolve_qkv`` with T split over ``SEQ_AXIS`` of ``mesh``: each shard convolves its
     own tokens from the halo of the previous shard (zeros on the first)."""
     width = convs[0].weight.shape[0]
-    params = [
-        (c.weight[...].astype(c.dtype), None if c.bias is None else c.bias[...]) for c in convs
-    ]
+    filters = [conv.filters() for conv in convs]
 
-    def per_shard(params, qkv, same_segment):
+    def per_shard(filters, qkv, same_segment):
         outs = []
-        for (weight, bias), x in zip(params, qkv, strict=True):
+        for (weight, bias), x in zip(filters, qkv, strict=True):
             halo = halo_from_previous(x.swapaxes(0, 1), width - 1, SEQ_AXIS).swapaxes(0, 1)
-            bias = None if bias is None else bias.astype(x.dtype)
-
-            def one(x, history, weight=weight, bias=bias):
-                y, _ = causal_depthwise_conv(
-                    x, weight, bias, history=history, same_segment=same_segment
-                )
-                return y
-
-            outs.append(jax.nn.silu(jax.vmap(one)(x, halo)))
+            outs.append(short_conv(weight, bias, x, halo, same_segment)[0])
         return tuple(outs)
 
     tokens = P(None, SEQ_AXIS)
@@ -94,4 +91,4 @@ def _convolve_seq_parallel(convs, qkv, same_segment, mesh):
         out_specs=(tokens,) * 3,
         axis_names={SEQ_AXIS},
     )
-    return run(params, tuple(qkv), same_segment)
+    return run(filters, tuple(qkv), same_segment)
