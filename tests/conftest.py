@@ -1,10 +1,45 @@
-"""Test-wide JAX settings: float64 available, and no silent dtype or rank promotion."""
+"""Test-wide settings: float64 available, no silent dtype or rank promotion, and a run that
+compiles as little and as cheaply as it can.
+
+Compiling is most of this suite's time (the arrays are tiny), so:
+- XLA:CPU's LLVM backend runs at optimisation level 0. That cuts compile time by about a
+  third and changes nothing but instruction selection; every numeric test keeps its tolerance,
+  and the structural tests read the optimised HLO, which the backend level does not touch.
+- One temporary directory per test run, made by the first process and shared by every
+  xdist worker and subprocess of the run (never the user's home), holds a persistent
+  compilation cache (a hit loads the identical executable: the cache is keyed by the
+  program) and the one finished tiny training run that the tests which only read a run
+  share (``finished_run``).
+- The tests marked ``costly`` (subprocesses, multi-device runs) go first, longest first,
+  and xdist hands out two tests at a time, so the long ones start at once on different
+  workers instead of queueing behind each other at the end.
+Each value here is read from the environment first, so a run started by another (an xdist
+worker, a subprocess test) inherits the first process's choices.
+"""
 
 import os
+import shutil
+import tempfile
 
-import jax
-import pytest
-from jaxtyping import install_import_hook
+_FLAGS = os.environ.get("XLA_FLAGS", "")
+if "xla_backend_optimization_level" not in _FLAGS:
+    os.environ["XLA_FLAGS"] = f"{_FLAGS} --xla_backend_optimization_level=0".strip()
+_MADE_ROOT = "GDN_TEST_RUN_ROOT" not in os.environ
+if _MADE_ROOT:
+    os.environ["GDN_TEST_RUN_ROOT"] = tempfile.mkdtemp(prefix="gdn_jax-tests-")
+ROOT = os.environ["GDN_TEST_RUN_ROOT"]
+# Subprocesses store every program they compile: they compile the same tiny ones again and
+# again. This process keeps only the ones that took a while (below).
+os.environ.update(
+    JAX_COMPILATION_CACHE_DIR=os.path.join(ROOT, "jax-compilation-cache"),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
+)
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+import runs  # noqa: E402
+from jaxtyping import install_import_hook  # noqa: E402
 
 # Every shape annotation in gdn_jax is checked at call (trace) time in the test session:
 # jaxtyping binds the dimension letters across a call's arguments and beartype checks them.
@@ -13,17 +48,41 @@ install_import_hook("gdn_jax", "beartype.beartype")
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+# Eager tests compile thousands of one-primitive programs; writing each to disk costs more
+# than compiling it again.
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "costly(seconds): a long test (subprocesses, several devices) and its measured time "
+        "alone on 2 cores; it is scheduled first, longest first",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    def cost(item):
+        marker = item.get_closest_marker("costly")
+        return marker.args[0] if marker else 0.0
+
+    items.sort(key=cost, reverse=True)  # stable: the rest keep pytest's order
+
+
+def pytest_unconfigure(config):
+    if _MADE_ROOT:
+        shutil.rmtree(ROOT, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
-def subprocess_env(tmp_path_factory):
-    """Environment for the subprocess runs: they compile the same tiny programs again and
-    again, so they share a persistent compilation cache (about 25 s of compiling becomes 2 s
-    of loading). The cache is keyed by the program, so a hit runs the identical executable."""
-    cache = tmp_path_factory.getbasetemp().parent / "jax-compilation-cache"  # all xdist workers
-    return dict(
-        os.environ,
-        JAX_COMPILATION_CACHE_DIR=str(cache),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
-    )
+def subprocess_env():
+    """The environment of this process, for the subprocess runs: it carries the shared
+    compilation cache and the backend's optimisation level."""
+    return dict(os.environ)
+
+
+@pytest.fixture(scope="session")
+def finished_run(subprocess_env):
+    """A finished ``python train.py`` run of ``runs.TINY``, made once per test run. Read only."""
+    return runs.finished_run(ROOT, subprocess_env)

@@ -11,60 +11,11 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import yaml
-
-REPO = Path(__file__).resolve().parents[1]
-TINY = [
-    "model.vocab_size=64", "data.vocab_size=64", "model.d_model=16", "model.mixers=[gdn]",
-    "model.chunk_size=16", "model.impl=recurrent", "data.seq_len=32", "data.num_kv_pairs=4",
-    "train.batch_size=8", "train.steps=12", "train.warmup_steps=2", "train.eval_every=6",
-    "train.eval_examples=16", "train.checkpoint_every=4", "train.progress=false",
-]  # fmt: skip
-
-# The command with a callback that sends a signal to itself after a given step, so that an
-# interrupt lands at a known step.
-INTERRUPTED = textwrap.dedent(
-    """
-    import os, signal, sys
-    from gdn_jax.training import cli, loop
-
-    signum, at_step = int(sys.argv[1]), int(sys.argv[2])
-    original = loop.run
-
-    def run(*args, **kwargs):
-        def interrupt(step, metrics):
-            if step == at_step:
-                os.kill(os.getpid(), signum)
-        return original(*args, callbacks=[interrupt], **kwargs)
-
-    loop.run = run
-    sys.exit(cli.main(sys.argv[3:]))
-    """
-)
-
-
-def command_args(out_dir, *extra, sets=()):
-    args = []
-    for item in (*TINY, f"train.out_dir={out_dir}", *sets):
-        args += ["--set", item]
-    return [*args, *extra]
-
-
-def train(env, out_dir, *extra, sets=(), prefix=("train.py",), **env_extra):
-    return subprocess.run(
-        [sys.executable, *prefix, *command_args(out_dir, *extra, sets=sets)],
-        cwd=REPO,
-        env=dict(env, **env_extra),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+from runs import INTERRUPTED, REPO, TINY, command_args, logged, train
 
 
 def one_line_error(result, pattern, status=2):
@@ -79,13 +30,6 @@ def one_line_error(result, pattern, status=2):
 
 def snapshot(directory):
     return {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
-
-
-def logged(out_dir):
-    """Every logged number of every step, wall-clock rates aside."""
-    drop = ("tokens_per_s", "elapsed_s")
-    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(x).items() if k not in drop} for x in lines]
 
 
 def fake_run(out_dir, *, steps=(4,), summary=None, **config_changes):
@@ -192,6 +136,7 @@ def test_resume_with_nothing_to_resume_and_of_a_finished_run(tmp_path, subproces
     assert snapshot(tmp_path / "done") == before
 
 
+@pytest.mark.costly(20)
 def test_a_live_run_keeps_a_second_writer_out_and_a_stale_lock_is_taken_over(
     tmp_path, subprocess_env
 ):
@@ -217,10 +162,10 @@ def test_a_live_run_keeps_a_second_writer_out_and_a_stale_lock_is_taken_over(
     assert max(r["step"] for r in logged(out)) == 6 and snapshot(out) != before
 
 
-def test_interrupt_and_a_broken_checkpoint_resume_bit_for_bit(tmp_path, subprocess_env):
-    straight = train(subprocess_env, tmp_path / "straight")
-    assert straight.returncode == 0, straight.stderr
-
+@pytest.mark.costly(25)
+def test_interrupt_and_a_broken_checkpoint_resume_bit_for_bit(
+    tmp_path, subprocess_env, finished_run
+):
     # SIGINT after step 6: a checkpoint at step 6, the plot, one line telling how to resume.
     args = [str(int(signal.SIGINT)), "6"]
     interrupted = train(subprocess_env, tmp_path / "run", prefix=("-c", INTERRUPTED, *args))
@@ -237,7 +182,7 @@ def test_interrupt_and_a_broken_checkpoint_resume_bit_for_bit(tmp_path, subproce
     for name in ("run", "broken"):
         resumed = train(subprocess_env, tmp_path / name, "--resume")
         assert resumed.returncode == 0, resumed.stderr
-        assert logged(tmp_path / name) == logged(tmp_path / "straight"), name
+        assert logged(tmp_path / name) == logged(finished_run), name
     warnings = [line for line in resumed.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "checkpoint step 6 does not restore" in warnings[0]
     assert (tmp_path / "broken" / "broken_checkpoints" / "6").is_dir()

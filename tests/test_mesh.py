@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+from runs import command_args, train_losses
 
 from gdn_jax.training.config import MeshConfig, load_config
 from gdn_jax.training.mesh import mesh_shape
@@ -14,6 +15,7 @@ from gdn_jax.training.run_dir import RunError
 CHECKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mesh_checks.py")
 
 
+@pytest.mark.costly(90)
 def test_multi_device_checks_pass(subprocess_env):
     """Layers on 2/4/8 sequence shards and (data 2, model 2, seq 2), training steps, the
     compiled step's all-gathers and a restore onto another mesh (see mesh_checks.py)."""
@@ -50,31 +52,17 @@ def free_port():
         return s.getsockname()[1]
 
 
-def train_losses(out_dir):
-    from gdn_jax.training.metrics_log import MetricsLog
-
-    return [r["loss"] for r in MetricsLog(out_dir / "metrics.jsonl").read("train")]
-
-
-def test_two_processes_train_like_one(subprocess_env, tmp_path):
+@pytest.mark.costly(25)
+def test_two_processes_train_like_one(subprocess_env, tmp_path, finished_run):
     """Two processes of 2 CPU devices each (jax.distributed, a localhost coordinator, gloo)
-    run 3 steps of train.py with the losses of one process on one device."""
-    from test_cli import TINY
-
-    overrides = [*TINY, "train.steps=3", "train.checkpoint_every=3", "train.eval_every=3"]
-    alone = [sys.executable, "-m", "gdn_jax.training.cli"]
-    for item in [*overrides, f"train.out_dir={tmp_path / 'one'}"]:
-        alone += ["--set", item]
-    subprocess.run(alone, env=subprocess_env, check=True, capture_output=True, timeout=240)
+    run train.py with the losses of one process on one device (the shared finished run)."""
     env = dict(
         subprocess_env,
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        XLA_FLAGS=f"{subprocess_env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
         JAX_COORDINATOR_ADDRESS=f"localhost:{free_port()}",
         JAX_NUM_PROCESSES="2",
     )
-    command = [sys.executable, "-m", "gdn_jax.training.cli"]
-    for item in [*overrides, f"train.out_dir={tmp_path / 'two'}"]:
-        command += ["--set", item]
+    command = [sys.executable, "-m", "gdn_jax.training.cli", *command_args(tmp_path / "two")]
     processes = [
         subprocess.Popen(
             command, env=dict(env, JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE,
@@ -83,12 +71,12 @@ def test_two_processes_train_like_one(subprocess_env, tmp_path):
         for i in range(2)
     ]  # fmt: skip
     try:
-        outputs = [p.communicate(timeout=240)[0] for p in processes]
+        outputs = [p.communicate(timeout=300)[0] for p in processes]  # a guard against hangs
     finally:
         for p in processes:
             p.kill()
     assert [p.returncode for p in processes] == [0, 0], "\n".join(outputs)
     assert "devices: 4 x cpu" in outputs[0], outputs[0]
-    one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
-    assert len(one) == len(two) == 3
+    one, two = train_losses(finished_run), train_losses(tmp_path / "two")
+    assert len(one) == len(two) == 12
     np.testing.assert_allclose(two, one, rtol=2e-4)

@@ -4,14 +4,13 @@ import json
 import signal
 import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from runs import INTERRUPTED, REPO, TINY, logged, train, train_losses
 from tolerance import assert_close
 
 from gdn_jax.data.mqar import MQARConfig, make_batch, make_mqar
@@ -23,8 +22,6 @@ from gdn_jax.training.optim import weight_decay_mask
 from gdn_jax.training.run_dir import RunError
 from gdn_jax.training.step import loss_and_accuracy
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(autouse=True)
 def standard_dtype_promotion():
@@ -32,16 +29,6 @@ def standard_dtype_promotion():
     # strict promotion of conftest.py rejects; our own code stays checked by the other tests.
     with jax.numpy_dtype_promotion("standard"):
         yield
-
-
-# A model small enough to train in seconds; the recurrent impl compiles about 3x faster than
-# the chunked one, and here the loop, not the op, is under test.
-TINY = [
-    "model.vocab_size=64", "data.vocab_size=64", "model.d_model=16", "model.mixers=[gdn]",
-    "model.chunk_size=16", "model.impl=recurrent", "data.seq_len=32", "data.num_kv_pairs=4", "train.batch_size=8",
-    "train.steps=12", "train.warmup_steps=2", "train.eval_every=6", "train.eval_examples=16",
-    "train.checkpoint_every=4", "train.progress=false",
-]  # fmt: skip
 
 
 def tiny(tmp_path, *extra):
@@ -124,6 +111,7 @@ def test_weight_decay_skips_gates_norms_and_vectors():
     assert isinstance(model.blocks[0].mixer.A_log, NoWeightDecay)
 
 
+@pytest.mark.costly(15)
 def test_short_run_learns_writes_its_outputs_and_a_rerun_replaces_them(tmp_path):
     summary = run(tiny(tmp_path, "train.steps=30", "train.learning_rate=1e-2"))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -147,68 +135,21 @@ def test_short_run_learns_writes_its_outputs_and_a_rerun_replaces_them(tmp_path)
     assert max(r["step"] for r in records) == 6
 
 
-RUN_IN_SUBPROCESS = textwrap.dedent(
-    """
-    import json, os, signal, sys
-    from gdn_jax.training.config import load_config
-    from gdn_jax.training.loop import run
-
-    def kill_at_10(step, metrics):
-        if step == 10:  # after the step-8 checkpoint was started, before the step-12 one
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    overrides, resume, kill = json.loads(sys.argv[1]), sys.argv[2] == "resume", sys.argv[3] == "kill"
-    print(json.dumps(run(load_config(None, overrides), resume=resume,
-                         callbacks=[kill_at_10] if kill else [])))
-    """
-)
-
-
-def train_subprocess(out_dir, env, *, resume=False, kill=False):
-    # Every run of this comparison runs in a fresh interpreter, outside conftest's float64
-    # mode, so the three see the same JAX settings.
-    overrides = json.dumps([*TINY, f"train.out_dir={out_dir}"])
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            RUN_IN_SUBPROCESS,
-            overrides,
-            "resume" if resume else "-",
-            "kill" if kill else "-",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    return result
-
-
-def test_killed_run_resumes_bit_for_bit(tmp_path, subprocess_env):
-    straight = train_subprocess(tmp_path / "straight", subprocess_env)
-    assert straight.returncode == 0, straight.stderr
-    killed = train_subprocess(
-        tmp_path / "killed", subprocess_env, kill=True
-    )  # SIGKILL: no clean-up at all
-    assert killed.returncode == -signal.SIGKILL
-    resumed = train_subprocess(tmp_path / "killed", subprocess_env, resume=True)
+@pytest.mark.costly(25)
+def test_killed_run_resumes_bit_for_bit(tmp_path, subprocess_env, finished_run):
+    # SIGKILL after step 10: no clean-up at all. Each run is the command in a fresh
+    # interpreter, outside conftest's float64 mode, like the finished run it is compared with.
+    out = tmp_path / "run"
+    killed = train(subprocess_env, out, prefix=("-c", INTERRUPTED, str(int(signal.SIGKILL)), "10"))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = train(subprocess_env, out, "--resume")
     assert resumed.returncode == 0, resumed.stderr
-    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+    summary = json.loads((out / "summary.json").read_text())
     # The loop waits for each save, so step 8's checkpoint was complete before the kill.
     assert summary["start_step"] == 8 and summary["final_step"] == 12
-
-    def logged(run):  # every logged number of every step, wall-clock rates aside
-        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
-        drop = ("tokens_per_s", "elapsed_s")
-        return [{k: v for k, v in json.loads(x).items() if k not in drop} for x in lines]
-
-    assert logged("killed") == logged("straight")
-    assert (
-        summary["eval_accuracy"]
-        == json.loads(straight.stdout.strip().splitlines()[-1])["eval_accuracy"]
-    )
+    assert logged(out) == logged(finished_run)
+    straight = json.loads((finished_run / "summary.json").read_text())
+    assert summary["eval_accuracy"] == straight["eval_accuracy"]
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -227,34 +168,14 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert not steps or steps[-1] <= records[-1]["step"]
 
 
-def test_data_parallel_over_four_cpu_devices_matches_one(tmp_path, subprocess_env):
-    code = textwrap.dedent(
-        """
-        import json, sys, jax
-        from gdn_jax.training.config import load_config
-        from gdn_jax.training.loop import run
-        run(load_config(None, sys.argv[1:]))
-        print(len(jax.devices()))
-        """
-    )
-    losses = {}
-    for devices in (1, 4):
-        env = dict(subprocess_env, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-        out = tmp_path / f"d{devices}"
-        result = subprocess.run(
-            [sys.executable, "-c", code, *TINY, f"train.out_dir={out}"],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert result.returncode == 0, result.stderr
-        assert result.stdout.strip().splitlines()[-1] == str(devices)
-        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        losses[devices] = [r["loss"] for r in records if r["kind"] == "train"]
+@pytest.mark.costly(15)
+def test_data_parallel_over_four_cpu_devices_matches_one(tmp_path, subprocess_env, finished_run):
+    flags = f"{subprocess_env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
+    result = train(subprocess_env, tmp_path / "run", XLA_FLAGS=flags)
+    assert result.returncode == 0, result.stderr
+    assert "devices: 4 x cpu" in result.stdout, result.stdout
     # Same batches, same init: only the order of the cross-device reductions differs.
-    assert_close(losses[4], losses[1], jnp.float32)
+    assert_close(train_losses(tmp_path / "run"), train_losses(finished_run), jnp.float32)
 
 
 def test_train_config_defaults_are_valid():
