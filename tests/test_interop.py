@@ -87,6 +87,13 @@ def run_torch(layer, x, **kw):
         return layer(to_torch(x, layer.out_proj.weight.dtype), **kw).float().numpy()
 
 
+# The layers run under one jit, not op by op: one compilation per shape instead of one per
+# operation.
+forward = nnx.jit(lambda layer, x, **kw: layer(x, **kw))
+prefill = nnx.jit(lambda layer, x: layer.prefill(x))
+step = nnx.jit(lambda layer, x, cache: layer.step(x, cache))
+
+
 def hidden(seed, batch, seq_len, width=64):
     return np.random.default_rng(seed).standard_normal((batch, seq_len, width)).astype(np.float32)
 
@@ -103,7 +110,7 @@ def test_outputs_equal_transformers(shape, conv, lengths):
     for seq_len in lengths:
         x = hidden(seq_len, 2, seq_len)
         assert_relative_rms(
-            layer(jnp.asarray(x)), run_torch(reference, x), jnp.float32, f"T={seq_len}"
+            forward(layer, jnp.asarray(x)), run_torch(reference, x), jnp.float32, f"T={seq_len}"
         )
 
 
@@ -118,14 +125,14 @@ def test_padding_mask_and_packing_on_converted_weights():
     mask[1, :pad] = 0
     x[1, :pad] = 0
     expected = run_torch(reference, x, attention_mask=torch.from_numpy(mask))
-    y = np.asarray(layer(jnp.asarray(x), mask=jnp.asarray(mask)))
+    y = np.asarray(forward(layer, jnp.asarray(x), mask=jnp.asarray(mask)))
     assert_relative_rms(y[0], expected[0], jnp.float32, "unpadded row")
     assert_relative_rms(y[1, pad:], expected[1, pad:], jnp.float32, "left-padded row")
 
     # Packed sequences equal transformers run on each sequence alone.
     bounds = [0, 13, 13 + 70, 13 + 70 + 30]
     x = hidden(3, 1, bounds[-1])
-    y = np.asarray(layer(jnp.asarray(x), cu_seqlens=jnp.asarray(bounds, jnp.int32)))
+    y = np.asarray(forward(layer, jnp.asarray(x), cu_seqlens=jnp.asarray(bounds, jnp.int32)))
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         assert_relative_rms(
             y[:, lo:hi], run_torch(reference, x[:, lo:hi]), jnp.float32, f"{lo}:{hi}"
@@ -151,7 +158,7 @@ def test_prefill_cache_and_decoding_equal_transformers():
     for t in range(tokens.shape[1]):
         expected.append(run_torch(reference, tokens[:, t : t + 1], cache=cache))
 
-    y, gdn_cache = layer.prefill(jnp.asarray(prompt))
+    y, gdn_cache = prefill(layer, jnp.asarray(prompt))
     assert_relative_rms(y, expected[0], jnp.float32, "prefill")
     conv, state = gdn_cache_to_qwen3_next(gdn_cache)
     assert conv.shape == torch_conv.shape and state.shape == torch_state.shape
@@ -163,7 +170,7 @@ def test_prefill_cache_and_decoding_equal_transformers():
     for start in (gdn_cache, qwen3_next_cache_to_gdn(torch_conv, torch_state)):
         c = start
         for t in range(tokens.shape[1]):
-            y, c = layer.step(jnp.asarray(tokens[:, t : t + 1]), c)
+            y, c = step(layer, jnp.asarray(tokens[:, t : t + 1]), c)
             assert_relative_rms(y, expected[t + 1], jnp.float32, f"decode step {t}")
 
 
@@ -177,7 +184,7 @@ def test_bfloat16_weights_and_inputs():
     # Flax's RMSNorm promotes bfloat16 to float32 for its statistics, which the suite's
     # strict promotion (conftest.py) refuses; users run with JAX's standard promotion.
     with jax.numpy_dtype_promotion("standard"):
-        y = layer(jnp.asarray(x))
+        y = forward(layer, jnp.asarray(x))
     assert y.dtype == jnp.bfloat16
     assert_relative_rms(y, run_torch(reference, x), jnp.bfloat16)
     cast = load_qwen3_next_layer(weights, config.to_dict(), dtype=jnp.float32)
@@ -226,7 +233,7 @@ def test_checkpoint_saved_by_transformers(tmp_path):
     for i, prefix in prefixes.items():
         layer = load_qwen3_next_layer(read_safetensors(tmp_path, prefix), config.to_dict())
         x, expected = seen[i]
-        assert_relative_rms(layer(jnp.asarray(x)), expected, jnp.float32, f"layer {i}")
+        assert_relative_rms(forward(layer, jnp.asarray(x)), expected, jnp.float32, f"layer {i}")
 
 
 def gdn_layer(**kw):
@@ -271,7 +278,7 @@ def test_qwen3_next_round_trip_is_exact(param_dtype):
     x = jnp.asarray(hidden(8, 1, 9, 32), param_dtype)
     with jax.numpy_dtype_promotion("standard"):  # Flax's RMSNorm in bfloat16, see above
         np.testing.assert_array_equal(
-            np.asarray(back(x), np.float32), np.asarray(layer(x), np.float32)
+            np.asarray(forward(back, x), np.float32), np.asarray(forward(layer, x), np.float32)
         )
 
 
