@@ -1,5 +1,7 @@
 """Each hand-written backward of the staged chunked op against ``jax.vjp`` of its own forward.
 
+Each comparison runs under one jit: one compilation per test instead of one per operation.
+
 One chunk, float64, random cotangents: the decays (``chunk_decays_bwd``), the WY factors
 (``delta_factors_bwd``, ``linear_factors_bwd``), one step of the state pass
 (``state_step_bwd``), and all of them composed by ``chunk_grads`` as ``_chunked_core_bwd``
@@ -38,38 +40,48 @@ def test_chunk_decays_bwd(chunk, key_dim, value_dim, edges):
     if edges:  # full resets (the last token among them) and gates that do not decay
         log_alpha = log_alpha.at[1::5].set(0.0).at[::5].set(LOG_ALPHA_FLOOR)
         log_alpha = log_alpha.at[-1].set(LOG_ALPHA_FLOOR)
-    decays, pullback = jax.vjp(chunk_decays, log_alpha)
     # A full matrix for `within`: chunk_decays masks what is above the diagonal.
     cts = ChunkDecays(
         cotangent(1, chunk, chunk), cotangent(2, chunk), cotangent(3, chunk), cotangent(4)
     )
-    check({"d log_alpha": (chunk_decays_bwd(decays, cts), pullback(cts)[0])})
+
+    @jax.jit
+    def pairs(log_alpha, cts):
+        decays, pullback = jax.vjp(chunk_decays, log_alpha)
+        return {"d log_alpha": (chunk_decays_bwd(decays, cts), pullback(cts)[0])}
+
+    check(pairs(log_alpha, cts))
 
 
 @SIZES
 @RULES
 def test_factors_bwd(chunk, key_dim, value_dim, rule):
     _, k, v, log_alpha, beta = random_inputs(1, chunk, key_dim, value_dim, dtype=F64)
-    decays = chunk_decays(log_alpha)
-    factors = rule.factors(k, v, beta, decays)
-    d_w = None if factors[0] is None else cotangent(5, chunk, key_dim)
+    d_w = None if rule is LINEAR else cotangent(5, chunk, key_dim)
     d_u = cotangent(6, chunk, value_dim)
-    _, pullback = jax.vjp(lambda *a: rule.factors(*a)[:2], k, v, beta, decays)
-    d_k, d_v, d_beta, d_decays = pullback((d_w, d_u))
-    grads = rule.factors_bwd(k, v, beta, decays, factors, d_w, d_u)
-    # The cotangent of k k^T is left for the caller to fold into dk (chunk_grads does).
-    grads_k = grads.k if grads.gram is None else grads.k + (grads.gram + grads.gram.T) @ k
-    # delta_factors reads `within` only through tril(., -1), so autodiff's cotangent is zero
-    # on and above the diagonal, as is the hand-written one: the whole matrix is compared.
-    check(
-        {
+
+    @jax.jit
+    def pairs(k, v, beta, log_alpha, d_w, d_u):
+        decays = chunk_decays(log_alpha)
+        factors = rule.factors(k, v, beta, decays)
+        _, pullback = jax.vjp(lambda *a: rule.factors(*a)[:2], k, v, beta, decays)
+        d_k, d_v, d_beta, d_decays = pullback((d_w, d_u))
+        grads = rule.factors_bwd(k, v, beta, decays, factors, d_w, d_u)
+        # The cotangent of k k^T is left for the caller to fold into dk (chunk_grads does).
+        grads_k = grads.k if grads.gram is None else grads.k + (grads.gram + grads.gram.T) @ k
+        # delta_factors reads `within` only through tril(., -1), so autodiff's cotangent is
+        # zero on and above the diagonal, as is the hand-written one: the whole matrix is
+        # compared.
+        return {
             "dk": (grads_k, d_k),
             "dv": (grads.v, d_v),
             "dbeta": (grads.beta, d_beta),
             "d within": (grads.within, d_decays.within),
             "d from_start": (grads.from_start, d_decays.from_start),
-        }
-    )
+        }, d_decays
+
+    compared, d_decays = pairs(k, v, beta, log_alpha, d_w, d_u)
+    check(compared)
     # FactorGrads has no fields for the decays the factors do not read.
     assert not np.any(d_decays.to_end) and not np.any(d_decays.whole)
 
@@ -85,29 +97,34 @@ def step_with_corrections(start, w, u, k_to_end, whole, q_from_start):
 @RULES
 def test_state_step_bwd(chunk, key_dim, value_dim, rule):
     q, k, v, log_alpha, beta = random_inputs(2, chunk, key_dim, value_dim, dtype=F64)
-    decays = chunk_decays(log_alpha)
-    w, u, _ = rule.factors(k, v, beta, decays)
     start = cotangent(7, value_dim, key_dim)
-    k_to_end, q_from_start = k * decays.to_end[:, None], q * decays.from_start[:, None]
-    primals = (start, w, u, k_to_end, decays.whole, q_from_start)
-    (_, corrections, _), pullback = jax.vjp(step_with_corrections, *primals)
     # d_u_intra is the cotangent of U from the chunk's outputs, d_y that of Y, whose
     # state part is y_start.
-    d_end, d_u_intra, d_y = (cotangent(s, *x.shape) for s, x in ((8, start), (9, u), (10, u)))
-    d_start, d_w, d_u, d_k_to_end, d_whole, d_q_from_start = pullback((d_end, d_u_intra, d_y))
-    got_start, outs = state_step_bwd(d_end, *primals, d_u_intra, d_y)
-    got_corrections, got_u, got_y_start, got_w, got_k_to_end, got_whole = outs
-    pairs = {
-        "U": (got_corrections, corrections),
-        "d start": (got_start, d_start),
-        "dU": (got_u, d_u),
-        "dY S": (got_y_start, d_q_from_start),
-        "d k_to_end": (got_k_to_end, d_k_to_end),
-        "d whole": (got_whole, d_whole),
-    }
-    if w is not None:
-        pairs["dw"] = (got_w, d_w)
-    check(pairs)
+    d_end, d_u_intra, d_y = (cotangent(s, *x.shape) for s, x in ((8, start), (9, v), (10, v)))
+
+    @jax.jit
+    def pairs(q, k, v, log_alpha, beta, start, d_end, d_u_intra, d_y):
+        decays = chunk_decays(log_alpha)
+        w, u, _ = rule.factors(k, v, beta, decays)
+        k_to_end, q_from_start = k * decays.to_end[:, None], q * decays.from_start[:, None]
+        primals = (start, w, u, k_to_end, decays.whole, q_from_start)
+        (_, corrections, _), pullback = jax.vjp(step_with_corrections, *primals)
+        d_start, d_w, d_u, d_k_to_end, d_whole, d_q_from_start = pullback((d_end, d_u_intra, d_y))
+        got_start, outs = state_step_bwd(d_end, *primals, d_u_intra, d_y)
+        got_corrections, got_u, got_y_start, got_w, got_k_to_end, got_whole = outs
+        compared = {
+            "U": (got_corrections, corrections),
+            "d start": (got_start, d_start),
+            "dU": (got_u, d_u),
+            "dY S": (got_y_start, d_q_from_start),
+            "d k_to_end": (got_k_to_end, d_k_to_end),
+            "d whole": (got_whole, d_whole),
+        }
+        if w is not None:
+            compared["dw"] = (got_w, d_w)
+        return compared
+
+    check(pairs(q, k, v, log_alpha, beta, start, d_end, d_u_intra, d_y))
 
 
 def one_chunk(rule, q, k, v, log_alpha, beta, start):
@@ -127,20 +144,25 @@ def test_chunk_grads(chunk, key_dim, value_dim, rule):
     q, k, v, log_alpha, beta = random_inputs(3, chunk, key_dim, value_dim, dtype=F64)
     start = cotangent(11, value_dim, key_dim)
     d_y, d_end = cotangent(12, chunk, value_dim), cotangent(13, value_dim, key_dim)
-    _, pullback = jax.vjp(lambda *a: one_chunk(rule, *a), q, k, v, log_alpha, beta, start)
-    expected = pullback((d_y, d_end))
-    # The backward as _chunked_core_bwd wires it, for one chunk.
-    decays = chunk_decays(log_alpha)
-    factors = rule.factors(k, v, beta, decays)
-    qk = q @ k.T
-    d_u_intra = (qk * decays.within).T @ d_y
-    k_to_end, q_from_start = k * decays.to_end[:, None], q * decays.from_start[:, None]
-    d_start, outs = state_step_bwd(
-        d_end, start, *factors[:2], k_to_end, decays.whole, q_from_start, d_u_intra, d_y
-    )
-    d_q, d_k, d_v, d_beta, d_log_alpha = chunk_grads(
-        rule, q, k, v, beta, decays, factors, qk, (d_y, *outs)
-    )
-    actual = (d_q, d_k, d_v, d_log_alpha, d_beta, d_start)
-    names = ("dq", "dk", "dv", "d log_alpha", "dbeta", "d start")
-    check({n: (a, e) for n, a, e in zip(names, actual, expected, strict=True)})
+
+    @jax.jit
+    def pairs(q, k, v, log_alpha, beta, start, d_y, d_end):
+        _, pullback = jax.vjp(lambda *a: one_chunk(rule, *a), q, k, v, log_alpha, beta, start)
+        expected = pullback((d_y, d_end))
+        # The backward as _chunked_core_bwd wires it, for one chunk.
+        decays = chunk_decays(log_alpha)
+        factors = rule.factors(k, v, beta, decays)
+        qk = q @ k.T
+        d_u_intra = (qk * decays.within).T @ d_y
+        k_to_end, q_from_start = k * decays.to_end[:, None], q * decays.from_start[:, None]
+        d_start, outs = state_step_bwd(
+            d_end, start, *factors[:2], k_to_end, decays.whole, q_from_start, d_u_intra, d_y
+        )
+        d_q, d_k, d_v, d_beta, d_log_alpha = chunk_grads(
+            rule, q, k, v, beta, decays, factors, qk, (d_y, *outs)
+        )
+        actual = (d_q, d_k, d_v, d_log_alpha, d_beta, d_start)
+        names = ("dq", "dk", "dv", "d log_alpha", "dbeta", "d start")
+        return {n: (a, e) for n, a, e in zip(names, actual, expected, strict=True)}
+
+    check(pairs(q, k, v, log_alpha, beta, start, d_y, d_end))
