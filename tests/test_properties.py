@@ -2,6 +2,7 @@
 
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings
@@ -14,6 +15,8 @@ import gdn_jax
 # Each example compiles new shapes (~1-3 s), so the default run draws few of them;
 # GDN_HYPOTHESIS_EXAMPLES=200 pytest tests/test_properties.py searches harder.
 EXAMPLES = int(os.environ.get("GDN_HYPOTHESIS_EXAMPLES", "8"))
+# Under jit: one compilation per drawn shape instead of one per operation.
+chunked = jax.jit(gdn_jax.gated_delta_rule_chunked, static_argnames="chunk_size")
 SETTINGS = settings(
     max_examples=EXAMPLES, deadline=None, derandomize="GDN_HYPOTHESIS_EXAMPLES" not in os.environ
 )
@@ -45,7 +48,7 @@ def test_chunked_matches_reference(problem):
         beta_range=(0.0, max_beta),
     )
     state = random_state(seed + 1, value_dim, key_dim) if with_state else None
-    y, s = gdn_jax.gated_delta_rule_chunked(*inputs, initial_state=state, chunk_size=chunk)
+    y, s = chunked(*inputs, initial_state=state, chunk_size=chunk)
     y_ref, s_ref = gated_delta_reference(*inputs, scale=key_dim**-0.5, initial_state=state)
     assert np.isfinite(y).all() and np.isfinite(s).all()
     assert_close(y, y_ref, jnp.float32)
@@ -58,10 +61,8 @@ def test_chunked_matches_reference(problem):
 def test_any_split_carries_state(seq_len, cut, chunk, seed):
     cut = min(cut, seq_len - 1)
     inputs = random_inputs(seed, seq_len, 8, 6)
-    y, s = gdn_jax.gated_delta_rule_chunked(*inputs, chunk_size=chunk)
-    y_a, s_a = gdn_jax.gated_delta_rule_chunked(*(x[:cut] for x in inputs), chunk_size=chunk)
-    y_b, s_b = gdn_jax.gated_delta_rule_chunked(
-        *(x[cut:] for x in inputs), initial_state=s_a, chunk_size=chunk
-    )
+    y, s = chunked(*inputs, chunk_size=chunk)
+    y_a, s_a = chunked(*(x[:cut] for x in inputs), chunk_size=chunk)
+    y_b, s_b = chunked(*(x[cut:] for x in inputs), initial_state=s_a, chunk_size=chunk)
     assert_close(jnp.concatenate([y_a, y_b]), y, jnp.float32)
     assert_close(s_b, s, jnp.float32)
