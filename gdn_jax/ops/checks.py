@@ -30,11 +30,21 @@ def require(fn: str, condition: bool, message: str) -> None:
         raise ValueError(f"{fn}: {message}")
 
 
+def is_python_number(x) -> bool:
+    """A Python ``int`` or ``float`` (not a bool): weakly typed, it takes the dtype of the
+    arrays it meets, so it counts as floating wherever a scalar is taken."""
+    return type(x) in (int, float)
+
+
 def check_floating(fn: str, **arrays) -> None:
-    """Every named array must have a floating dtype (None entries are skipped)."""
+    """Every named array must have a floating dtype (None entries and Python numbers, see
+    ``is_python_number``, are skipped)."""
     for name, x in arrays.items():
-        if x is not None and not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
-            raise ValueError(f"{fn}: {name} must be a floating array, got dtype {x.dtype}")
+        if x is None or is_python_number(x):
+            continue
+        dtype = jnp.asarray(x).dtype
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"{fn}: {name} must be a floating array, got dtype {dtype}")
 
 
 def check_same_dtype(fn: str, **arrays) -> None:
@@ -48,6 +58,13 @@ def check_same_dtype(fn: str, **arrays) -> None:
 def check_rank(fn: str, name: str, x, rank: int, layout: str) -> None:
     if jnp.ndim(x) != rank:
         raise ValueError(f"{fn}: {name} must be {layout} (rank {rank}), got shape {jnp.shape(x)}")
+
+
+def check_features(fn: str, name: str, x, dim: str, layout: str) -> None:
+    """The last axis of ``x`` (``dim``: K or V) holds at least one feature: an empty one
+    would make the default scale ``K ** -0.5`` a division by zero."""
+    if jnp.shape(x)[-1] < 1:
+        raise ValueError(f"{fn}: {name} must be {layout} with {dim} >= 1, got shape {x.shape}")
 
 
 def check_shape(fn: str, name: str, x, expected: tuple, layout: str) -> None:
@@ -138,6 +155,8 @@ def check_single_head(fn: str, q, k, v, log_alpha, beta, initial_state) -> None:
     check_rank(fn, "q", q, 2, "[T, K]")
     check_rank(fn, "k", k, 2, "[T, K]")
     check_rank(fn, "v", v, 2, "[T, V]")
+    check_features(fn, "q", q, "K", "[T, K]")
+    check_features(fn, "v", v, "V", "[T, V]")
     seq_len, key_dim = q.shape
     value_dim = v.shape[1]
     check_shape(fn, "k", k, (seq_len, key_dim), "[T, K] like q")
@@ -181,6 +200,8 @@ def check_batched(fn: str, q, k, v, log_alpha, beta, initial_state, cu_seqlens) 
     check_same_dtype(fn, q=q, k=k, v=v)
     check_rank(fn, "q", q, 4, "[B, T, H, K]")
     check_rank(fn, "v", v, 4, "[B, T, HV, V]")
+    check_features(fn, "q", q, "K", "[B, T, H, K]")
+    check_features(fn, "v", v, "V", "[B, T, HV, V]")
     batch, seq_len, heads, key_dim = q.shape
     v_heads, value_dim = v.shape[2], v.shape[3]
     check_shape(fn, "k", k, q.shape, "[B, T, H, K] like q")
