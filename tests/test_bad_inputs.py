@@ -94,7 +94,7 @@ def test_chunk_size_must_be_an_int():
         GatedDeltaNet(16, 2, 8, chunk_size=64.0, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("scale", [jnp.asarray(0.5), 0.0, -1.0, float("nan")])
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan")])
 def test_scale_must_be_a_finite_positive_number(scale):
     q, k, v, la, b = random_inputs(0, 8, 4, 4)
     message = r"scale=.* must be a finite number > 0"
@@ -110,6 +110,17 @@ def test_scale_must_be_a_finite_positive_number(scale):
             b[None, :, None],
             scale=scale,
         )
+
+
+def test_array_scalars_are_refused_as_not_a_python_number(model):
+    """A 0-d array used to get "must be a finite number > 0", which it may well be."""
+    q, k, v, la, b = random_inputs(0, 8, 4, 4)
+    message = r"gated_delta_rule_chunked: scale must be a Python number, got an array of shape"
+    with pytest.raises(ValueError, match=message):
+        gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, scale=jnp.asarray(0.5))
+    for temperature in (jnp.asarray(0.7), jnp.asarray(0.0)):
+        with pytest.raises(ValueError, match=r"generate: temperature must be a Python number"):
+            generate(model, tokens(1, 3), max_new_tokens=2, temperature=temperature)
 
 
 @pytest.mark.parametrize(

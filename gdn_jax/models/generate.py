@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import no_type_check
 
 import jax
@@ -58,7 +59,8 @@ def generate(model, prompt, *, mask=None, max_new_tokens: int, temperature: floa
         type(max_new_tokens) is int and max_new_tokens >= 1,
         f"max_new_tokens={max_new_tokens!r} must be >= 1 (an integer)",
     )
-    if temperature != 0:
+    greedy = isinstance(temperature, numbers.Real) and temperature == 0
+    if not greedy:
         checks.check_positive_number("generate", temperature=temperature)
     checks.check_arrays("generate", prompt=prompt, mask=mask)
     checks.require(

@@ -94,8 +94,16 @@ def check_positive_int(fn: str, **values) -> None:
 
 
 def check_positive_number(fn: str, **values) -> None:
-    """Each named value is a finite real number > 0 (not a bool, a string or an array)."""
+    """Each named value is a finite real number > 0 (not a bool, a string or an array).
+
+    A JAX array, even a 0-d one, is refused as such: under ``jit`` it is a tracer that could
+    be neither checked nor used as the static option these values are."""
     for name, value in values.items():
+        if isinstance(value, jax.Array):
+            raise ValueError(
+                f"{fn}: {name} must be a Python number, got an array of shape {value.shape}; "
+                f"pass float({name}) outside jit"
+            )
         real = isinstance(value, numbers.Real) and not isinstance(value, bool)
         if not real or not math.isfinite(value) or value <= 0:
             raise ValueError(f"{fn}: {name}={value!r} must be a finite number > 0")
