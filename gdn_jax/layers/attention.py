@@ -111,10 +111,12 @@ class SoftmaxAttention(nnx.Module):
         and the convolutions' new history (None without them)."""
         batch, seq_len, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if mask is not None:
+            # Padded tokens are selected away, so they enter the convolution as zeros and their
+            # values meet the softmax's zero weights as zeros: 0 * NaN would be NaN.
+            real = mask.astype(bool)[..., None]
+            q, k, v = (jnp.where(real, z, 0) for z in (q, k, v))
         if self.convs is not None:
-            if mask is not None:  # padded tokens enter the convolution as zeros
-                keep = mask.astype(x.dtype)[..., None]
-                q, k, v = q * keep, k * keep, v * keep
             (q, k, v), conv_history = convolve_qkv(
                 tuple(self.convs), (q, k, v), histories=conv_history, cu_seqlens=cu_seqlens
             )
