@@ -181,3 +181,37 @@ def test_baselines_are_siblings_not_kinds_of_gated_deltanet():
         assert isinstance(layer, RecurrentMixer) and not isinstance(layer, GatedDeltaNet)
     with pytest.raises(ValueError, match=r"RecurrentMixer: build GatedDeltaNet, DeltaNet"):
         RecurrentMixer(16, 2, 8, rngs=nnx.Rngs(0))
+
+
+def test_caches_that_do_not_fit_the_layer_are_named(layers, model):
+    """These used to give vmap, concatenate, AttributeError or zip errors, or (a cache
+    without convolution histories) no error at all."""
+    gdn, attention = layers
+    plain = GatedDeltaNet(16, 2, 8, use_short_conv=False, chunk_size=16, rngs=nnx.Rngs(0))
+    narrow = GatedDeltaNet(16, 2, 4, use_short_conv=False, chunk_size=16, rngs=nnx.Rngs(0))
+    conv_shapes = r"\(\(2, 3, 16\), \(2, 3, 16\), \(2, 3, 32\)\)"
+    cases = [
+        (gdn, gdn.init_cache(3), rf"cache.conv must have shape {conv_shapes} .*, got \(\(3, 3"),
+        (gdn, plain.init_cache(2), rf"cache.conv must have shape {conv_shapes} .*, got None"),
+        (plain, gdn.init_cache(2), r"cache.conv must have shape None .*, got \(\(2, 3, 16\)"),
+        (gdn, gdn.init_cache(2)._replace(conv=gdn.init_cache(2).conv[:2]), "cache.conv must"),
+        (
+            plain,
+            narrow.init_cache(2),
+            r"cache.state must .* \(2, 2, 16, 8\) .*, got \(2, 2, 8, 4\)",
+        ),
+        (gdn, attention.init_cache(2, 4), "cache must be a RecurrentCache .*, got KVCache"),
+        (attention, gdn.init_cache(2), "cache must be a KVCache .*, got RecurrentCache"),
+        (attention, attention.init_cache(3, 4), r"cache.k must .* \(2, 4, 2, 8\) .*, got \(3, 4"),
+    ]
+    x = jnp.zeros((2, 1, 16))
+    for layer, cache, message in cases:
+        name = type(layer).__name__
+        for call in (layer.step, layer.prefill):
+            with pytest.raises(ValueError, match=f"{name}: {message}"):
+                call(x, cache)
+    short = model.init_cache(1, 4)[:1]
+    message = r"LanguageModel: cache must be a tuple of 2 layer caches .*, got tuple of length 1"
+    for call in (model.step, model.prefill):
+        with pytest.raises(ValueError, match=message):
+            call(tokens(1, 1), short)

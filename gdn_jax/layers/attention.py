@@ -9,6 +9,7 @@ from typing import NamedTuple, no_type_check
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
@@ -181,8 +182,15 @@ class SoftmaxAttention(nnx.Module):
         prompt, with no room to step on. The cache must have room: an overflow is an error
         when its length is known (eager decoding), and ``generate`` sizes it."""
         self._check(x, mask)
-        cache = self.init_cache(x.shape[0], x.shape[1]) if cache is None else cache
         batch, seq_len, _ = x.shape
+        if cache is None:
+            cache = self.init_cache(batch, seq_len)
+        else:
+            # Any number of slots S is the cache's own choice; everything else is the layer's.
+            k_shape = np.shape(getattr(cache, "k", None))
+            slots = k_shape[1] if len(k_shape) == 4 and k_shape[1] >= 1 else 1
+            empty = jax.eval_shape(lambda: self.init_cache(batch, slots))
+            checks.check_cache("SoftmaxAttention", cache, empty)
         max_len = cache.k.shape[1]
         filled = int(cache.length) if checks.is_concrete(cache.length) else 0
         checks.require(

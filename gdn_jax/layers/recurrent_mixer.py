@@ -224,6 +224,9 @@ class RecurrentMixer(nnx.Module):
         batch, seq_len, _ = x.shape
         if mask is not None:
             checks.check_mask(name, mask, batch, seq_len)
+        if cache is not None:
+            empty = jax.eval_shape(lambda: self.init_cache(batch))
+            checks.check_cache(name, cache, empty)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         # Padding is selected away, not multiplied by 0: a NaN or inf there times 0 is NaN,
         # which the convolution and the state would carry into the real tokens.

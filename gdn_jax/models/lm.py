@@ -178,8 +178,17 @@ class LanguageModel(nnx.Module):
         """Per-layer caches; ``max_len`` bounds prompt plus generated tokens (attention only)."""
         return tuple(block.mixer.init_cache(batch_size, max_len) for block in self.blocks)
 
+    def _check_cache(self, cache):
+        checks.require(
+            "LanguageModel",
+            isinstance(cache, tuple) and len(cache) == len(self.blocks),
+            f"cache must be a tuple of {len(self.blocks)} layer caches (from init_cache), got "
+            f"{type(cache).__name__} of length {len(cache) if isinstance(cache, tuple) else '-'}",
+        )
+
     def prefill(self, tokens, cache, *, mask=None):
         """Run a prompt ``[B, T]`` (left-padded with ``mask``): ``(logits, cache)``."""
+        self._check_cache(cache)
         x, new_cache = self._embed(tokens), []
         for block, layer_cache in zip(self.blocks, cache, strict=True):
             x, layer_cache = block.prefill(x, layer_cache, mask=mask)
@@ -188,6 +197,7 @@ class LanguageModel(nnx.Module):
 
     def step(self, tokens, cache):
         """One token per row ``[B, 1]``: ``(logits [B, 1, vocab], cache)``."""
+        self._check_cache(cache)
         x, new_cache = self._embed(tokens), []
         for block, layer_cache in zip(self.blocks, cache, strict=True):
             x, layer_cache = block.step(x, layer_cache)

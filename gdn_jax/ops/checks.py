@@ -140,6 +140,33 @@ def check_hidden(fn: str, x, hidden_size: int) -> None:
         )
 
 
+def _shapes(x):
+    """The shape of an array, nested like ``x`` for tuples, None for None."""
+    if x is None:
+        return None
+    if isinstance(x, tuple | list):
+        return tuple(_shapes(item) for item in x)
+    return tuple(np.shape(x))
+
+
+def check_cache(fn: str, cache, expected) -> None:
+    """A decoding ``cache`` has the type and, field by field, the shapes of ``expected``, the
+    layer's own empty cache for this batch (its ``init_cache`` under ``jax.eval_shape``). A
+    cache of another layer, batch size, head count or head dim, or with or without
+    convolution histories where the layer differs, is refused naming the field."""
+    if type(cache) is not type(expected):
+        raise ValueError(
+            f"{fn}: cache must be a {type(expected).__name__} (from init_cache), "
+            f"got {type(cache).__name__}"
+        )
+    for name in expected._fields:
+        want, got = _shapes(getattr(expected, name)), _shapes(getattr(cache, name))
+        if got != want:
+            raise ValueError(
+                f"{fn}: cache.{name} must have shape {want} for this layer and batch, got {got}"
+            )
+
+
 def check_chunk_size(fn: str, chunk_size) -> None:
     if type(chunk_size) is not int or chunk_size not in SUPPORTED_CHUNK_SIZES:
         raise ValueError(f"{fn}: chunk_size={chunk_size!r} must be one of {SUPPORTED_CHUNK_SIZES}")
