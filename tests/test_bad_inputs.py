@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 from reference import random_inputs
+from tolerance import assert_close
 
 import gdn_jax
 from gdn_jax import GatedDeltaNet, LanguageModel, ModelConfig, SoftmaxAttention, generate
+from gdn_jax.ops import checks
 
 HYBRID = ModelConfig(vocab_size=50, d_model=16, mixers=("gdn", "attention"), chunk_size=16)
 
@@ -215,3 +217,35 @@ def test_caches_that_do_not_fit_the_layer_are_named(layers, model):
     for call in (model.step, model.prefill):
         with pytest.raises(ValueError, match=message):
             call(tokens(1, 1), short)
+
+
+def test_token_ids_outside_the_vocabulary(model):
+    """They used to give NaN logits (50) or read another token's row (-5 read token 45)."""
+    for bad in (50, -5):
+        ids = tokens(1, 4).at[0, 2].set(bad)
+        message = rf"LanguageModel: tokens must be ids in \[0, vocab_size=50\), got \[{bad}\]"
+        with pytest.raises(ValueError, match=message):
+            model(ids)
+        with pytest.raises(ValueError, match=message):
+            model.prefill(ids, model.init_cache(1, 4))
+        with pytest.raises(ValueError, match=r"generate: prompt must be ids in \[0, vocab_size"):
+            generate(model, ids, max_new_tokens=1)
+    # Under jit they cannot be checked, and are clipped, the documented way: -5 reads token
+    # 0 and 50 token 49. Padding may hold any id: it is neither checked nor read.
+    forward = nnx.jit(lambda model, ids, mask: model(ids, mask=mask))
+    mask = jnp.ones((1, 5), jnp.int32).at[0, 0].set(0)
+    clipped = jnp.asarray([[0, 0, 49, 7, 3]], jnp.int32)
+    outside = jnp.asarray([[-7, -5, 50, 7, 3]], jnp.int32)
+    expected = forward(model, clipped, mask)
+    assert_close(forward(model, outside, mask), expected, jnp.float32)
+    checks.check_token_ids("LanguageModel", "tokens", outside.at[0, 1:3].set(0), 50, mask)
+
+
+def test_generate_checks_mask_values_and_the_key(model):
+    """A mask of 2s used to pass (its values are traced in the jitted decoder), and an int
+    key gave JAX's own TypeError."""
+    with pytest.raises(ValueError, match=r"generate: mask must hold only 0 and 1, got values \[2"):
+        generate(model, tokens(1, 3), mask=jnp.full((1, 3), 2), max_new_tokens=1)
+    for key in (0, jnp.zeros(3, jnp.uint32)):
+        with pytest.raises(ValueError, match=r"generate: key must be a PRNG key from jax.random"):
+            generate(model, tokens(1, 3), max_new_tokens=1, temperature=1.0, key=key)

@@ -130,6 +130,36 @@ def check_mask(fn: str, mask, batch: int, seq_len: int) -> None:
             raise ValueError(f"{fn}: mask must hold only 0 and 1, got values {values.tolist()[:8]}")
 
 
+def check_token_ids(fn: str, name: str, tokens, vocab_size: int, mask=None) -> None:
+    """Token ids ``name`` lie in ``[0, vocab_size)``, checked when ``tokens`` (and ``mask``) are
+    concrete; where ``mask`` is 0 an id is padding and may be anything. Traced ids cannot be
+    checked: the model clips them instead (``LanguageModel``)."""
+    if not (is_concrete(tokens) and is_concrete(mask)):
+        return
+    ids = np.asarray(tokens)
+    if mask is not None:
+        ids = ids[np.asarray(mask).astype(bool)]
+    outside = np.unique(ids[(ids < 0) | (ids >= vocab_size)])
+    if outside.size:
+        raise ValueError(
+            f"{fn}: {name} must be ids in [0, vocab_size={vocab_size}), got {outside.tolist()[:8]}"
+        )
+
+
+def check_key(fn: str, key) -> None:
+    """One PRNG key: a typed one (``jax.random.key``, shape ``()``) or a legacy raw
+    ``uint32 [2]`` (``jax.random.PRNGKey``); an int seed is not a key."""
+    dtype = getattr(key, "dtype", None)
+    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    typed = typed and np.shape(key) == ()
+    raw = dtype == jnp.uint32 and np.shape(key) == (2,)
+    if not (typed or raw):
+        described = (
+            repr(key) if dtype is None else f"an array of shape {np.shape(key)} and dtype {dtype}"
+        )
+        raise ValueError(f"{fn}: key must be a PRNG key from jax.random.key(seed), got {described}")
+
+
 def check_hidden(fn: str, x, hidden_size: int) -> None:
     """A layer input ``[B, T, hidden_size]`` with at least one token."""
     check_arrays(fn, x=x)
