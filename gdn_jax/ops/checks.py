@@ -47,6 +47,21 @@ def check_floating(fn: str, **arrays) -> None:
             raise ValueError(f"{fn}: {name} must be a floating array, got dtype {dtype}")
 
 
+def check_floating_dtype(fn: str, **dtypes) -> None:
+    """Each named dtype (None entries skipped) is a floating one: parameters and activations
+    cast to an integer dtype would be truncated, or fail inside Flax."""
+    for name, dtype in dtypes.items():
+        if dtype is None:
+            continue
+        try:
+            floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+        except TypeError:
+            floating = False
+        if not floating:
+            shown = dtype.__name__ if isinstance(dtype, type) else repr(dtype)
+            raise ValueError(f"{fn}: {name}={shown} must be a floating dtype")
+
+
 def check_same_dtype(fn: str, **arrays) -> None:
     """q, k and v must agree in dtype: the output is returned in that dtype."""
     dtypes = {name: jnp.asarray(x).dtype for name, x in arrays.items()}
