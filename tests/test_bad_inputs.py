@@ -118,8 +118,9 @@ def test_array_scalars_are_refused_as_not_a_python_number(model):
     """A 0-d array used to get "must be a finite number > 0", which it may well be."""
     q, k, v, la, b = random_inputs(0, 8, 4, 4)
     message = r"gated_delta_rule_chunked: scale must be a Python number, got an array of shape"
-    with pytest.raises(ValueError, match=message):
-        gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, scale=jnp.asarray(0.5))
+    for scale in (jnp.asarray(0.5), np.asarray(0.5)):
+        with pytest.raises(ValueError, match=message):
+            gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, scale=scale)
     for temperature in (jnp.asarray(0.7), jnp.asarray(0.0)):
         with pytest.raises(ValueError, match=r"generate: temperature must be a Python number"):
             generate(model, tokens(1, 3), max_new_tokens=2, temperature=temperature)

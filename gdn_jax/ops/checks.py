@@ -111,10 +111,11 @@ def check_positive_int(fn: str, **values) -> None:
 def check_positive_number(fn: str, **values) -> None:
     """Each named value is a finite real number > 0 (not a bool, a string or an array).
 
-    A JAX array, even a 0-d one, is refused as such: under ``jit`` it is a tracer that could
-    be neither checked nor used as the static option these values are."""
+    An array, even a 0-d one, is refused as such: under ``jit`` it is a tracer that could be
+    neither checked nor used as the static option these values are. (NumPy scalars such as
+    ``np.float32(0.5)`` are numbers.)"""
     for name, value in values.items():
-        if isinstance(value, jax.Array):
+        if hasattr(value, "shape") and not isinstance(value, numbers.Real):
             raise ValueError(
                 f"{fn}: {name} must be a Python number, got an array of shape {value.shape}; "
                 f"pass float({name}) outside jit"
