@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 from reference import random_inputs
+from tolerance import assert_close
 
 import gdn_jax
 from gdn_jax import GatedDeltaNet, LanguageModel, ModelConfig, SoftmaxAttention, generate
+from gdn_jax.ops import checks
 
 HYBRID = ModelConfig(vocab_size=50, d_model=16, mixers=("gdn", "attention"), chunk_size=16)
 
@@ -94,7 +96,7 @@ def test_chunk_size_must_be_an_int():
         GatedDeltaNet(16, 2, 8, chunk_size=64.0, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("scale", [jnp.asarray(0.5), 0.0, -1.0, float("nan")])
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan")])
 def test_scale_must_be_a_finite_positive_number(scale):
     q, k, v, la, b = random_inputs(0, 8, 4, 4)
     message = r"scale=.* must be a finite number > 0"
@@ -110,6 +112,18 @@ def test_scale_must_be_a_finite_positive_number(scale):
             b[None, :, None],
             scale=scale,
         )
+
+
+def test_array_scalars_are_refused_as_not_a_python_number(model):
+    """A 0-d array used to get "must be a finite number > 0", which it may well be."""
+    q, k, v, la, b = random_inputs(0, 8, 4, 4)
+    message = r"gated_delta_rule_chunked: scale must be a Python number, got an array of shape"
+    for scale in (jnp.asarray(0.5), np.asarray(0.5)):
+        with pytest.raises(ValueError, match=message):
+            gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, scale=scale)
+    for temperature in (jnp.asarray(0.7), jnp.asarray(0.0)):
+        with pytest.raises(ValueError, match=r"generate: temperature must be a Python number"):
+            generate(model, tokens(1, 3), max_new_tokens=2, temperature=temperature)
 
 
 @pytest.mark.parametrize(
@@ -170,3 +184,69 @@ def test_baselines_are_siblings_not_kinds_of_gated_deltanet():
         assert isinstance(layer, RecurrentMixer) and not isinstance(layer, GatedDeltaNet)
     with pytest.raises(ValueError, match=r"RecurrentMixer: build GatedDeltaNet, DeltaNet"):
         RecurrentMixer(16, 2, 8, rngs=nnx.Rngs(0))
+
+
+def test_caches_that_do_not_fit_the_layer_are_named(layers, model):
+    """These used to give vmap, concatenate, AttributeError or zip errors, or (a cache
+    without convolution histories) no error at all."""
+    gdn, attention = layers
+    plain = GatedDeltaNet(16, 2, 8, use_short_conv=False, chunk_size=16, rngs=nnx.Rngs(0))
+    narrow = GatedDeltaNet(16, 2, 4, use_short_conv=False, chunk_size=16, rngs=nnx.Rngs(0))
+    conv_shapes = r"\(\(2, 3, 16\), \(2, 3, 16\), \(2, 3, 32\)\)"
+    cases = [
+        (gdn, gdn.init_cache(3), rf"cache.conv must have shape {conv_shapes} .*, got \(\(3, 3"),
+        (gdn, plain.init_cache(2), rf"cache.conv must have shape {conv_shapes} .*, got None"),
+        (plain, gdn.init_cache(2), r"cache.conv must have shape None .*, got \(\(2, 3, 16\)"),
+        (gdn, gdn.init_cache(2)._replace(conv=gdn.init_cache(2).conv[:2]), "cache.conv must"),
+        (
+            plain,
+            narrow.init_cache(2),
+            r"cache.state must .* \(2, 2, 16, 8\) .*, got \(2, 2, 8, 4\)",
+        ),
+        (gdn, attention.init_cache(2, 4), "cache must be a RecurrentCache .*, got KVCache"),
+        (attention, gdn.init_cache(2), "cache must be a KVCache .*, got RecurrentCache"),
+        (attention, attention.init_cache(3, 4), r"cache.k must .* \(2, 4, 2, 8\) .*, got \(3, 4"),
+    ]
+    x = jnp.zeros((2, 1, 16))
+    for layer, cache, message in cases:
+        name = type(layer).__name__
+        for call in (layer.step, layer.prefill):
+            with pytest.raises(ValueError, match=f"{name}: {message}"):
+                call(x, cache)
+    short = model.init_cache(1, 4)[:1]
+    message = r"LanguageModel: cache must be a tuple of 2 layer caches .*, got tuple of length 1"
+    for call in (model.step, model.prefill):
+        with pytest.raises(ValueError, match=message):
+            call(tokens(1, 1), short)
+
+
+def test_token_ids_outside_the_vocabulary(model):
+    """They used to give NaN logits (50) or read another token's row (-5 read token 45)."""
+    for bad in (50, -5):
+        ids = tokens(1, 4).at[0, 2].set(bad)
+        message = rf"LanguageModel: tokens must be ids in \[0, vocab_size=50\), got \[{bad}\]"
+        with pytest.raises(ValueError, match=message):
+            model(ids)
+        with pytest.raises(ValueError, match=message):
+            model.prefill(ids, model.init_cache(1, 4))
+        with pytest.raises(ValueError, match=r"generate: prompt must be ids in \[0, vocab_size"):
+            generate(model, ids, max_new_tokens=1)
+    # Under jit they cannot be checked, and are clipped, the documented way: -5 reads token
+    # 0 and 50 token 49. Padding may hold any id: it is neither checked nor read.
+    forward = nnx.jit(lambda model, ids, mask: model(ids, mask=mask))
+    mask = jnp.ones((1, 5), jnp.int32).at[0, 0].set(0)
+    clipped = jnp.asarray([[0, 0, 49, 7, 3]], jnp.int32)
+    outside = jnp.asarray([[-7, -5, 50, 7, 3]], jnp.int32)
+    expected = forward(model, clipped, mask)
+    assert_close(forward(model, outside, mask), expected, jnp.float32)
+    checks.check_token_ids("LanguageModel", "tokens", outside.at[0, 1:3].set(0), 50, mask)
+
+
+def test_generate_checks_mask_values_and_the_key(model):
+    """A mask of 2s used to pass (its values are traced in the jitted decoder), and an int
+    key gave JAX's own TypeError."""
+    with pytest.raises(ValueError, match=r"generate: mask must hold only 0 and 1, got values \[2"):
+        generate(model, tokens(1, 3), mask=jnp.full((1, 3), 2), max_new_tokens=1)
+    for key in (0, jnp.zeros(3, jnp.uint32)):
+        with pytest.raises(ValueError, match=r"generate: key must be a PRNG key from jax.random"):
+            generate(model, tokens(1, 3), max_new_tokens=1, temperature=1.0, key=key)

@@ -108,3 +108,41 @@ def test_minus_infinity_gate_is_a_full_reset():
         ):
             assert np.isfinite(g).all(), (name, arg)
             assert_close(g, e, jnp.float32, f"{name} d{arg}")
+
+
+chunked_in = jax.jit(gdn_jax.gated_delta_rule_chunked, static_argnames=("chunk_size", "schedule"))
+
+
+@pytest.mark.parametrize("schedule", ["in_scan", "hoisted"])
+def test_extent_of_a_nan_at_one_token(schedule):
+    """The documented extent (chunked.py): a NaN in q at token t reaches y_t alone; in k, v,
+    log_alpha or beta it reaches y from t on in the recurrent form, and from the start of t's
+    chunk on in the chunked form, whose in-chunk products multiply it by exact zeros. Every
+    output before that is the clean one."""
+    inputs = random_inputs(20, 40, 4, 3)
+    clean, _ = recurrent(*inputs)
+    t, chunk_start = 20, 16
+    for i, name in enumerate(["q", "k", "v", "log_alpha", "beta"]):
+        poisoned = list(inputs)
+        poisoned[i] = poisoned[i].at[t].set(jnp.nan)
+        y_rec, _ = recurrent(*poisoned)
+        y_chk, _ = chunked_in(*poisoned, chunk_size=16, schedule=schedule)
+        first = t if name == "q" else chunk_start
+        last = t if name == "q" else 39
+        for y, nan_from in ((y_rec, t), (y_chk, first)):
+            nan_rows = np.flatnonzero(~np.isfinite(np.asarray(y)).all(1))
+            assert nan_rows.tolist() == list(range(nan_from, last + 1)), name
+            assert_close(y[:nan_from], clean[:nan_from], jnp.float32, name)
+
+
+def test_a_nan_stays_in_its_packed_sequence():
+    """Packed, t's chunk starts where t's sequence does (or later), and the next sequence
+    starts from its own initial state: a NaN never leaves its sequence. Both schedules share
+    that reset (blocks.scan_blocks), so one is tested."""
+    q, k, v, la, b = random_inputs(21, 40, 4, 3, lead=(1,), heads=(1, 1))
+    cu = jnp.asarray([0, 10, 25, 40], jnp.int32)
+    packed = jax.jit(functools.partial(gdn_jax.gated_delta_rule, chunk_size=16))
+    y, finals = packed(q, k.at[0, 15].set(jnp.nan), v, la, b, cu_seqlens=cu)
+    nan_rows = np.flatnonzero(~np.isfinite(np.asarray(y[0])).all((1, 2)))
+    assert nan_rows.tolist() == list(range(10, 25))
+    assert np.isfinite(np.asarray(finals)).all((1, 2, 3)).tolist() == [True, False, True]

@@ -2,8 +2,10 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from reference import random_inputs
+from tolerance import assert_close
 
 import gdn_jax
 
@@ -167,3 +169,35 @@ def test_errors_are_raised_while_tracing_under_jit():
     args = batched_inputs(heads=2, v_heads=3)
     with pytest.raises(ValueError, match="multiple of query/key heads"):
         jax.jit(gdn_jax.gated_delta_rule).lower(*args)
+
+
+@pytest.mark.parametrize(("key_dim", "value_dim"), [(0, 3), (4, 0)])
+def test_empty_feature_dims_are_shape_errors_in_every_op(key_dim, value_dim):
+    """K = 0 used to be a ZeroDivisionError from the default scale ``K ** -0.5``."""
+    name, layout = ("q", "K") if key_dim == 0 else ("v", "V")
+    message = rf"{name} must be .* with {layout} >= 1, got shape"
+    q, v, gates = jnp.zeros((8, key_dim)), jnp.zeros((8, value_dim)), jnp.zeros(8)
+    for fn in (gdn_jax.gated_delta_rule_chunked, gdn_jax.gated_delta_rule_recurrent):
+        with pytest.raises(ValueError, match=message):
+            fn(q, q, v, gates, gates)
+    batched = [x[None, :, None] for x in (q, q, v, gates, gates)]
+    with pytest.raises(ValueError, match=rf"gated_delta_rule: {message}"):
+        call(batched)
+    with pytest.raises(ValueError, match=rf"gated_delta_step: {message}"):
+        gdn_jax.gated_delta_step(jnp.zeros((value_dim, key_dim)), q[0], q[0], v[0], 0.0, 1.0)
+
+
+def test_step_takes_python_numbers_as_gates():
+    """Python ints used to raise an AttributeError while the error message was built."""
+    state = jnp.asarray(np.random.default_rng(0).normal(size=(3, 4)), jnp.float32)
+    q, k, v = jnp.ones(4, jnp.float32), jnp.full(4, 0.5, jnp.float32), jnp.ones(3, jnp.float32)
+    expected = gdn_jax.gated_delta_step(
+        state, q, k, v, jnp.zeros((), jnp.float32), jnp.ones((), jnp.float32)
+    )
+    for log_alpha, beta in ((0, 1), (0.0, 1.0)):
+        new_state, y = gdn_jax.gated_delta_step(state, q, k, v, log_alpha, beta)
+        assert new_state.dtype == jnp.float32 and y.dtype == jnp.float32
+        assert_close(new_state, expected[0], jnp.float32)
+        assert_close(y, expected[1], jnp.float32)
+    with pytest.raises(ValueError, match="gated_delta_step: beta must be a floating array"):
+        gdn_jax.gated_delta_step(state, q, k, v, 0, True)

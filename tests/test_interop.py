@@ -347,6 +347,8 @@ def test_config_that_does_not_fit_the_tensors():
         load_qwen3_next_layer(weights, {**config, "linear_num_value_heads": 6})
     with pytest.raises(ValueError, match=r"hidden_act='gelu'"):
         load_qwen3_next_layer(weights, {**config, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match=r"rms_norm_eps='1e-6' must be a finite number > 0"):
+        load_qwen3_next_layer(weights, {**config, "rms_norm_eps": "1e-6"})
     with pytest.raises(ValueError, match=r"state_dict must be a mapping"):
         load_qwen3_next_layer(list(weights.values()), config)
 
@@ -407,3 +409,44 @@ def test_bfloat16_checkpoint_keeps_its_dtype(tmp_path):
     for name, value in expected.items():
         assert read[name].dtype == ml_dtypes.bfloat16, name
         np.testing.assert_array_equal(read[name], value, err_msg=name)
+
+
+def test_unreadable_shards_and_malformed_indexes_are_named(tmp_path):
+    """A truncated shard or another file gave safetensors' own error without the file's
+    name, and a weight_map list an AttributeError."""
+    from safetensors.numpy import save_file
+
+    save_file({"a.x": np.zeros(64, np.float32)}, tmp_path / "whole.safetensors")
+    data = (tmp_path / "whole.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])
+    (tmp_path / "other.safetensors").write_bytes(b"not a safetensors file at all")
+    for name in ("cut", "other"):
+        with pytest.raises(ValueError, match=rf"{name}.safetensors is not a readable safetensors"):
+            read_safetensors(tmp_path / f"{name}.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": ["a.x"]}')
+    with pytest.raises(ValueError, match=r"index.json field weight_map must map tensor names"):
+        read_safetensors(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (dict(num_hidden_layers=4, full_attention_interval=0), "full_attention_interval must"),
+        (dict(num_hidden_layers="4"), "num_hidden_layers must be a positive integer, got '4'"),
+        (
+            dict(layer_types=["linear-attention", "full_attention"]),
+            r"layer_types names unknown kinds \['linear-attention'\]; known: \('linear_attention', 'full_attention'\)",
+        ),
+    ],
+)
+def test_layer_layout_values_are_checked(config, message):
+    with pytest.raises(ValueError, match=f"qwen3_next_layer_prefixes: config {message}"):
+        qwen3_next_layer_prefixes(config)
+
+
+def test_the_dtype_must_be_floating():
+    weights, config = random_qwen_weights()
+    with pytest.raises(ValueError, match=r"load_qwen3_next_layer: dtype=int32 must be a floating"):
+        load_qwen3_next_layer(weights, config, dtype=jnp.int32)
+    with pytest.raises(ValueError, match=r"load_fla_layer: param_dtype=int32 must be a floating"):
+        load_fla_layer({}, hidden_size=32, num_heads=2, head_dim=8, param_dtype=jnp.int32)

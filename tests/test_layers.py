@@ -18,6 +18,7 @@ from gdn_jax.layers import (
     NoWeightDecay,
     SoftmaxAttention,
 )
+from gdn_jax.ops import chunked
 
 RECURRENT = [GatedDeltaNet, DeltaNet, GatedLinearAttention, LinearAttention]
 HIDDEN = 16
@@ -171,7 +172,8 @@ def test_padding_does_not_change_real_tokens(cls):
     layer = make(cls)
     real, pad = 23, 9
     x = inputs(2, 1, real)
-    noise = inputs(3, 2, pad) * 10  # whatever sits in the padding must not matter
+    # Whatever sits in the padding must not matter, NaN and inf included.
+    noise = (inputs(3, 2, pad) * 10).at[:, 1].set(jnp.nan).at[:, -1].set(-jnp.inf)
     padded = jnp.concatenate(
         [jnp.concatenate([noise[:1], x], 1), jnp.concatenate([x, noise[1:]], 1)]
     )
@@ -181,6 +183,19 @@ def test_padding_does_not_change_real_tokens(cls):
     y = nnx.jit(lambda layer, x: layer(x))(layer, x)
     assert_close(y_padded[:1, pad:], y, jnp.float32, "left padding")
     assert_close(y_padded[1:, :real], y, jnp.float32, "right padding")
+
+
+def test_nan_padding_stays_out_of_real_tokens_in_the_hoisted_schedule(monkeypatch):
+    """The layer runs the chunked op's "auto" schedule, "in_scan" on CPU, as the test above;
+    this one forces "hoisted", where every chunk's work runs batched outside the scan."""
+    monkeypatch.setattr(chunked, "resolve_schedule", lambda schedule: "hoisted")
+    layer = make(GatedDeltaNet)
+    # Two rows with the same real tokens after 5 padded ones: NaN in row 0, zeros in row 1.
+    pad = jnp.stack([jnp.full((5, HIDDEN), jnp.nan), jnp.zeros((5, HIDDEN))]).astype(jnp.float32)
+    x = jnp.concatenate([pad, jnp.tile(inputs(2, 1, 20), (2, 1, 1))], 1)
+    mask = jnp.ones((2, 25), jnp.int32).at[:, :5].set(0)
+    y = nnx.jit(lambda layer, x, mask: layer(x, mask=mask))(layer, x, mask)
+    assert_close(y[0, 5:], y[1, 5:], jnp.float32)
 
 
 @pytest.mark.parametrize("cls", RECURRENT + ATTENTION)

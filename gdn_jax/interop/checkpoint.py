@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import no_type_check
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 INDEX = "model.safetensors.index.json"
 
@@ -24,6 +24,12 @@ def _files(fn: str, path: Path, prefix: str) -> tuple[list[Path], set[str]]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise ValueError(f"{fn}: {index} is not a safetensors index ({error})") from None
+        entries = weight_map.items() if isinstance(weight_map, dict) else [(None, None)]
+        if not all(isinstance(name, str) and isinstance(file, str) for name, file in entries):
+            raise ValueError(
+                f"{fn}: {index} field weight_map must map tensor names to shard file names, "
+                f"got {str(weight_map)[:80]}"
+            )
         names = {name for name in weight_map if name.startswith(prefix)}
         return sorted({path / weight_map[name] for name in names}), names
     single = path / "model.safetensors"
@@ -54,10 +60,13 @@ def read_safetensors(path, prefix: str = "") -> dict[str, np.ndarray]:
     for file in files:
         if not file.is_file():
             raise ValueError(f"{fn}: the index names {file.name}, which is not in {path}")
-        with safe_open(file, framework="np") as handle:
-            for name in handle.keys():
-                if name.startswith(prefix) and (not promised or name in promised):
-                    out[name[len(prefix) :]] = handle.get_slice(name)[...]
+        try:
+            with safe_open(file, framework="np") as handle:
+                for name in handle.keys():
+                    if name.startswith(prefix) and (not promised or name in promised):
+                        out[name[len(prefix) :]] = handle.get_slice(name)[...]
+        except SafetensorError as error:  # its message names neither the file nor the tensor
+            raise ValueError(f"{fn}: {file} is not a readable safetensors file ({error})") from None
     lost = sorted(name for name in promised if name[len(prefix) :] not in out)
     if lost:
         raise ValueError(f"{fn}: the index of {path} names tensors its shards lack: {lost[:5]}")

@@ -17,6 +17,7 @@ from flax import nnx
 
 from gdn_jax.interop.tensors import as_numpy_dict, check_tensors
 from gdn_jax.layers.gated_deltanet import GatedDeltaNet
+from gdn_jax.ops import checks
 
 # How one parameter lies in PyTorch, by the last part of its Flax path.
 LINEAR, CONV, SAME = "linear", "conv", "same"
@@ -97,6 +98,7 @@ def load_fla_layer(state_dict, **layer_kwargs) -> GatedDeltaNet:
     tensors = as_numpy_dict(fn, state_dict)
     param_dtype = layer_kwargs.pop("param_dtype", None)
     dtype = layer_kwargs.pop("dtype", None)
+    checks.check_floating_dtype(fn, dtype=dtype, param_dtype=param_dtype)
 
     def build(compute, stored):
         return GatedDeltaNet(**layer_kwargs, dtype=compute, param_dtype=stored, rngs=nnx.Rngs(0))

@@ -29,7 +29,10 @@ from gdn_jax.interop.fla import export_fla_layer, load_fla_layer
 from gdn_jax.interop.tensors import as_numpy_dict, check_tensors
 from gdn_jax.layers.gated_deltanet import GatedDeltaNet
 from gdn_jax.layers.recurrent_mixer import RecurrentCache
+from gdn_jax.ops import checks
 
+# The kinds of layer a Qwen3-Next config's layer_types may name.
+LAYER_KINDS = ("linear_attention", "full_attention")
 CONFIG_KEYS = (
     "hidden_size",
     "linear_num_key_heads",
@@ -39,6 +42,12 @@ CONFIG_KEYS = (
     "linear_conv_kernel_dim",
     "rms_norm_eps",
 )
+
+
+def _check_config_int(fn: str, key: str, value) -> None:
+    """A count in a config: a positive integer, not a bool or a string from JSON."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{fn}: config {key} must be a positive integer, got {value!r}")
 
 
 @no_type_check  # a public entry point: checks.py names its bad arguments
@@ -58,9 +67,8 @@ def qwen3_next_layer_kwargs(config) -> dict:
     if act not in ("silu", "swish"):
         raise ValueError(f"{fn}: config hidden_act={act!r}; the layer's convolution uses silu")
     for key in CONFIG_KEYS[:-1]:
-        value = config[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{fn}: config {key} must be a positive integer, got {value!r}")
+        _check_config_int(fn, key, config[key])
+    checks.check_positive_number(fn, rms_norm_eps=config["rms_norm_eps"])
     key_dim, value_dim = config["linear_key_head_dim"], config["linear_value_head_dim"]
     kwargs = dict(
         hidden_size=config["hidden_size"],
@@ -154,6 +162,7 @@ def load_qwen3_next_layer(state_dict, config, *, dtype=None) -> GatedDeltaNet:
         tensor (named, with both shapes), before anything is built.
     """
     fn = "load_qwen3_next_layer"
+    checks.check_floating_dtype(fn, dtype=dtype)
     kwargs = qwen3_next_layer_kwargs(config)
     tensors = as_numpy_dict(fn, state_dict)
     check_tensors(fn, tensors, _expected_shapes(kwargs))
@@ -265,10 +274,20 @@ def qwen3_next_layer_prefixes(config) -> dict[int, str]:
         if "num_hidden_layers" not in config:
             raise ValueError(f"{fn}: config has neither layer_types nor num_hidden_layers")
         interval = config.get("full_attention_interval", 4)
+        _check_config_int(fn, "num_hidden_layers", config["num_hidden_layers"])
+        _check_config_int(fn, "full_attention_interval", interval)
         types = [
             "linear_attention" if (i + 1) % interval else "full_attention"
             for i in range(config["num_hidden_layers"])
         ]
+    if not isinstance(types, list | tuple):
+        raise ValueError(f"{fn}: config layer_types must be a list of layer kinds, got {types!r}")
+    unknown = [kind for kind in types if kind not in LAYER_KINDS]
+    if unknown:
+        # A typo ("linear-attention") would otherwise drop a layer without a word.
+        raise ValueError(
+            f"{fn}: config layer_types names unknown kinds {unknown[:5]}; known: {LAYER_KINDS}"
+        )
     return {
         i: f"model.layers.{i}.linear_attn."
         for i, kind in enumerate(types)

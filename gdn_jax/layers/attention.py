@@ -9,6 +9,7 @@ from typing import NamedTuple, no_type_check
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
@@ -111,10 +112,12 @@ class SoftmaxAttention(nnx.Module):
         and the convolutions' new history (None without them)."""
         batch, seq_len, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if mask is not None:
+            # Padded tokens are selected away, so they enter the convolution as zeros and their
+            # values meet the softmax's zero weights as zeros: 0 * NaN would be NaN.
+            real = mask.astype(bool)[..., None]
+            q, k, v = (jnp.where(real, z, 0) for z in (q, k, v))
         if self.convs is not None:
-            if mask is not None:  # padded tokens enter the convolution as zeros
-                keep = mask.astype(x.dtype)[..., None]
-                q, k, v = q * keep, k * keep, v * keep
             (q, k, v), conv_history = convolve_qkv(
                 tuple(self.convs), (q, k, v), histories=conv_history, cu_seqlens=cu_seqlens
             )
@@ -179,8 +182,15 @@ class SoftmaxAttention(nnx.Module):
         prompt, with no room to step on. The cache must have room: an overflow is an error
         when its length is known (eager decoding), and ``generate`` sizes it."""
         self._check(x, mask)
-        cache = self.init_cache(x.shape[0], x.shape[1]) if cache is None else cache
         batch, seq_len, _ = x.shape
+        if cache is None:
+            cache = self.init_cache(batch, seq_len)
+        else:
+            # Any number of slots S is the cache's own choice; everything else is the layer's.
+            k_shape = np.shape(getattr(cache, "k", None))
+            slots = k_shape[1] if len(k_shape) == 4 and k_shape[1] >= 1 else 1
+            empty = jax.eval_shape(lambda: self.init_cache(batch, slots))
+            checks.check_cache("SoftmaxAttention", cache, empty)
         max_len = cache.k.shape[1]
         filled = int(cache.length) if checks.is_concrete(cache.length) else 0
         checks.require(

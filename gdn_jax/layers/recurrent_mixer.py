@@ -183,8 +183,9 @@ class RecurrentMixer(nnx.Module):
         Args:
           x: ``[B, T, hidden_size]``.
           mask: optional ``[B, T]`` 0/1 padding mask. Padded tokens neither write to the state
-            nor reach the convolution (they enter it as zeros), so padding at either end of a
-            sequence leaves the other tokens' outputs as they are without it.
+            nor reach the convolution (they enter it as zeros, whatever they hold, NaN and inf
+            included), so padding at either end of a sequence leaves the other tokens'
+            outputs as they are without it.
           cu_seqlens: optional ``[N+1]`` offsets of sequences packed along T (``B == 1``); the
             state and the convolutions restart at each sequence.
         """
@@ -223,10 +224,15 @@ class RecurrentMixer(nnx.Module):
         batch, seq_len, _ = x.shape
         if mask is not None:
             checks.check_mask(name, mask, batch, seq_len)
+        if cache is not None:
+            empty = jax.eval_shape(lambda: self.init_cache(batch))
+            checks.check_cache(name, cache, empty)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if mask is not None:
-            keep = mask.astype(x.dtype)[..., None]
-            q, k, v = q * keep, k * keep, v * keep
+        # Padding is selected away, not multiplied by 0: a NaN or inf there times 0 is NaN,
+        # which the convolution and the state would carry into the real tokens.
+        real = None if mask is None else mask.astype(bool)[..., None]
+        if real is not None:
+            q, k, v = (jnp.where(real, z, 0) for z in (q, k, v))
         # A mesh in context (jax.set_mesh) with a "seq" axis splits T: the convolution takes
         # its halo and the rule its start state from the previous shard.
         seq_mesh = seq_parallel_mesh() if impl == "chunked" and cache is None else None
@@ -255,9 +261,8 @@ class RecurrentMixer(nnx.Module):
             log_alpha = -rate * jax.nn.softplus(self.a_proj(x).astype(jnp.float32) + dt_bias)
         else:
             log_alpha = jnp.zeros(gate_shape, jnp.float32)
-        if mask is not None:
-            keep = mask.astype(jnp.float32)[..., None]
-            beta, log_alpha = beta * keep, log_alpha * keep
+        if real is not None:
+            beta, log_alpha = jnp.where(real, beta, 0), jnp.where(real, log_alpha, 0)
 
         options = dict(chunk_size=self.chunk_size, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
         if seq_mesh is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import no_type_check
 
 import jax
@@ -43,11 +44,12 @@ def generate(model, prompt, *, mask=None, max_new_tokens: int, temperature: floa
 
     Args:
       model: a ``LanguageModel``.
-      prompt: int tokens ``[B, T]``; rows of different lengths are left-padded, with ``mask``
-        ``[B, T]`` set to 0 on the padding.
+      prompt: int tokens ``[B, T]`` in ``[0, vocab_size)``; rows of different lengths are
+        left-padded, with ``mask`` ``[B, T]`` (0 or 1) set to 0 on the padding.
       max_new_tokens: how many tokens to generate (>= 1).
       temperature: 0 for greedy decoding, else sampling from ``softmax(logits / temperature)``.
-      key: PRNG key, needed when sampling.
+      key: PRNG key (``jax.random.key(seed)``, or a raw ``uint32 [2]`` one from
+        ``jax.random.PRNGKey``), needed when sampling.
 
     Returns:
       The generated tokens ``[B, max_new_tokens]`` (int32). One compilation per model
@@ -58,7 +60,8 @@ def generate(model, prompt, *, mask=None, max_new_tokens: int, temperature: floa
         type(max_new_tokens) is int and max_new_tokens >= 1,
         f"max_new_tokens={max_new_tokens!r} must be >= 1 (an integer)",
     )
-    if temperature != 0:
+    greedy = isinstance(temperature, numbers.Real) and temperature == 0
+    if not greedy:
         checks.check_positive_number("generate", temperature=temperature)
     checks.check_arrays("generate", prompt=prompt, mask=mask)
     checks.require(
@@ -72,11 +75,12 @@ def generate(model, prompt, *, mask=None, max_new_tokens: int, temperature: floa
         temperature == 0 or key is not None,
         "sampling (temperature > 0) needs a PRNG key",
     )
-    checks.require(
-        "generate",
-        mask is None or mask.shape == prompt.shape,
-        f"mask.shape={getattr(mask, 'shape', None)} must equal prompt.shape={prompt.shape}",
-    )
+    # Checked here, where they are concrete: inside the jitted decoder nothing could be.
+    if mask is not None:
+        checks.check_mask("generate", mask, *prompt.shape)
+    checks.check_token_ids("generate", "prompt", prompt, model.config.vocab_size, mask)
+    if key is not None:
+        checks.check_key("generate", key)
     key = jax.random.key(0) if key is None else key
     mask = jnp.ones(prompt.shape, jnp.int32) if mask is None else mask
     graphdef, state = nnx.split(model)

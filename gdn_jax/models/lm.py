@@ -112,6 +112,10 @@ def check_buildable(config: ModelConfig) -> ModelConfig:
 class LanguageModel(nnx.Module):
     """Token embedding, ``len(config.mixers)`` blocks, final RMSNorm, LM head.
 
+    Token ids must lie in ``[0, vocab_size)`` (padding, where a mask is 0, excepted): eager
+    calls check them; under ``jit``, where they are traced, an id outside is clipped to
+    ``0`` or ``vocab_size - 1``, never NaN and never wrapped around.
+
     ``__call__`` maps tokens ``[B, T]`` to logits ``[B, T, vocab]``; ``hidden`` and ``logits``
     split that in two so a loss can apply the head only where there are labels. Decoding:
     ``init_cache``, ``prefill`` a (left-padded) prompt, then ``step`` one token at a time.
@@ -150,19 +154,25 @@ class LanguageModel(nnx.Module):
         )
         self.lm_head = head
 
-    def _embed(self, tokens):
-        checks.check_arrays("LanguageModel", tokens=tokens)
+    def _embed(self, tokens, mask=None):
+        name, vocab_size = "LanguageModel", self.config.vocab_size
+        checks.check_arrays(name, tokens=tokens)
         checks.require(
-            "LanguageModel",
+            name,
             tokens.ndim == 2 and tokens.shape[1] >= 1 and jnp.issubdtype(tokens.dtype, jnp.integer),
             f"tokens must be integer ids [B, T] with T >= 1, got shape {tokens.shape} and dtype "
             f"{tokens.dtype}",
         )
-        return self.embed(tokens)
+        if mask is not None:
+            checks.check_mask(name, mask, *tokens.shape)
+        checks.check_token_ids(name, "tokens", tokens, vocab_size, mask)
+        # Traced ids go unchecked: clipped, an id outside the vocabulary reads the nearest row,
+        # where the lookup would give NaN above it and wrap negative ids around.
+        return self.embed(jnp.clip(tokens, 0, vocab_size - 1))
 
     def hidden(self, tokens, *, mask=None, cu_seqlens=None):
         """Final normalised hidden states ``[B, T, D]``."""
-        x = self._embed(tokens)
+        x = self._embed(tokens, mask)
         for block in self.blocks:
             x = block(x, mask=mask, cu_seqlens=cu_seqlens)
         return self.norm(x)
@@ -178,9 +188,18 @@ class LanguageModel(nnx.Module):
         """Per-layer caches; ``max_len`` bounds prompt plus generated tokens (attention only)."""
         return tuple(block.mixer.init_cache(batch_size, max_len) for block in self.blocks)
 
+    def _check_cache(self, cache):
+        checks.require(
+            "LanguageModel",
+            isinstance(cache, tuple) and len(cache) == len(self.blocks),
+            f"cache must be a tuple of {len(self.blocks)} layer caches (from init_cache), got "
+            f"{type(cache).__name__} of length {len(cache) if isinstance(cache, tuple) else '-'}",
+        )
+
     def prefill(self, tokens, cache, *, mask=None):
         """Run a prompt ``[B, T]`` (left-padded with ``mask``): ``(logits, cache)``."""
-        x, new_cache = self._embed(tokens), []
+        self._check_cache(cache)
+        x, new_cache = self._embed(tokens, mask), []
         for block, layer_cache in zip(self.blocks, cache, strict=True):
             x, layer_cache = block.prefill(x, layer_cache, mask=mask)
             new_cache.append(layer_cache)
@@ -188,6 +207,7 @@ class LanguageModel(nnx.Module):
 
     def step(self, tokens, cache):
         """One token per row ``[B, 1]``: ``(logits [B, 1, vocab], cache)``."""
+        self._check_cache(cache)
         x, new_cache = self._embed(tokens), []
         for block, layer_cache in zip(self.blocks, cache, strict=True):
             x, layer_cache = block.step(x, layer_cache)

@@ -30,11 +30,36 @@ def require(fn: str, condition: bool, message: str) -> None:
         raise ValueError(f"{fn}: {message}")
 
 
+def is_python_number(x) -> bool:
+    """A Python ``int`` or ``float`` (not a bool): weakly typed, it takes the dtype of the
+    arrays it meets, so it counts as floating wherever a scalar is taken."""
+    return type(x) in (int, float)
+
+
 def check_floating(fn: str, **arrays) -> None:
-    """Every named array must have a floating dtype (None entries are skipped)."""
+    """Every named array must have a floating dtype (None entries and Python numbers, see
+    ``is_python_number``, are skipped)."""
     for name, x in arrays.items():
-        if x is not None and not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
-            raise ValueError(f"{fn}: {name} must be a floating array, got dtype {x.dtype}")
+        if x is None or is_python_number(x):
+            continue
+        dtype = jnp.asarray(x).dtype
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"{fn}: {name} must be a floating array, got dtype {dtype}")
+
+
+def check_floating_dtype(fn: str, **dtypes) -> None:
+    """Each named dtype (None entries skipped) is a floating one: parameters and activations
+    cast to an integer dtype would be truncated, or fail inside Flax."""
+    for name, dtype in dtypes.items():
+        if dtype is None:
+            continue
+        try:
+            floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+        except TypeError:
+            floating = False
+        if not floating:
+            shown = dtype.__name__ if isinstance(dtype, type) else repr(dtype)
+            raise ValueError(f"{fn}: {name}={shown} must be a floating dtype")
 
 
 def check_same_dtype(fn: str, **arrays) -> None:
@@ -48,6 +73,13 @@ def check_same_dtype(fn: str, **arrays) -> None:
 def check_rank(fn: str, name: str, x, rank: int, layout: str) -> None:
     if jnp.ndim(x) != rank:
         raise ValueError(f"{fn}: {name} must be {layout} (rank {rank}), got shape {jnp.shape(x)}")
+
+
+def check_features(fn: str, name: str, x, dim: str, layout: str) -> None:
+    """The last axis of ``x`` (``dim``: K or V) holds at least one feature: an empty one
+    would make the default scale ``K ** -0.5`` a division by zero."""
+    if jnp.shape(x)[-1] < 1:
+        raise ValueError(f"{fn}: {name} must be {layout} with {dim} >= 1, got shape {x.shape}")
 
 
 def check_shape(fn: str, name: str, x, expected: tuple, layout: str) -> None:
@@ -77,8 +109,17 @@ def check_positive_int(fn: str, **values) -> None:
 
 
 def check_positive_number(fn: str, **values) -> None:
-    """Each named value is a finite real number > 0 (not a bool, a string or an array)."""
+    """Each named value is a finite real number > 0 (not a bool, a string or an array).
+
+    An array, even a 0-d one, is refused as such: under ``jit`` it is a tracer that could be
+    neither checked nor used as the static option these values are. (NumPy scalars such as
+    ``np.float32(0.5)`` are numbers.)"""
     for name, value in values.items():
+        if hasattr(value, "shape") and not isinstance(value, numbers.Real):
+            raise ValueError(
+                f"{fn}: {name} must be a Python number, got an array of shape {value.shape}; "
+                f"pass float({name}) outside jit"
+            )
         real = isinstance(value, numbers.Real) and not isinstance(value, bool)
         if not real or not math.isfinite(value) or value <= 0:
             raise ValueError(f"{fn}: {name}={value!r} must be a finite number > 0")
@@ -105,6 +146,36 @@ def check_mask(fn: str, mask, batch: int, seq_len: int) -> None:
             raise ValueError(f"{fn}: mask must hold only 0 and 1, got values {values.tolist()[:8]}")
 
 
+def check_token_ids(fn: str, name: str, tokens, vocab_size: int, mask=None) -> None:
+    """Token ids ``name`` lie in ``[0, vocab_size)``, checked when ``tokens`` (and ``mask``) are
+    concrete; where ``mask`` is 0 an id is padding and may be anything. Traced ids cannot be
+    checked: the model clips them instead (``LanguageModel``)."""
+    if not (is_concrete(tokens) and is_concrete(mask)):
+        return
+    ids = np.asarray(tokens)
+    if mask is not None:
+        ids = ids[np.asarray(mask).astype(bool)]
+    outside = np.unique(ids[(ids < 0) | (ids >= vocab_size)])
+    if outside.size:
+        raise ValueError(
+            f"{fn}: {name} must be ids in [0, vocab_size={vocab_size}), got {outside.tolist()[:8]}"
+        )
+
+
+def check_key(fn: str, key) -> None:
+    """One PRNG key: a typed one (``jax.random.key``, shape ``()``) or a legacy raw
+    ``uint32 [2]`` (``jax.random.PRNGKey``); an int seed is not a key."""
+    dtype = getattr(key, "dtype", None)
+    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    typed = typed and np.shape(key) == ()
+    raw = dtype == jnp.uint32 and np.shape(key) == (2,)
+    if not (typed or raw):
+        described = (
+            repr(key) if dtype is None else f"an array of shape {np.shape(key)} and dtype {dtype}"
+        )
+        raise ValueError(f"{fn}: key must be a PRNG key from jax.random.key(seed), got {described}")
+
+
 def check_hidden(fn: str, x, hidden_size: int) -> None:
     """A layer input ``[B, T, hidden_size]`` with at least one token."""
     check_arrays(fn, x=x)
@@ -113,6 +184,33 @@ def check_hidden(fn: str, x, hidden_size: int) -> None:
             f"{fn}: x must have shape [B, T, hidden_size] with hidden_size={hidden_size} and "
             f"T >= 1, got {x.shape}"
         )
+
+
+def _shapes(x):
+    """The shape of an array, nested like ``x`` for tuples, None for None."""
+    if x is None:
+        return None
+    if isinstance(x, tuple | list):
+        return tuple(_shapes(item) for item in x)
+    return tuple(np.shape(x))
+
+
+def check_cache(fn: str, cache, expected) -> None:
+    """A decoding ``cache`` has the type and, field by field, the shapes of ``expected``, the
+    layer's own empty cache for this batch (its ``init_cache`` under ``jax.eval_shape``). A
+    cache of another layer, batch size, head count or head dim, or with or without
+    convolution histories where the layer differs, is refused naming the field."""
+    if type(cache) is not type(expected):
+        raise ValueError(
+            f"{fn}: cache must be a {type(expected).__name__} (from init_cache), "
+            f"got {type(cache).__name__}"
+        )
+    for name in expected._fields:
+        want, got = _shapes(getattr(expected, name)), _shapes(getattr(cache, name))
+        if got != want:
+            raise ValueError(
+                f"{fn}: cache.{name} must have shape {want} for this layer and batch, got {got}"
+            )
 
 
 def check_chunk_size(fn: str, chunk_size) -> None:
@@ -138,6 +236,8 @@ def check_single_head(fn: str, q, k, v, log_alpha, beta, initial_state) -> None:
     check_rank(fn, "q", q, 2, "[T, K]")
     check_rank(fn, "k", k, 2, "[T, K]")
     check_rank(fn, "v", v, 2, "[T, V]")
+    check_features(fn, "q", q, "K", "[T, K]")
+    check_features(fn, "v", v, "V", "[T, V]")
     seq_len, key_dim = q.shape
     value_dim = v.shape[1]
     check_shape(fn, "k", k, (seq_len, key_dim), "[T, K] like q")
@@ -181,6 +281,8 @@ def check_batched(fn: str, q, k, v, log_alpha, beta, initial_state, cu_seqlens) 
     check_same_dtype(fn, q=q, k=k, v=v)
     check_rank(fn, "q", q, 4, "[B, T, H, K]")
     check_rank(fn, "v", v, 4, "[B, T, HV, V]")
+    check_features(fn, "q", q, "K", "[B, T, H, K]")
+    check_features(fn, "v", v, "V", "[B, T, HV, V]")
     batch, seq_len, heads, key_dim = q.shape
     v_heads, value_dim = v.shape[2], v.shape[3]
     check_shape(fn, "k", k, q.shape, "[B, T, H, K] like q")

@@ -25,6 +25,16 @@ Stages 1 and 3 and the gradients run either hoisted out of the scan and batched 
 chunks (``"hoisted"``: only state-sized products inside the loop, the shape GPUs and TPUs
 need) or inside the scan, one chunk per step (``"in_scan"``: faster on CPU, where a chunk's
 intermediates then stay in cache). Both compose the same per-chunk functions.
+
+A NaN or inf goes further back than in the recurrent form, to the start of its chunk. A NaN
+in k, v, log_alpha or beta at token t reaches the recurrent outputs from t on, but the
+chunked ones from the start of t's chunk on: the in-chunk products are dense matmuls (the
+segment sums, ``T [k | v]``, ``(Q K^T * Gamma) U``) in which the exact zeros of the causal
+structure multiply it, and 0 * NaN = NaN. Selecting with ``where`` before the products does
+not help, since the zeros meet the NaN inside the matmul; only per-row masked products,
+``C`` times the work, would. A NaN in q reaches ``y_t`` alone in both forms; outputs before
+t's chunk and the other sequences of a packed batch are never touched
+(``tests/test_edges.py`` checks this extent).
 """
 
 from __future__ import annotations
@@ -342,7 +352,8 @@ def gated_delta_rule_chunked(
 
     Returns:
       ``(y [T, V], final_state [V, K])``: ``y`` in the input dtype, the state in float32
-      (float64 for float64 input).
+      (float64 for float64 input). A NaN in k, v or a gate at token t makes ``y`` NaN from
+      the start of t's chunk on, not from t as in the recurrent form (module docstring).
     """
     fn = "gated_delta_rule_chunked"
     checks.check_single_head(fn, q, k, v, log_alpha, beta, initial_state)

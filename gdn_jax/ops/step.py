@@ -16,8 +16,9 @@ def default_scale(key_dim: int) -> float:
 
 
 def compute_dtype(*arrays) -> jnp.dtype:
-    """float32, or float64 when any input is float64: the state never drops below float32."""
-    if any(x is not None and jnp.asarray(x).dtype == jnp.float64 for x in arrays):
+    """float32, or float64 when any input array is float64: the state never drops below
+    float32. Python numbers (scalar gates) are weakly typed and do not decide it."""
+    if any(getattr(x, "dtype", None) == jnp.float64 for x in arrays):
         return jnp.dtype(jnp.float64)
     return jnp.dtype(jnp.float32)
 
@@ -91,9 +92,10 @@ def gated_delta_step(
         transpose, ``[K, V]``).
       q, k: query and key ``[K]``.
       v: value ``[V]``; q, k and v share one dtype.
-      log_alpha: scalar decay gate in log space, ``<= 0``.
+      log_alpha: scalar decay gate in log space, ``<= 0``: a 0-d floating array or a Python
+        number.
       beta: scalar writing strength, already activated (in ``[0, 1]``, up to 2 with negative
-        eigenvalues).
+        eigenvalues), as an array or a Python number like ``log_alpha``.
       scale: query scale; ``None`` means ``K ** -0.5``.
 
     Returns:
@@ -107,6 +109,8 @@ def gated_delta_step(
     checks.check_same_dtype(fn, q=q, k=k, v=v)
     checks.check_rank(fn, "q", q, 1, "[K]")
     checks.check_rank(fn, "v", v, 1, "[V]")
+    checks.check_features(fn, "q", q, "K", "[K]")
+    checks.check_features(fn, "v", v, "V", "[V]")
     (key_dim,), (value_dim,) = q.shape, v.shape
     checks.check_shape(fn, "k", k, (key_dim,), "[K] like q")
     checks.check_shape(fn, "state", state, (value_dim, key_dim), "[V, K]")
