@@ -2,9 +2,11 @@
 compiles as little and as cheaply as it can.
 
 Compiling is most of this suite's time (the arrays are tiny), so:
-- XLA:CPU's LLVM backend runs at optimisation level 0. That cuts compile time by about a
-  third and changes nothing but instruction selection; every numeric test keeps its tolerance,
-  and the structural tests read the optimised HLO, which the backend level does not touch.
+- XLA:CPU compiles for speed of compiling: LLVM at optimisation level 0 and the classic
+  elemental emitters instead of the MLIR fusion emitters. Together they compile this suite's
+  programs 3.6x faster (25.6 -> 7.1 s of CPU for a set of op, gradient and model programs).
+  Both change only the machine code made from the optimised HLO: every numeric test keeps
+  its tolerance, and the structural tests read that HLO, which neither flag touches.
 - One temporary directory per test run, made by the first process and shared by every
   xdist worker and subprocess of the run (never the user's home), holds a persistent
   compilation cache (a hit loads the identical executable: the cache is keyed by the
@@ -21,9 +23,13 @@ import os
 import shutil
 import tempfile
 
-_FLAGS = os.environ.get("XLA_FLAGS", "")
-if "xla_backend_optimization_level" not in _FLAGS:
-    os.environ["XLA_FLAGS"] = f"{_FLAGS} --xla_backend_optimization_level=0".strip()
+# Flags that only make XLA:CPU compile faster; a value the caller gave is kept.
+COMPILE_FAST = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false"}
+_given = os.environ.get("XLA_FLAGS", "").split()
+_names = {flag.lstrip("-").split("=")[0] for flag in _given}
+os.environ["XLA_FLAGS"] = " ".join(
+    _given + [f"--{name}={value}" for name, value in COMPILE_FAST.items() if name not in _names]
+)
 _MADE_ROOT = "GDN_TEST_RUN_ROOT" not in os.environ
 if _MADE_ROOT:
     os.environ["GDN_TEST_RUN_ROOT"] = tempfile.mkdtemp(prefix="gdn_jax-tests-")
