@@ -234,3 +234,20 @@ def test_a_failed_save_stops_at_once_and_keeps_the_earlier_checkpoints(
     assert "No space left on device" in message and "step 4 is the latest kept" in message
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["4"]
     assert max(r["step"] for r in logged(tmp_path / "run")) == 8
+
+
+def test_a_config_path_must_exist_and_its_keys_be_unique(tmp_path):
+    from gdn_jax.training.cli import CONFIG_DIR, resolve_config
+    from gdn_jax.training.config import load_config
+
+    with pytest.raises(ValueError, match=r"^--config /nonexistent/mqar_linear.yaml: no such file$"):
+        resolve_config("/nonexistent/mqar_linear.yaml")
+    assert resolve_config("mqar_gdn.yaml") == CONFIG_DIR / "mqar_gdn.yaml"
+    config = tmp_path / "twice.yaml"
+    config.write_text("model:\n  d_model: 64\n  d_model: 32\n")
+    with pytest.raises(
+        ValueError, match=r"twice.yaml: .* line 3, column 3: duplicate key 'd_model'"
+    ):
+        load_config(config)
+    with pytest.raises(ValueError, match=r"duplicate key 'd_model'"):
+        load_config(None, ["model={d_model: 64, d_model: 32}"])

@@ -19,12 +19,15 @@ DEFAULT_CONFIG = "mqar_gdn.yaml"
 
 
 def resolve_config(name: str) -> Path:
-    """``name`` as given when that file exists, else the packaged config of that file name
-    (so ``configs/mqar_gdn.yaml`` and ``mqar_gdn.yaml`` work from any directory)."""
+    """``name`` as given when that file exists; a bare file name (``mqar_gdn.yaml``) that is
+    not in the working directory names a packaged config, so it works from any directory.
+    A path with a directory in it must exist: falling back would train some other file."""
     path = Path(name)
     if path.is_file():
         return path
-    packaged = CONFIG_DIR / path.name
+    if path.name != name:
+        raise ValueError(f"--config {name}: no such file")
+    packaged = CONFIG_DIR / name
     if packaged.is_file():
         return packaged
     known = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.yaml")))
