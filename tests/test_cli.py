@@ -1,8 +1,10 @@
 """The training command as a user meets it: nothing a user made is lost or mixed.
 
-Each test drives the command in a subprocess with a tiny config and checks the exit status,
-the one-line message (never a traceback) and the files left behind. Refusals happen before
-anything compiles, so most of these runs cost an interpreter start and a JAX import.
+Each test drives the command with a tiny config and checks the exit status, the one-line
+message (never a traceback) and the files left behind. Refusals happen before anything
+compiles, so they run the command in this process (``main_in_process``) on fake run
+directories (``fake_run``); a subprocess is kept for what needs a fresh interpreter: a real
+signal, a device count, the script's own name.
 """
 
 import fcntl
@@ -22,10 +24,29 @@ def one_line_error(result, pattern, status=2):
     """The command failed with ``status`` and exactly one line on stderr matching ``pattern``."""
     assert result.returncode == status, result.stderr
     assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
+    only_error_line(result.stderr, pattern)
+
+
+def only_error_line(stderr, pattern):
+    lines = stderr.strip().splitlines()
     assert len(lines) == 1, lines
     assert lines[0].startswith("train.py: error: "), lines[0]
     assert re.search(pattern, lines[0]), lines[0]
+
+
+def main_in_process(argv, monkeypatch, capsys):
+    """``cli.main(argv)`` in this process, which skips an interpreter start and a JAX import:
+    the exit status and what it wrote to stdout and stderr."""
+    import jax
+
+    from gdn_jax.training import cli
+
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main appends to it
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes float and int32 in Adam
+        status = cli.main(argv)
+    out, err = capsys.readouterr()
+    return status, out, err
 
 
 def snapshot(directory):
@@ -126,7 +147,10 @@ def test_resume_refuses_a_different_setup_with_a_one_line_diff(tmp_path, subproc
 
 
 def test_resume_with_nothing_to_resume_and_of_a_finished_run(tmp_path, subprocess_env):
-    one_line_error(train(subprocess_env, tmp_path / "none", "--resume"), r"no checkpoint to resume")
+    one_line_error(
+        train(subprocess_env, tmp_path / "none", "--resume"),
+        r"nothing to resume in \S+ \(it holds no run\); start it afresh",
+    )
     assert not (tmp_path / "none").exists()
     summary = dict(final_step=12, eval_accuracy=0.5, eval_loss=1.0, reason="steps")
     before = fake_run(tmp_path / "done", steps=(8, 12), summary=summary)
@@ -212,10 +236,7 @@ def test_sigterm_saves_and_exits_143(tmp_path, subprocess_env):
 def test_a_failed_save_stops_at_once_and_keeps_the_earlier_checkpoints(
     tmp_path, monkeypatch, capsys
 ):
-    import jax
     import orbax.checkpoint as ocp
-
-    from gdn_jax.training import cli
 
     save = ocp.CheckpointManager.save
 
@@ -225,12 +246,198 @@ def test_a_failed_save_stops_at_once_and_keeps_the_earlier_checkpoints(
         return save(self, step, *args, **kwargs)
 
     monkeypatch.setattr(ocp.CheckpointManager, "save", disk_full_at_8)
-    monkeypatch.setattr(sys, "argv", ["train.py"])
-    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main appends to it
-    with jax.numpy_dtype_promotion("standard"):  # optax mixes float and int32 in Adam
-        status = cli.main(command_args(tmp_path / "run"))
-    (message,) = capsys.readouterr().err.strip().splitlines()
+    status, _, err = main_in_process(command_args(tmp_path / "run"), monkeypatch, capsys)
+    (message,) = err.strip().splitlines()
     assert status == 1 and message.startswith("train.py: error: could not save checkpoint step 8")
     assert "No space left on device" in message and "step 4 is the latest kept" in message
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["4"]
     assert max(r["step"] for r in logged(tmp_path / "run")) == 8
+
+
+@pytest.mark.parametrize(
+    ("name", "damage", "pattern"),
+    [
+        ("config.yaml", None, r"config.yaml cannot be read: it is missing, so --resume cannot"),
+        ("config.yaml", "", r"config.yaml cannot be read: it is empty, so --resume cannot"),
+        ("config.yaml", "model: [gdn\n", r"config.yaml cannot be read: malformed YAML at line 2"),
+        ("config.yaml", "- model\n", r"config.yaml cannot be read: it is not a mapping"),
+        ("metrics.jsonl", '{"kind"\n{"kind": "train", "step": 1}\n', r"metrics.jsonl cannot be "
+         r"read: line 1 is not JSON"),
+        ("summary.json", '{"final_step": 1', r"summary.json cannot be read: not JSON"),
+        ("checkpoints", "not a directory", r"checkpoints cannot be read: Not a directory"),
+    ],
+)  # fmt: skip
+def test_resume_refuses_an_unreadable_run_file_in_one_line_and_touches_nothing(
+    tmp_path, monkeypatch, capsys, name, damage, pattern
+):
+    out = tmp_path / "run"
+    fake_run(out)
+    path = out / name
+    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    if damage is not None:
+        path.write_text(damage)
+    before = snapshot(out)
+    # The run was made with 4 pairs: without its config.yaml it must not become an 8-pair run.
+    changed = ["data.num_kv_pairs=8"] if name == "config.yaml" else []
+    argv = command_args(out, "--resume", sets=changed)
+    status, _, err = main_in_process(argv, monkeypatch, capsys)
+    assert status == 2
+    only_error_line(err, pattern)
+    assert snapshot(out) == before
+
+
+def resumable_copy(finished_run, out_dir):
+    """A copy of the finished run as a SIGKILL after its last checkpoint leaves it."""
+    shutil.copytree(finished_run, out_dir)
+    (out_dir / "summary.json").unlink()
+    return out_dir
+
+
+def test_a_checkpoint_of_another_model_is_a_config_mismatch_not_damage(
+    tmp_path, monkeypatch, capsys, finished_run
+):
+    out = resumable_copy(finished_run, tmp_path / "run")
+    config = out / "config.yaml"
+    config.write_text(config.read_text().replace("d_model: 16", "d_model: 32"))
+    before = snapshot(out)
+    argv = command_args(out, "--resume", sets=["model.d_model=32"])
+    status, _, err = main_in_process(argv, monkeypatch, capsys)
+    assert status == 2
+    only_error_line(
+        err, r"checkpoint step 12 .* is of another model than the config: params \S+ is "
+        r"\(16, \d+\) there and \(32, \d+\) here",
+    )  # fmt: skip
+    assert snapshot(out) == before and not (out / "broken_checkpoints").exists()
+
+
+def test_resume_refuses_train_steps_below_the_newest_checkpoint(tmp_path, monkeypatch, capsys):
+    before = fake_run(tmp_path / "run", steps=(4, 8))  # stopped at step 8, no summary
+    argv = command_args(tmp_path / "run", "--resume", sets=["train.steps=7"])
+    status, _, err = main_in_process(argv, monkeypatch, capsys)
+    assert status == 2
+    only_error_line(err, r"train.steps=7 is below step 8 of the newest checkpoint")
+    assert snapshot(tmp_path / "run") == before
+
+
+def test_a_run_killed_after_its_last_checkpoint_resumes_to_its_summary_past_a_torn_line(
+    tmp_path, monkeypatch, capsys, finished_run
+):
+    out = resumable_copy(finished_run, tmp_path / "run")
+    with (out / "metrics.jsonl").open("a") as log:
+        log.write('{"kind": "train", "st')  # the crash hit mid-write
+    status, _, err = main_in_process(command_args(out, "--resume"), monkeypatch, capsys)
+    assert status == 0, err
+    (warning,) = err.strip().splitlines()
+    assert warning.startswith("warning: dropping the torn last line of ") and "step 12" in warning
+    assert logged(out) == logged(finished_run)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_accuracy"] == logged(finished_run)[-1]["accuracy"]
+
+
+def test_a_run_that_died_before_its_first_checkpoint_is_replaced_by_a_fresh_start(
+    tmp_path, monkeypatch, capsys
+):
+    import jax
+
+    from gdn_jax.training import loop
+
+    out = tmp_path / "run"
+    fake_run(out, steps=())
+    (out / "metrics.jsonl").write_text("")  # it died compiling its first step
+    before = snapshot(out)
+    status, _, err = main_in_process(command_args(out, "--resume"), monkeypatch, capsys)
+    assert status == 2 and snapshot(out) == before
+    only_error_line(
+        err, r"nothing to resume in \S+ \(its run died before its first checkpoint\); start it "
+        r"afresh with: python train.py --set (?!.*--resume).*train.out_dir=\S+/run$",
+    )  # fmt: skip
+
+    def too_big(*args, **kwargs):  # stop the fresh start just after it took the directory
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4e12 B")
+
+    monkeypatch.setattr(loop, "LanguageModel", too_big)
+    status, _, err = main_in_process(command_args(out), monkeypatch, capsys)
+    replaced, error = err.strip().splitlines()
+    assert replaced.startswith("replacing the run in ") and "config.yaml, metrics.jsonl" in replaced
+    assert status == 1 and error.startswith("train.py: error: out of memory (RESOURCE_EXHAUSTED")
+    assert "model.d_model=16" in error and "shrink model.d_model" in error
+
+
+def test_a_run_with_logged_steps_but_no_checkpoint_names_the_one_way_out(
+    tmp_path, monkeypatch, capsys
+):
+    out = tmp_path / "run"
+    before = fake_run(out, steps=())  # a NaN at step 2: step 1 is logged, nothing saved
+    status, _, err = main_in_process(command_args(out), monkeypatch, capsys)
+    assert status == 2
+    only_error_line(err, r"holds an earlier run \(config.yaml, metrics.jsonl\); it has no "
+                         r"checkpoint; delete it with --overwrite$")  # fmt: skip
+    status, _, err = main_in_process(command_args(out, "--resume"), monkeypatch, capsys)
+    assert status == 2
+    only_error_line(
+        err, r"nothing to resume .* start it afresh with: python train.py .*--overwrite$"
+    )
+    assert snapshot(out) == before
+
+
+def test_out_of_memory_is_one_line_and_the_directory_stays_usable(tmp_path, monkeypatch, capsys):
+    from gdn_jax.training import loop
+
+    def held_out_too_big(config, *, num_examples, seed):
+        raise MemoryError
+
+    monkeypatch.setattr(loop, "make_mqar", held_out_too_big)
+    status, _, err = main_in_process(command_args(tmp_path / "run"), monkeypatch, capsys)
+    assert status == 1
+    only_error_line(err, r"out of memory \(MemoryError\) with .*train.eval_examples=16; shrink ")
+    argv = command_args(tmp_path / "run", "--resume")
+    status, _, err = main_in_process(argv, monkeypatch, capsys)
+    only_error_line(err, r"its run died before its first checkpoint\); start it afresh with")
+
+
+def test_a_plot_that_fails_in_the_finally_block_does_not_hide_the_error(
+    tmp_path, monkeypatch, capsys
+):
+    import matplotlib.figure
+    import orbax.checkpoint as ocp
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    def partial_then_disk_full(self, path, *args, **kwargs):
+        open(path, "wb").close()
+        disk_full()
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", disk_full)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", partial_then_disk_full)
+    out = tmp_path / "run"
+    status, _, err = main_in_process(command_args(out), monkeypatch, capsys)
+    warning, error = err.strip().splitlines()
+    assert warning.startswith("warning: could not plot ") and "No space left" in warning
+    assert status == 1 and error.startswith("train.py: error: could not save checkpoint step 4")
+    assert sorted(os.listdir(out)) == ["checkpoints", "config.yaml", "metrics.jsonl"]
+
+
+def test_a_config_path_must_exist_and_its_keys_be_unique(tmp_path):
+    from gdn_jax.training.cli import CONFIG_DIR, resolve_config
+    from gdn_jax.training.config import load_config
+
+    with pytest.raises(ValueError, match=r"^--config /nonexistent/mqar_linear.yaml: no such file$"):
+        resolve_config("/nonexistent/mqar_linear.yaml")
+    assert resolve_config("mqar_gdn.yaml") == CONFIG_DIR / "mqar_gdn.yaml"
+    config = tmp_path / "twice.yaml"
+    config.write_text("model:\n  d_model: 64\n  d_model: 32\n")
+    with pytest.raises(
+        ValueError, match=r"twice.yaml: .* line 3, column 3: duplicate key 'd_model'"
+    ):
+        load_config(config)
+    with pytest.raises(ValueError, match=r"duplicate key 'd_model'"):
+        load_config(None, ["model={d_model: 64, d_model: 32}"])
+
+
+def test_a_dangling_link_as_out_dir_is_one_line(tmp_path):
+    from gdn_jax.training.run_dir import RunError, check_writable
+
+    (tmp_path / "run").symlink_to(tmp_path / "gone")
+    with pytest.raises(RunError, match=r"run is a link to \S+/gone, which does not exist"):
+        check_writable(tmp_path / "run")

@@ -1,8 +1,9 @@
 """The training command: ``python train.py``, ``gdn-train`` or ``python -m gdn_jax.training.cli``.
 
 Argument parsing and everything the user reads: every user error is one line,
-``<prog>: error: ...``, with exit status 2 and no traceback; an interrupted run says how to
-resume it and exits 130 (SIGINT) or 143 (SIGTERM).
+``<prog>: error: ...``, with exit status 2 and no traceback, and so is a run that fails (a
+NaN loss, a failed save, out of memory, a filesystem error), with exit status 1; an
+interrupted run says how to resume it and exits 130 (SIGINT) or 143 (SIGTERM).
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ DEFAULT_CONFIG = "mqar_gdn.yaml"
 
 
 def resolve_config(name: str) -> Path:
-    """``name`` as given when that file exists, else the packaged config of that file name
-    (so ``configs/mqar_gdn.yaml`` and ``mqar_gdn.yaml`` work from any directory)."""
+    """``name`` as given when that file exists; a bare file name (``mqar_gdn.yaml``) that is
+    not in the working directory names a packaged config, so it works from any directory.
+    A path with a directory in it must exist: falling back would train some other file."""
     path = Path(name)
     if path.is_file():
         return path
-    packaged = CONFIG_DIR / path.name
+    if path.name != name:
+        raise ValueError(f"--config {name}: no such file")
+    packaged = CONFIG_DIR / name
     if packaged.is_file():
         return packaged
     known = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.yaml")))
@@ -84,9 +88,19 @@ def _main(argv) -> int:
     import jax
 
     from gdn_jax.training.config import load_config
-    from gdn_jax.training.loop import Interrupted, NonFiniteLossError, SaveError, run
+    from gdn_jax.training.loop import (
+        Interrupted,
+        NonFiniteLossError,
+        OutOfMemory,
+        SaveError,
+        run,
+    )
     from gdn_jax.training.mesh import initialize_distributed
-    from gdn_jax.training.run_dir import RunError
+    from gdn_jax.training.run_dir import NothingToResume, RunError
+
+    def command(args) -> str:
+        start = ["python", "train.py"] if parser.prog == "train.py" else [parser.prog]
+        return shlex.join(start + args)
 
     initialize_distributed()  # before anything touches a device, the config check included
     try:
@@ -102,15 +116,17 @@ def _main(argv) -> int:
     )
     try:
         summary = run(config, resume=args.resume, overwrite=args.overwrite)
+    except NothingToResume as error:
+        fresh = [a for a in argv if a != "--resume"] + (["--overwrite"] if error.overwrite else [])
+        return fail(f"{error}; start it afresh with: {command(fresh)}")
     except RunError as error:
         return fail(error)
-    except (NonFiniteLossError, SaveError) as error:
+    except (NonFiniteLossError, SaveError, OutOfMemory, OSError) as error:
         return fail(error, status=1)
     except Interrupted as error:
         again = [a for a in argv if a != "--overwrite"] + ([] if args.resume else ["--resume"])
-        start = ["python", "train.py"] if parser.prog == "train.py" else [parser.prog]
         print(
-            f"{parser.prog}: stopped by {error}; continue with: {shlex.join(start + again)}",
+            f"{parser.prog}: stopped by {error}; continue with: {command(again)}",
             file=sys.stderr,
         )
         return 128 + error.signum

@@ -11,7 +11,7 @@ import inspect
 import math
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 
 import yaml
@@ -181,21 +181,42 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     parsed as YAML: ``64``, ``3e-3``, ``[gdn, attention]``, ``null``), check everything."""
     data = {}
     if path is not None:
-        data = _parse_yaml(Path(path).read_text(), str(path)) or {}
+        data = parse_yaml(Path(path).read_text(), str(path)) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: the top level must be a mapping of model/data/train")
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--set {item!r} must look like section.field=value")
-        _set(data, key.strip(), _parse_yaml(raw, f"--set {item!r}"))
+        _set(data, key.strip(), parse_yaml(raw, f"--set {item!r}"))
     return from_dict(Config, data).validate()
 
 
-def _parse_yaml(text: str, where: str):
-    """``yaml.safe_load``, with a malformed document reported on one line with its place."""
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a repeated key in a mapping: PyYAML keeps the last
+    value, so ``d_model: 64`` twice would silently mean the second."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # "<<: *base" may be overridden by the keys written next to it
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # the base class refuses it with its own message
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def parse_yaml(text: str, where: str):
+    """``yaml.safe_load`` without repeated keys, and a malformed document reported on one
+    line with its place (``where``: the file or the ``--set`` item)."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         place = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import sys
 import threading
@@ -45,6 +46,27 @@ class SaveError(RuntimeError):
     """A checkpoint could not be written (a full disk, say); the earlier ones are kept."""
 
 
+class OutOfMemory(RuntimeError):
+    """Building, compiling or running the model ran out of memory (host or device)."""
+
+    def __init__(self, config: Config, error: BaseException):
+        model, data, train = config.model, config.data, config.train
+        reason = str(error).splitlines()[0][:120] if str(error) else type(error).__name__
+        super().__init__(
+            f"out of memory ({reason}) with model.d_model={model.d_model}, "
+            f"{len(model.mixers)} layers, data.seq_len={data.seq_len}, "
+            f"train.batch_size={train.batch_size}, train.eval_examples={train.eval_examples}; "
+            "shrink model.d_model, model.mixers, data.seq_len, train.batch_size or "
+            "train.eval_examples"
+        )
+
+
+def _is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, MemoryError) or (
+        isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
+    )
+
+
 class Interrupted(RuntimeError):
     """SIGINT or SIGTERM stopped the run after a checkpoint at the current step."""
 
@@ -61,7 +83,8 @@ def batch_seed(train_seed: int, step: int) -> int:
 
 
 def plot_metrics(log: MetricsLog, out_path: Path) -> None:
-    """Training loss, training and held-out accuracy against step, as a PNG."""
+    """Training loss, training and held-out accuracy against step, as a PNG; written whole
+    or not at all (a full disk leaves no empty or partial file)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,8 +99,22 @@ def plot_metrics(log: MetricsLog, out_path: Path) -> None:
     ax_acc.set(xlabel="step", ylabel="accuracy", ylim=(0, 1.02))
     ax_acc.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(out_path, dpi=120)
-    plt.close(fig)
+    partial = out_path.with_name(f".{out_path.name}.partial")
+    try:
+        fig.savefig(partial, dpi=120, format="png")
+        os.replace(partial, out_path)
+    finally:
+        plt.close(fig)
+        partial.unlink(missing_ok=True)
+
+
+def _plot_or_warn(log: MetricsLog, out_path: Path) -> None:
+    """The plot at the end of a run, however it ends: a failure is a warning, so that it
+    cannot hide the error that ended the run."""
+    try:
+        plot_metrics(log, out_path)
+    except Exception as error:
+        print(f"warning: could not plot {out_path} ({error})", file=sys.stderr)
 
 
 def _is_primary() -> bool:
@@ -127,29 +164,68 @@ def claim_run_dir(config: Config, *, resume: bool, overwrite: bool) -> run_dir.R
 
 def _check_run_dir(config: Config, out_dir: Path, *, resume: bool, overwrite: bool) -> None:
     earlier = run_dir.earlier_run(out_dir)
-    if not resume:
-        if earlier and not overwrite:
-            raise RunError(
-                f"{out_dir} holds an earlier run ({', '.join(earlier)}); continue it with "
-                "--resume or delete it with --overwrite"
-            )
-        if earlier:
-            print(
-                f"--overwrite: deleted {', '.join(run_dir.clear(out_dir))} in {out_dir}",
-                file=sys.stderr,
-            )
+    stranded = bool(earlier) and run_dir.died_before_first_save(out_dir)
+    if resume:
+        _check_resumable(config, out_dir, earlier, stranded)
         return
-    if not any(name.startswith(run_dir.CHECKPOINTS) for name in earlier):
-        raise RunError(f"--resume: {out_dir} has no checkpoint to resume; start without --resume")
-    saved = run_dir.saved_config(out_dir)
-    if saved is not None:
-        differences = run_dir.resume_differences(saved, to_dict(config))
-        if differences:
-            raise RunError(
-                f"--resume would continue {out_dir} with a different setup "
-                f"({'; '.join(differences)}); only {', '.join(run_dir.RESUMABLE_FIELDS)} may "
-                "change"
-            )
+    if stranded:
+        print(
+            f"replacing the run in {out_dir} that died before its first checkpoint "
+            f"(deleted {', '.join(run_dir.clear(out_dir))})",
+            file=sys.stderr,
+        )
+    elif earlier and not overwrite:
+        resumable = run_dir.checkpoint_steps(out_dir)
+        raise RunError(
+            f"{out_dir} holds an earlier run ({', '.join(earlier)}); "
+            + ("continue it with --resume or " if resumable else "it has no checkpoint; ")
+            + "delete it with --overwrite"
+        )
+    elif earlier:
+        print(
+            f"--overwrite: deleted {', '.join(run_dir.clear(out_dir))} in {out_dir}",
+            file=sys.stderr,
+        )
+
+
+def _check_resumable(config: Config, out_dir: Path, earlier: list[str], stranded: bool) -> None:
+    """``--resume`` needs a checkpoint, a readable ``config.yaml`` that matches ``config``
+    but for ``RESUMABLE_FIELDS``, and a readable ``metrics.jsonl``; nothing is written."""
+    if not run_dir.checkpoint_steps(out_dir):
+        if stranded:
+            why = "its run died before its first checkpoint"
+        elif earlier:
+            why = f"it holds {', '.join(earlier)} but no checkpoint"
+        else:
+            why = "it holds no run"
+        raise run_dir.NothingToResume(
+            f"--resume: nothing to resume in {out_dir} ({why})",
+            overwrite=bool(earlier) and not stranded,
+        )
+    differences = run_dir.resume_differences(run_dir.read_config(out_dir), to_dict(config))
+    if differences:
+        raise RunError(
+            f"--resume would continue {out_dir} with a different setup "
+            f"({'; '.join(differences)}); only {', '.join(run_dir.RESUMABLE_FIELDS)} may "
+            "change"
+        )
+    MetricsLog(out_dir / run_dir.METRICS).read()
+
+
+def _finished_summary(config: Config, out_dir: Path) -> dict | None:
+    """With ``--resume``: the summary of a run with nothing left to do under ``config``, or
+    None when it goes on. A run cannot go on to a ``train.steps`` below its newest checkpoint.
+    """
+    summary = run_dir.read_summary(out_dir)
+    if run_dir.is_finished(summary, config.train.steps, config.train.target_accuracy):
+        return dict(summary, already_finished=True)
+    newest = max(run_dir.checkpoint_steps(out_dir), default=0)
+    if config.train.steps < newest:
+        raise RunError(
+            f"--resume: train.steps={config.train.steps} is below step {newest} of the newest "
+            f"checkpoint in {out_dir}; give train.steps >= {newest}"
+        )
+    return None
 
 
 @dataclass
@@ -210,6 +286,7 @@ def _init_state(config: Config, mesh: Mesh, out_dir: Path) -> RunState:
     checkpoints = ocp.CheckpointManager(
         out_dir / run_dir.CHECKPOINTS,
         options=ocp.CheckpointManagerOptions(max_to_keep=train.keep_checkpoints, create=True),
+        item_handlers=ocp.StandardCheckpointHandler(),  # so that item_metadata reads shapes
     )
     return RunState(
         config,
@@ -223,9 +300,32 @@ def _init_state(config: Config, mesh: Mesh, out_dir: Path) -> RunState:
     )
 
 
+def _check_shapes(run: RunState, step: int) -> None:
+    """Raise ``RunError`` when checkpoint ``step`` holds parameters of other names or shapes
+    than ``run.config`` builds: a different model, not a damaged checkpoint. A checkpoint
+    whose metadata cannot be read raises something else (damage)."""
+    there = _shapes(run.checkpoints.item_metadata(step)["params"])
+    here = _shapes(run.state.params)
+    for name in sorted(set(there) | set(here)):
+        if there.get(name) != here.get(name):
+            raise RunError(
+                f"--resume: checkpoint step {step} in {run.out_dir / run_dir.CHECKPOINTS} is "
+                f"of another model than the config: params {name} is "
+                f"{there.get(name, '(absent)')} there and {here.get(name, '(absent)')} here; "
+                f"{run_dir.CONFIG} does not describe these checkpoints"
+            )
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    """``{'blocks.0.mixer.q_proj.kernel': (16, 16), ...}`` of arrays or their metadata."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(k, simple=True, separator="."): tuple(v.shape) for k, v in leaves}
+
+
 def _restore_or_start(run: RunState, resume: bool) -> int:
     """Restore the newest checkpoint that restores (with ``resume``) and return its step;
-    a checkpoint that fails is moved aside to ``broken_checkpoints/`` with a warning."""
+    a checkpoint that fails is moved aside to ``broken_checkpoints/`` with a warning, and
+    one of another model stops the resume (``_check_shapes``)."""
     primary = _is_primary()
     if not resume:
         if primary:
@@ -236,8 +336,11 @@ def _restore_or_start(run: RunState, resume: bool) -> int:
     )
     for step in sorted(run.checkpoints.all_steps(), reverse=True):
         try:
+            _check_shapes(run, step)
             run.state = run.checkpoints.restore(step, args=ocp.args.StandardRestore(abstract))
-        except Exception as error:  # any failure to restore means: not this one
+        except Exception as error:  # any other failure to restore means: not this one
+            if isinstance(error, RunError) or _is_out_of_memory(error):
+                raise
             aside = run.out_dir / "broken_checkpoints" / str(step)
             if primary:
                 aside.parent.mkdir(exist_ok=True)
@@ -251,6 +354,12 @@ def _restore_or_start(run: RunState, resume: bool) -> int:
                 file=sys.stderr,
             )
             continue
+        if primary and run.log.torn_tail():
+            print(
+                f"warning: dropping the torn last line of {run.log.path} (a crash mid-write); "
+                f"the checkpoint at step {step} is where the run resumes",
+                file=sys.stderr,
+            )
         run.log.truncate(step)
         if primary:
             (run.out_dir / run_dir.SUMMARY).unlink(missing_ok=True)  # the run goes on
@@ -278,6 +387,16 @@ def _evaluate(run: RunState, held_out: list[dict]) -> tuple[float, float]:
         losses.append(float(loss))
         accuracies.append(np.asarray(per_example))
     return float(np.mean(losses)), float(np.concatenate(accuracies).mean())
+
+
+def _final_evaluation(run: RunState, step: int, held_out) -> dict:
+    """The held-out loss and accuracy at ``step``: as logged, or evaluated and logged now."""
+    logged = [r for r in run.log.read("eval") if r["step"] == step]
+    if logged:
+        return dict(eval_loss=logged[-1]["loss"], eval_accuracy=logged[-1]["accuracy"])
+    eval_loss, eval_accuracy = _evaluate(run, held_out)
+    run.log.append("eval", step, loss=eval_loss, accuracy=eval_accuracy, elapsed_s=0.0)
+    return dict(eval_loss=eval_loss, eval_accuracy=eval_accuracy)
 
 
 def _save(run: RunState, step: int) -> None:
@@ -322,6 +441,8 @@ def _step_loop(run: RunState, start: int, held_out, callbacks, stop_requests) ->
     summary = dict(start_step=start, eval_accuracy=None, eval_loss=None, reason="steps")
     began = time.perf_counter()
     step = start
+    if start == train.steps:  # stopped after its last checkpoint, before its summary
+        summary.update(_final_evaluation(run, start, held_out))
     try:
         while step < train.steps:
             inputs, labels = make_mqar(
@@ -407,6 +528,7 @@ def run(
       NonFiniteLossError: a step's loss is NaN or Inf; no checkpoint is written after the
         last finite step.
       SaveError: a checkpoint could not be written; the earlier ones are kept.
+      OutOfMemory: the model, a batch or the held-out set does not fit in memory.
       Interrupted: SIGINT or SIGTERM arrived; a checkpoint at the current step was saved.
     """
     mesh = check_devices(config, devices)
@@ -417,25 +539,35 @@ def run(
     _sync("run directory claimed")
     out_dir = Path(config.train.out_dir).absolute() if lock is None else lock.path.parent
     try:
-        if resume:
-            summary = run_dir.read_summary(out_dir)
-            if run_dir.is_finished(summary, config.train.steps, config.train.target_accuracy):
-                return dict(summary, already_finished=True)
-        state = _init_state(config, mesh, out_dir)
+        finished = _finished_summary(config, out_dir) if resume else None
+        if finished is not None:
+            return finished
         try:
-            start = _restore_or_start(state, resume)
-            held_out = _held_out_set(config, state.batch_shardings)
-            with _stop_requests() as stop_requests:
-                try:
-                    summary = _step_loop(state, start, held_out, callbacks, stop_requests)
-                finally:
-                    if primary and state.log.path.exists():
-                        plot_metrics(state.log, out_dir / run_dir.PLOT)
-            if primary:
-                run_dir.write_summary(out_dir, summary)
-            return summary
-        finally:
-            state.checkpoints.close()
+            return _train(config, mesh, out_dir, resume, callbacks)
+        except Exception as error:
+            if _is_out_of_memory(error):
+                raise OutOfMemory(config, error) from error
+            raise
     finally:
         if lock is not None:
             lock.release()
+
+
+def _train(config: Config, mesh: Mesh, out_dir: Path, resume: bool, callbacks) -> dict:
+    """Build the state, restore or start, run the steps; the plot whatever happens."""
+    primary = _is_primary()
+    state = _init_state(config, mesh, out_dir)
+    try:
+        start = _restore_or_start(state, resume)
+        held_out = _held_out_set(config, state.batch_shardings)
+        with _stop_requests() as stop_requests:
+            try:
+                summary = _step_loop(state, start, held_out, callbacks, stop_requests)
+            finally:
+                if primary and state.log.path.exists():
+                    _plot_or_warn(state.log, out_dir / run_dir.PLOT)
+        if primary:
+            run_dir.write_summary(out_dir, summary)
+        return summary
+    finally:
+        state.checkpoints.close()

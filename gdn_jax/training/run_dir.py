@@ -2,10 +2,13 @@
 
 A run directory holds ``config.yaml`` (the resolved config), ``metrics.jsonl``,
 ``curves.png``, ``checkpoints/`` and, once the run has ended by itself, ``summary.json``.
-A fresh run refuses a directory that holds an earlier run unless told to overwrite it; a
-lock refuses a second writer while a run is live (the kernel drops the lock when its process
-dies, however it dies, so a stale lock file is simply taken over); and ``--resume`` refuses a
-config that would continue a different run.
+``config.yaml`` is the run's identity: ``--resume`` refuses a config that would continue a
+different run, and refuses to guess when ``config.yaml`` is missing or unreadable. A fresh
+run refuses a directory that holds an earlier run unless told to overwrite it, except one
+whose run died before its first checkpoint (nothing there can be resumed). A lock refuses a
+second writer while a run is live (the kernel drops the lock when its process dies, however
+it dies, so a stale lock file is simply taken over). A run file that cannot be read is a
+``RunError`` naming the file.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 import yaml
+
+from gdn_jax.training.config import parse_yaml
 
 CONFIG, METRICS, PLOT, SUMMARY, CHECKPOINTS, LOCK = (
     "config.yaml", "metrics.jsonl", "curves.png", "summary.json", "checkpoints", ".lock",
@@ -40,8 +45,26 @@ class RunError(ValueError):
     """A run that must not start, with a one-line reason for the user."""
 
 
+class NothingToResume(RunError):
+    """``--resume`` found no checkpoint; ``overwrite`` tells whether a fresh start must
+    delete what is there (logged steps) or may simply replace it."""
+
+    def __init__(self, message: str, *, overwrite: bool):
+        super().__init__(message)
+        self.overwrite = overwrite
+
+
+def unreadable(path: Path, reason: str) -> RunError:
+    """The error for a run file that cannot be read or parsed."""
+    return RunError(f"{path} cannot be read: {reason}")
+
+
 def check_writable(out_dir: Path) -> None:
     """``out_dir`` is a directory we can write, or can be created below one we can write."""
+    if out_dir.is_symlink() and not out_dir.exists():
+        raise RunError(
+            f"train.out_dir={out_dir} is a link to {os.readlink(out_dir)}, which does not exist"
+        )
     if out_dir.exists() and not out_dir.is_dir():
         raise RunError(f"train.out_dir={out_dir} exists and is not a directory")
     parent = out_dir
@@ -57,19 +80,38 @@ def check_writable(out_dir: Path) -> None:
         raise RunError(f"train.out_dir={out_dir} is not writable: {error.strerror}") from None
 
 
+def checkpoint_steps(out_dir: Path) -> list[int]:
+    """The steps of the checkpoints in ``out_dir``, oldest first."""
+    path = out_dir / CHECKPOINTS
+    if not path.exists():
+        return []
+    try:
+        return sorted(int(p.name) for p in path.iterdir() if p.name.isdigit())
+    except OSError as error:
+        raise unreadable(path, error.strerror) from None
+
+
 def earlier_run(out_dir: Path) -> list[str]:
     """The run files in ``out_dir``, with checkpoint steps, e.g. ``['config.yaml',
     'checkpoints (steps 4, 8)']``; empty when it holds no run."""
     found = []
     for name in RUN_FILES:
-        path = out_dir / name
-        if name == CHECKPOINTS and path.is_dir():
-            steps = sorted(int(p.name) for p in path.iterdir() if p.name.isdigit())
+        if name == CHECKPOINTS:
+            steps = checkpoint_steps(out_dir)
             if steps:
                 found.append(f"{name} (steps {', '.join(map(str, steps))})")
-        elif path.exists():
+        elif (out_dir / name).exists():
             found.append(name)
     return found
+
+
+def died_before_first_save(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds only what a run leaves when it dies before its first
+    checkpoint and first logged step: ``config.yaml`` and at most an empty ``metrics.jsonl``.
+    Nothing there can be resumed, and nothing was measured."""
+    metrics = out_dir / METRICS
+    logged = metrics.exists() and metrics.stat().st_size > 0
+    return set(earlier_run(out_dir)) <= {CONFIG, METRICS} and not logged
 
 
 def clear(out_dir: Path) -> list[str]:
@@ -104,9 +146,36 @@ def resume_differences(saved: dict, config: dict) -> list[str]:
     ]
 
 
-def saved_config(out_dir: Path) -> dict | None:
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as error:
+        raise unreadable(path, error.strerror) from None
+
+
+def read_config(out_dir: Path) -> dict:
+    """The saved ``config.yaml``, which ``--resume`` must compare with: missing, empty or
+    malformed, it cannot tell what run the checkpoints belong to."""
     path = out_dir / CONFIG
-    return yaml.safe_load(path.read_text()) if path.exists() else None
+
+    def refuse(reason: str) -> RunError:
+        return unreadable(
+            path,
+            f"{reason}, so --resume cannot tell what run the checkpoints belong to (put it "
+            "back, or start afresh with --overwrite)",
+        )
+
+    if not path.exists():
+        raise refuse("it is missing")
+    try:
+        saved = parse_yaml(read_text(path), str(path))
+    except ValueError as error:
+        raise refuse(str(error).removeprefix(f"{path}: ")) from None
+    if saved is None:
+        raise refuse("it is empty")
+    if not isinstance(saved, dict):
+        raise refuse("it is not a mapping of model/data/train")
+    return saved
 
 
 def write_config(out_dir: Path, config: dict) -> None:
@@ -115,7 +184,15 @@ def write_config(out_dir: Path, config: dict) -> None:
 
 def read_summary(out_dir: Path) -> dict | None:
     path = out_dir / SUMMARY
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        summary = json.loads(read_text(path))
+    except json.JSONDecodeError as error:
+        raise unreadable(path, f"not JSON ({error})") from None
+    if not isinstance(summary, dict) or not isinstance(summary.get("final_step"), int):
+        raise unreadable(path, "it has no final_step")
+    return summary
 
 
 def write_summary(out_dir: Path, summary: dict) -> None:
