@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -47,6 +48,21 @@ def main_in_process(argv, monkeypatch, capsys):
         status = cli.main(argv)
     out, err = capsys.readouterr()
     return status, out, err
+
+
+@pytest.fixture
+def command(monkeypatch, capsys):
+    """The command on the tiny config into ``out_dir``, run in this process like
+    ``runs.train`` runs it in a subprocess, with the same result fields: for the cases that
+    end before anything compiles, where a subprocess would cost an interpreter start and a
+    JAX import and test nothing more."""
+
+    def run(out_dir, *extra, sets=()):
+        argv = command_args(out_dir, *extra, sets=sets)
+        status, out, err = main_in_process(argv, monkeypatch, capsys)
+        return subprocess.CompletedProcess(["train.py", *argv], status, out, err)
+
+    return run
 
 
 def snapshot(directory):
@@ -88,24 +104,24 @@ def fake_run(out_dir, *, steps=(4,), summary=None, **config_changes):
         ),
     ],
 )
-def test_a_refused_run_leaves_the_earlier_run_untouched(tmp_path, subprocess_env, sets, pattern):
+def test_a_refused_run_leaves_the_earlier_run_untouched(tmp_path, command, sets, pattern):
     before = fake_run(tmp_path / "run")
-    one_line_error(train(subprocess_env, tmp_path / "run", sets=sets), pattern)
+    one_line_error(command(tmp_path / "run", sets=sets), pattern)
     assert snapshot(tmp_path / "run") == before
 
 
-def test_malformed_yaml_config_names_line_and_column(tmp_path, subprocess_env):
+def test_malformed_yaml_config_names_line_and_column(tmp_path, command):
     config = tmp_path / "bad.yaml"
     config.write_text("model:\n  d_model: 64\n   heads: [2\n")
-    result = train(subprocess_env, tmp_path / "run", "--config", str(config))
+    result = command(tmp_path / "run", "--config", str(config))
     one_line_error(result, r"bad.yaml: malformed YAML at line 3, column 9")
     assert not (tmp_path / "run").exists()
 
 
-def test_out_dir_problems_are_one_line(tmp_path, subprocess_env):
+def test_out_dir_problems_are_one_line(tmp_path, command):
     (tmp_path / "file").write_text("mine")
-    one_line_error(train(subprocess_env, tmp_path / "file"), r"exists and is not a directory")
-    one_line_error(train(subprocess_env, tmp_path / "file" / "run"), r"is not a directory")
+    one_line_error(command(tmp_path / "file"), r"exists and is not a directory")
+    one_line_error(command(tmp_path / "file" / "run"), r"is not a directory")
     assert (tmp_path / "file").read_text() == "mine"
 
 
@@ -132,10 +148,9 @@ def test_a_batch_that_does_not_split_over_the_devices_writes_nothing(tmp_path, s
     assert not (tmp_path / "run").exists()
 
 
-def test_resume_refuses_a_different_setup_with_a_one_line_diff(tmp_path, subprocess_env):
+def test_resume_refuses_a_different_setup_with_a_one_line_diff(tmp_path, command):
     before = fake_run(tmp_path / "run")
-    result = train(
-        subprocess_env,
+    result = command(
         tmp_path / "run",
         "--resume",
         sets=["data.num_kv_pairs=2", "train.seed=3", "train.steps=20"],
@@ -146,15 +161,15 @@ def test_resume_refuses_a_different_setup_with_a_one_line_diff(tmp_path, subproc
     assert snapshot(tmp_path / "run") == before
 
 
-def test_resume_with_nothing_to_resume_and_of_a_finished_run(tmp_path, subprocess_env):
+def test_resume_with_nothing_to_resume_and_of_a_finished_run(tmp_path, command):
     one_line_error(
-        train(subprocess_env, tmp_path / "none", "--resume"),
+        command(tmp_path / "none", "--resume"),
         r"nothing to resume in \S+ \(it holds no run\); start it afresh",
     )
     assert not (tmp_path / "none").exists()
     summary = dict(final_step=12, eval_accuracy=0.5, eval_loss=1.0, reason="steps")
     before = fake_run(tmp_path / "done", steps=(8, 12), summary=summary)
-    result = train(subprocess_env, tmp_path / "done", "--resume")
+    result = command(tmp_path / "done", "--resume")
     assert result.returncode == 0, result.stderr
     assert "has finished (step 12, held-out accuracy 0.5000); nothing to resume" in result.stdout
     assert snapshot(tmp_path / "done") == before
