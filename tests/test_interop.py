@@ -84,7 +84,7 @@ def to_torch(x, dtype=torch.float32):
 
 def run_torch(layer, x, **kw):
     with torch.no_grad():
-        return layer(to_torch(x, layer.out_proj.weight.dtype), **kw).float().numpy()
+        return layer(to_torch(x, layer.A_log.dtype), **kw).float().numpy()
 
 
 # The layers run under one jit, not op by op: one compilation per shape instead of one per
@@ -435,7 +435,7 @@ def test_unreadable_shards_and_malformed_indexes_are_named(tmp_path):
         (dict(num_hidden_layers="4"), "num_hidden_layers must be a positive integer, got '4'"),
         (
             dict(layer_types=["linear-attention", "full_attention"]),
-            r"layer_types names unknown kinds \['linear-attention'\]; known: \('linear_attention', 'full_attention'\)",
+            r"layer_types names unknown kinds \['linear-attention'\]; known: \('linear_attention', 'full_attention', 'sliding_attention'\)",
         ),
     ],
 )
