@@ -67,6 +67,9 @@ class Family:
         ``None`` for a family whose beta lies in (0, 1).
       interval_default: without ``layer_types``, every ``full_attention_interval``-th layer
         (this default) is full attention; ``None`` requires ``layer_types``.
+      stored_in_parts: ``{PyTorch name: the names a checkpoint stores it under}``, parts
+        that transformers' ``conversion_mapping`` concatenates along the first axis on load
+        (whatever their sizes: transformers 5.24 saves them back in equal thirds).
     """
 
     name: str
@@ -76,6 +79,7 @@ class Family:
     norm_eps: float | None = None
     neg_eigval_key: str | None = None
     interval_default: int | None = 4
+    stored_in_parts: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     @no_type_check  # a public entry point: checks.py names its bad arguments
     def layer_kwargs(self, config) -> dict:
@@ -103,7 +107,7 @@ class Family:
         fn = f"load_{self.name}_layer"
         checks.check_floating_dtype(fn, dtype=dtype)
         kwargs = _layer_kwargs(self, fn, config)
-        tensors = as_numpy_dict(fn, state_dict)
+        tensors = _join_stored_parts(self, as_numpy_dict(fn, state_dict))
         fla_shapes = fla_tensor_shapes(**kwargs)
         check_tensors(fn, tensors, _fused_shapes(self, fla_shapes))
         fla = _split(self, tensors, fla_shapes, kwargs["num_heads"])
@@ -217,6 +221,15 @@ def _layer_kwargs(family: Family, fn: str, config) -> dict:
         allow_neg_eigval=neg_eigval,
         norm_eps=norm_eps,
     )
+
+
+def _join_stored_parts(family: Family, tensors: dict) -> dict:
+    """``tensors`` with each complete set of stored parts concatenated as transformers
+    does; an incomplete set is left for ``check_tensors`` to name."""
+    for name, parts in family.stored_in_parts.items():
+        if name not in tensors and all(part in tensors for part in parts):
+            tensors[name] = np.concatenate([tensors.pop(part) for part in parts], axis=0)
+    return tensors
 
 
 def _groups(family: Family, name: str, heads: int) -> int:

@@ -6,7 +6,8 @@ OLMo-Hybrid keeps fla's projections (``q_proj``, ``k_proj``, ``v_proj``, ``a_pro
 1e-5 whatever ``rms_norm_eps`` says (fla's ``FusedRMSNormGated`` default), and
 ``linear_allow_neg_eigval`` (default true) doubles beta into (0, 2). ``A_log`` and
 ``dt_bias`` are only initialised from ``linear_a_log_*`` and ``linear_dt_*``; a checkpoint
-carries their values.
+carries their values. Checkpoints store the convolution as fla's three
+``{q,k,v}_conv1d.weight``, which loading concatenates as transformers does.
 """
 
 from gdn_jax.interop.family import QKV_CONV, Family
@@ -22,6 +23,7 @@ OLMO_HYBRID = Family(
     norm_eps=1e-5,
     neg_eigval_key="linear_allow_neg_eigval",
     interval_default=None,
+    stored_in_parts={"conv1d.weight": QKV_CONV},
 )
 
 olmo_hybrid_layer_kwargs = OLMO_HYBRID.layer_kwargs
