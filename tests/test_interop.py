@@ -144,6 +144,27 @@ def transformers_cache(layer):
     return cache, layer_cache.layers[0]
 
 
+def transformers_decoding(reference, prompt, tokens):
+    """transformers' outputs for ``prompt`` and then each of ``tokens`` in turn, and its
+    ``(conv_state, recurrent_state)`` after the prompt."""
+    cache, stored = transformers_cache(reference)
+    expected = [run_torch(reference, prompt, cache=cache)]
+    torch_conv = stored.conv_states[0].numpy().copy()
+    torch_state = stored.recurrent_states[0].numpy().copy()
+    for t in range(tokens.shape[1]):
+        expected.append(run_torch(reference, tokens[:, t : t + 1], cache=cache))
+    return expected, torch_conv, torch_state
+
+
+def assert_decoding_matches(layer, caches, tokens, expected):
+    """Decoding ``tokens`` one at a time from each of ``caches`` gives ``expected[1:]``."""
+    for start in caches:
+        c = start
+        for t in range(tokens.shape[1]):
+            y, c = step(layer, jnp.asarray(tokens[:, t : t + 1]), c)
+            assert_relative_rms(y, expected[t + 1], jnp.float32, f"decode step {t}")
+
+
 def test_prefill_cache_and_decoding_equal_transformers():
     config = qwen_config()
     reference = torch_layer(config, seed=2)
@@ -151,12 +172,7 @@ def test_prefill_cache_and_decoding_equal_transformers():
     layer = load_qwen3_next_layer(numpy_state(reference), config.to_dict())
     prompt, tokens = hidden(4, 2, 45), hidden(5, 2, 6)
 
-    cache, stored = transformers_cache(reference)
-    expected = [run_torch(reference, prompt, cache=cache)]
-    torch_conv = stored.conv_states[0].numpy().copy()
-    torch_state = stored.recurrent_states[0].numpy().copy()
-    for t in range(tokens.shape[1]):
-        expected.append(run_torch(reference, tokens[:, t : t + 1], cache=cache))
+    expected, torch_conv, torch_state = transformers_decoding(reference, prompt, tokens)
 
     y, gdn_cache = prefill(layer, jnp.asarray(prompt))
     assert_relative_rms(y, expected[0], jnp.float32, "prefill")
@@ -167,11 +183,9 @@ def test_prefill_cache_and_decoding_equal_transformers():
     assert_relative_rms(state, torch_state, jnp.float32, "recurrent state")
 
     # Decode from gdn_jax's own prefill cache and from transformers' cache, converted.
-    for start in (gdn_cache, qwen3_next_cache_to_gdn(torch_conv, torch_state)):
-        c = start
-        for t in range(tokens.shape[1]):
-            y, c = step(layer, jnp.asarray(tokens[:, t : t + 1]), c)
-            assert_relative_rms(y, expected[t + 1], jnp.float32, f"decode step {t}")
+    assert_decoding_matches(
+        layer, (gdn_cache, qwen3_next_cache_to_gdn(torch_conv, torch_state)), tokens, expected
+    )
 
 
 def test_bfloat16_weights_and_inputs():

@@ -11,14 +11,14 @@ import torch
 import transformers
 from flax import nnx
 from test_interop import (
+    assert_decoding_matches,
     assert_same_params,
     forward,
     hidden,
     numpy_state,
     prefill,
     run_torch,
-    step,
-    transformers_cache,
+    transformers_decoding,
 )
 from tolerance import assert_relative_rms
 from transformers.models.olmo_hybrid.modeling_olmo_hybrid import OlmoHybridGatedDeltaNet
@@ -182,12 +182,7 @@ def test_prefill_cache_and_decoding_equal_transformers(name):
     layer = load_layer(numpy_state(reference), config.to_dict())
     prompt, tokens = hidden(4, 2, 45), hidden(5, 2, 6)
 
-    cache, stored = transformers_cache(reference)
-    expected = [run_torch(reference, prompt, cache=cache)]
-    torch_conv = stored.conv_states[0].numpy().copy()
-    torch_state = stored.recurrent_states[0].numpy().copy()
-    for t in range(tokens.shape[1]):
-        expected.append(run_torch(reference, tokens[:, t : t + 1], cache=cache))
+    expected, torch_conv, torch_state = transformers_decoding(reference, prompt, tokens)
 
     y, gdn_cache = prefill(layer, jnp.asarray(prompt))
     assert_relative_rms(y, expected[0], jnp.float32, "prefill")
@@ -200,11 +195,9 @@ def test_prefill_cache_and_decoding_equal_transformers(name):
     np.testing.assert_array_equal(conv_back[..., 1:], torch_conv[..., 1:])
     np.testing.assert_array_equal(state_back, torch_state)
 
-    for start in (gdn_cache, family.cache_to_gdn(torch_conv, torch_state)):
-        c = start
-        for t in range(tokens.shape[1]):
-            y, c = step(layer, jnp.asarray(tokens[:, t : t + 1]), c)
-            assert_relative_rms(y, expected[t + 1], jnp.float32, f"decode step {t}")
+    assert_decoding_matches(
+        layer, (gdn_cache, family.cache_to_gdn(torch_conv, torch_state)), tokens, expected
+    )
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "olmo_hybrid", "qwen3_next"])
