@@ -227,6 +227,17 @@ def test_checkpoint_saved_by_transformers(tmp_path):
     model.save_pretrained(tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
 
+    prefixes = qwen3_next_layer_prefixes(config.to_dict())
+    assert sorted(prefixes) == [0, 1, 2]
+    # A config.json written before layer_types existed names only the interval.
+    older = {"num_hidden_layers": 8, "full_attention_interval": 4}
+    assert sorted(qwen3_next_layer_prefixes(older)) == [0, 1, 2, 4, 5, 6]
+    assert_checkpoint_layers_match(model, tmp_path, prefixes, load_qwen3_next_layer)
+
+
+def assert_checkpoint_layers_match(model, path, prefixes, load):
+    """Each linear-attention layer ``load`` reads from the checkpoint at ``path`` maps the
+    input that layer of ``model`` saw to the output it gave."""
     seen = {}
 
     def capture(i):
@@ -235,17 +246,12 @@ def test_checkpoint_saved_by_transformers(tmp_path):
 
         return hook
 
-    prefixes = qwen3_next_layer_prefixes(config.to_dict())
-    assert sorted(prefixes) == [0, 1, 2]
-    # A config.json written before layer_types existed names only the interval.
-    older = {"num_hidden_layers": 8, "full_attention_interval": 4}
-    assert sorted(qwen3_next_layer_prefixes(older)) == [0, 1, 2, 4, 5, 6]
     for i in prefixes:
         model.model.layers[i].linear_attn.register_forward_hook(capture(i), with_kwargs=True)
     with torch.no_grad():
-        model(torch.randint(0, 96, (2, 50)), use_cache=False)
+        model(torch.randint(0, model.config.vocab_size, (2, 50)), use_cache=False)
     for i, prefix in prefixes.items():
-        layer = load_qwen3_next_layer(read_safetensors(tmp_path, prefix), config.to_dict())
+        layer = load(read_safetensors(path, prefix), model.config.to_dict())
         x, expected = seen[i]
         assert_relative_rms(forward(layer, jnp.asarray(x)), expected, jnp.float32, f"layer {i}")
 

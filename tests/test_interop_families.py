@@ -11,6 +11,7 @@ import torch
 import transformers
 from flax import nnx
 from test_interop import (
+    assert_checkpoint_layers_match,
     assert_decoding_matches,
     assert_same_params,
     forward,
@@ -31,7 +32,6 @@ from gdn_jax.interop import (
     FAMILIES,
     layer_prefixes,
     load_layer,
-    read_safetensors,
 )
 from gdn_jax.interop.olmo_hybrid import OLMO_HYBRID
 from gdn_jax.interop.qwen3_5 import QWEN3_5
@@ -219,24 +219,9 @@ def test_checkpoint_saved_by_transformers(name, tmp_path):
     model.save_pretrained(tmp_path, max_shard_size="50KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
 
-    seen = {}
-
-    def capture(i):
-        def hook(module, args, kwargs, output):
-            seen[i] = (kwargs["hidden_states"].numpy().copy(), output.numpy().copy())
-
-        return hook
-
     prefixes = layer_prefixes(config.to_dict())
     assert prefixes == {i: f"model.layers.{i}.linear_attn." for i in (0, 1)}
-    for i in prefixes:
-        model.model.layers[i].linear_attn.register_forward_hook(capture(i), with_kwargs=True)
-    with torch.no_grad():
-        model(torch.randint(0, 96, (2, 40)), use_cache=False)
-    for i, prefix in prefixes.items():
-        layer = load_layer(read_safetensors(tmp_path, prefix), config.to_dict())
-        x, expected = seen[i]
-        assert_relative_rms(forward(layer, jnp.asarray(x)), expected, jnp.float32, f"layer {i}")
+    assert_checkpoint_layers_match(model, tmp_path, prefixes, load_layer)
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "olmo_hybrid"])
