@@ -11,6 +11,8 @@ import torch
 import transformers
 from flax import nnx
 from test_interop import (
+    REAL_HEADS,
+    TESTER,
     assert_checkpoint_layers_match,
     assert_decoding_matches,
     assert_same_params,
@@ -37,12 +39,7 @@ from gdn_jax.interop.olmo_hybrid import OLMO_HYBRID
 from gdn_jax.interop.qwen3_5 import QWEN3_5
 
 LENGTHS = (1, 37, 64, 65, 100)
-TESTER_HEADS = dict(
-    linear_num_key_heads=4,
-    linear_num_value_heads=8,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-)
+TESTER_HEADS = {k: v for k, v in TESTER.items() if k != "hidden_size"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,12 +63,8 @@ class Case:
         )
 
 
-QWEN_REAL = dict(
-    linear_num_key_heads=16,
-    linear_num_value_heads=32,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-)
+# Qwen3-Next and Qwen3.5 share their linear-attention head shape.
+QWEN_REAL = {k: v for k, v in REAL_HEADS.items() if k != "hidden_size"}
 MOE = dict(
     num_experts=4,
     num_experts_per_tok=2,
