@@ -84,7 +84,7 @@ def to_torch(x, dtype=torch.float32):
 
 def run_torch(layer, x, **kw):
     with torch.no_grad():
-        return layer(to_torch(x, layer.out_proj.weight.dtype), **kw).float().numpy()
+        return layer(to_torch(x, layer.A_log.dtype), **kw).float().numpy()
 
 
 # The layers run under one jit, not op by op: one compilation per shape instead of one per
@@ -144,6 +144,27 @@ def transformers_cache(layer):
     return cache, layer_cache.layers[0]
 
 
+def transformers_decoding(reference, prompt, tokens):
+    """transformers' outputs for ``prompt`` and then each of ``tokens`` in turn, and its
+    ``(conv_state, recurrent_state)`` after the prompt."""
+    cache, stored = transformers_cache(reference)
+    expected = [run_torch(reference, prompt, cache=cache)]
+    torch_conv = stored.conv_states[0].numpy().copy()
+    torch_state = stored.recurrent_states[0].numpy().copy()
+    for t in range(tokens.shape[1]):
+        expected.append(run_torch(reference, tokens[:, t : t + 1], cache=cache))
+    return expected, torch_conv, torch_state
+
+
+def assert_decoding_matches(layer, caches, tokens, expected):
+    """Decoding ``tokens`` one at a time from each of ``caches`` gives ``expected[1:]``."""
+    for start in caches:
+        c = start
+        for t in range(tokens.shape[1]):
+            y, c = step(layer, jnp.asarray(tokens[:, t : t + 1]), c)
+            assert_relative_rms(y, expected[t + 1], jnp.float32, f"decode step {t}")
+
+
 def test_prefill_cache_and_decoding_equal_transformers():
     config = qwen_config()
     reference = torch_layer(config, seed=2)
@@ -151,12 +172,7 @@ def test_prefill_cache_and_decoding_equal_transformers():
     layer = load_qwen3_next_layer(numpy_state(reference), config.to_dict())
     prompt, tokens = hidden(4, 2, 45), hidden(5, 2, 6)
 
-    cache, stored = transformers_cache(reference)
-    expected = [run_torch(reference, prompt, cache=cache)]
-    torch_conv = stored.conv_states[0].numpy().copy()
-    torch_state = stored.recurrent_states[0].numpy().copy()
-    for t in range(tokens.shape[1]):
-        expected.append(run_torch(reference, tokens[:, t : t + 1], cache=cache))
+    expected, torch_conv, torch_state = transformers_decoding(reference, prompt, tokens)
 
     y, gdn_cache = prefill(layer, jnp.asarray(prompt))
     assert_relative_rms(y, expected[0], jnp.float32, "prefill")
@@ -167,11 +183,9 @@ def test_prefill_cache_and_decoding_equal_transformers():
     assert_relative_rms(state, torch_state, jnp.float32, "recurrent state")
 
     # Decode from gdn_jax's own prefill cache and from transformers' cache, converted.
-    for start in (gdn_cache, qwen3_next_cache_to_gdn(torch_conv, torch_state)):
-        c = start
-        for t in range(tokens.shape[1]):
-            y, c = step(layer, jnp.asarray(tokens[:, t : t + 1]), c)
-            assert_relative_rms(y, expected[t + 1], jnp.float32, f"decode step {t}")
+    assert_decoding_matches(
+        layer, (gdn_cache, qwen3_next_cache_to_gdn(torch_conv, torch_state)), tokens, expected
+    )
 
 
 def test_bfloat16_weights_and_inputs():
@@ -213,6 +227,17 @@ def test_checkpoint_saved_by_transformers(tmp_path):
     model.save_pretrained(tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
 
+    prefixes = qwen3_next_layer_prefixes(config.to_dict())
+    assert sorted(prefixes) == [0, 1, 2]
+    # A config.json written before layer_types existed names only the interval.
+    older = {"num_hidden_layers": 8, "full_attention_interval": 4}
+    assert sorted(qwen3_next_layer_prefixes(older)) == [0, 1, 2, 4, 5, 6]
+    assert_checkpoint_layers_match(model, tmp_path, prefixes, load_qwen3_next_layer)
+
+
+def assert_checkpoint_layers_match(model, path, prefixes, load):
+    """Each linear-attention layer ``load`` reads from the checkpoint at ``path`` maps the
+    input that layer of ``model`` saw to the output it gave."""
     seen = {}
 
     def capture(i):
@@ -221,17 +246,12 @@ def test_checkpoint_saved_by_transformers(tmp_path):
 
         return hook
 
-    prefixes = qwen3_next_layer_prefixes(config.to_dict())
-    assert sorted(prefixes) == [0, 1, 2]
-    # A config.json written before layer_types existed names only the interval.
-    older = {"num_hidden_layers": 8, "full_attention_interval": 4}
-    assert sorted(qwen3_next_layer_prefixes(older)) == [0, 1, 2, 4, 5, 6]
     for i in prefixes:
         model.model.layers[i].linear_attn.register_forward_hook(capture(i), with_kwargs=True)
     with torch.no_grad():
-        model(torch.randint(0, 96, (2, 50)), use_cache=False)
+        model(torch.randint(0, model.config.vocab_size, (2, 50)), use_cache=False)
     for i, prefix in prefixes.items():
-        layer = load_qwen3_next_layer(read_safetensors(tmp_path, prefix), config.to_dict())
+        layer = load(read_safetensors(path, prefix), model.config.to_dict())
         x, expected = seen[i]
         assert_relative_rms(forward(layer, jnp.asarray(x)), expected, jnp.float32, f"layer {i}")
 
@@ -435,7 +455,7 @@ def test_unreadable_shards_and_malformed_indexes_are_named(tmp_path):
         (dict(num_hidden_layers="4"), "num_hidden_layers must be a positive integer, got '4'"),
         (
             dict(layer_types=["linear-attention", "full_attention"]),
-            r"layer_types names unknown kinds \['linear-attention'\]; known: \('linear_attention', 'full_attention'\)",
+            r"layer_types names unknown kinds \['linear-attention'\]; known: \('linear_attention', 'full_attention', 'sliding_attention'\)",
         ),
     ],
 )

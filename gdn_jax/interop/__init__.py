@@ -1,10 +1,28 @@
-"""Weights in and out of PyTorch: transformers' Qwen3-Next and flash-linear-attention.
+"""Weights in and out of PyTorch: the Gated DeltaNet layers of transformers' Qwen3-Next,
+Qwen3.5 (and its siblings) and OLMo-Hybrid, and flash-linear-attention's.
 
 Everything takes and gives plain ``{name: numpy array}`` dicts, so nothing here imports torch.
 """
 
+from gdn_jax.interop.by_model_type import FAMILIES, layer_prefixes, load_layer
 from gdn_jax.interop.checkpoint import read_safetensors
 from gdn_jax.interop.fla import export_fla_layer, load_fla_layer
+from gdn_jax.interop.olmo_hybrid import (
+    export_olmo_hybrid_layer,
+    gdn_cache_to_olmo_hybrid,
+    load_olmo_hybrid_layer,
+    olmo_hybrid_cache_to_gdn,
+    olmo_hybrid_layer_kwargs,
+    olmo_hybrid_layer_prefixes,
+)
+from gdn_jax.interop.qwen3_5 import (
+    export_qwen3_5_layer,
+    gdn_cache_to_qwen3_5,
+    load_qwen3_5_layer,
+    qwen3_5_cache_to_gdn,
+    qwen3_5_layer_kwargs,
+    qwen3_5_layer_prefixes,
+)
 from gdn_jax.interop.qwen3_next import (
     export_qwen3_next_layer,
     gdn_cache_to_qwen3_next,
@@ -15,11 +33,26 @@ from gdn_jax.interop.qwen3_next import (
 )
 
 __all__ = [
+    "FAMILIES",
     "export_fla_layer",
+    "export_olmo_hybrid_layer",
+    "export_qwen3_5_layer",
     "export_qwen3_next_layer",
+    "gdn_cache_to_olmo_hybrid",
+    "gdn_cache_to_qwen3_5",
     "gdn_cache_to_qwen3_next",
+    "layer_prefixes",
     "load_fla_layer",
+    "load_layer",
+    "load_olmo_hybrid_layer",
+    "load_qwen3_5_layer",
     "load_qwen3_next_layer",
+    "olmo_hybrid_cache_to_gdn",
+    "olmo_hybrid_layer_kwargs",
+    "olmo_hybrid_layer_prefixes",
+    "qwen3_5_cache_to_gdn",
+    "qwen3_5_layer_kwargs",
+    "qwen3_5_layer_prefixes",
     "qwen3_next_cache_to_gdn",
     "qwen3_next_layer_kwargs",
     "qwen3_next_layer_prefixes",

@@ -68,6 +68,17 @@ def _torch_names(layer: GatedDeltaNet) -> dict[str, tuple[tuple[str, ...], str, 
     return names
 
 
+def _torch_shapes(names: dict) -> dict[str, tuple[int, ...]]:
+    return {name: _torch_shape(layout, shape) for name, (_, layout, shape) in names.items()}
+
+
+def fla_tensor_shapes(**layer_kwargs) -> dict[str, tuple[int, ...]]:
+    """``{name: PyTorch shape}`` of the flash-linear-attention state dict that a
+    ``GatedDeltaNet(**layer_kwargs)`` holds, from an abstract build (nothing allocated)."""
+    layer = nnx.eval_shape(lambda: GatedDeltaNet(**layer_kwargs, rngs=nnx.Rngs(0)))
+    return _torch_shapes(_torch_names(layer))
+
+
 def _check_exportable(fn: str, layer) -> None:
     if not isinstance(layer, GatedDeltaNet):
         raise ValueError(f"{fn}: layer must be a GatedDeltaNet, got {type(layer).__name__}")
@@ -104,7 +115,7 @@ def load_fla_layer(state_dict, **layer_kwargs) -> GatedDeltaNet:
         return GatedDeltaNet(**layer_kwargs, dtype=compute, param_dtype=stored, rngs=nnx.Rngs(0))
 
     names = _torch_names(nnx.eval_shape(lambda: build(jnp.float32, jnp.float32)))
-    check_tensors(fn, tensors, {n: _torch_shape(lay, s) for n, (_, lay, s) in names.items()})
+    check_tensors(fn, tensors, _torch_shapes(names))
 
     stored = jnp.dtype(param_dtype or tensors["q_proj.weight"].dtype)
     layer = nnx.eval_shape(lambda: build(jnp.dtype(dtype or stored), stored))

@@ -1,0 +1,348 @@
+"""What every transformers Gated DeltaNet family shares, and the spec that says how it differs.
+
+Each family's linear-attention layer has fla's parameters under other names, some of them
+fused: a fused PyTorch tensor is fla's tensors concatenated along their first (output) axis,
+either whole one after another (``[q | k | v]``) or, in Qwen3-Next's ``in_proj_qkvz``, per
+key head (``[q_0 | k_0 | v_0 | z_0 | q_1 | ...]``). A ``Family`` is that table plus the few
+config conventions that differ; everything else lives here once:
+
+- the layer's constructor arguments from the config, each count checked;
+- the whole-state-dict check (one ``ValueError`` listing every missing, unexpected or
+  misshapen tensor), against shapes taken from an abstract ``GatedDeltaNet`` build;
+- splitting fused tensors into fla's and joining them back, so ``fla.load_fla_layer`` and
+  ``fla.export_fla_layer`` do the layout work;
+- the decoding cache, which is the same in every family: one depthwise convolution over
+  ``[q | k | v]`` and a ``[B, HV, K, V]`` state;
+- the linear-attention layers' prefixes from ``layer_types``.
+
+Every family computes the same function as ``GatedDeltaNet``: SiLU after the convolution, q
+and k L2-normalised (eps 1e-6), ``scale = K ** -0.5``, ``beta = sigmoid(b)`` (times 2 with
+``allow_neg_eigval``), ``log_alpha = -exp(A_log) * softplus(a + dt_bias)``, value head
+``i*R + j`` reading key head ``i``, and an RMSNorm gated by ``silu(g)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import no_type_check
+
+import jax.numpy as jnp
+import numpy as np
+
+from gdn_jax.interop.fla import export_fla_layer, fla_tensor_shapes, load_fla_layer
+from gdn_jax.interop.tensors import as_numpy_dict, check_tensors
+from gdn_jax.layers.gated_deltanet import GatedDeltaNet
+from gdn_jax.layers.recurrent_mixer import RecurrentCache
+from gdn_jax.ops import checks
+
+LINEAR = "linear_attention"
+# The other kinds a layer_types list may name; a typo would otherwise drop a layer silently.
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
+COUNT_KEYS = (
+    "hidden_size",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
+# The fused convolution over [q | k | v] that every family has.
+QKV_CONV = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How one transformers family lays out ``GatedDeltaNet``'s parameters and config.
+
+    Attributes:
+      name: the stem of the public functions (``load_{name}_layer``, ...).
+      title: the family's name in messages.
+      tensors: ``{PyTorch name: fla names it concatenates, in order}``, every tensor of the
+        layer's state dict.
+      per_key_head: the fused tensors whose parts are interleaved per key head.
+      norm_eps: the output norm's epsilon when the layer fixes it; ``None`` reads
+        ``rms_norm_eps`` from the config.
+      neg_eigval_key: the config field for ``allow_neg_eigval`` (its default ``True``);
+        ``None`` for a family whose beta lies in (0, 1).
+      interval_default: without ``layer_types``, every ``full_attention_interval``-th layer
+        (this default) is full attention; ``None`` requires ``layer_types``.
+      stored_in_parts: ``{PyTorch name: the names a checkpoint stores it under}``, parts
+        that transformers' ``conversion_mapping`` concatenates along the first axis on load
+        (whatever their sizes: transformers 5.24 saves them back in equal thirds).
+    """
+
+    name: str
+    title: str
+    tensors: Mapping[str, tuple[str, ...]]
+    per_key_head: frozenset[str] = frozenset()
+    norm_eps: float | None = None
+    neg_eigval_key: str | None = None
+    interval_default: int | None = 4
+    stored_in_parts: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+    @no_type_check  # a public entry point: checks.py names its bad arguments
+    def layer_kwargs(self, config) -> dict:
+        """``GatedDeltaNet``'s constructor arguments for this family's linear-attention layers
+        (a mapping with the config's attribute names, the config object itself, or a
+        multimodal config, whose ``text_config`` is read)."""
+        return _layer_kwargs(self, f"{self.name}_layer_kwargs", config)
+
+    @no_type_check  # a public entry point: checks.py names its bad arguments
+    def load(self, state_dict, config, *, dtype=None) -> GatedDeltaNet:
+        """A ``GatedDeltaNet`` holding one linear-attention layer's weights.
+
+        Args:
+          state_dict: ``{name: array}`` of one layer without prefix, as
+            ``read_safetensors(path, prefix)`` gives it for a prefix of ``layer_prefixes``.
+          config: the model's config as a mapping (``config.to_dict()``, or ``config.json``
+            read), or the config object.
+          dtype: cast every parameter to it and compute in it; ``None`` keeps each tensor's
+            stored dtype and computes in that of the first projection.
+
+        Raises:
+          ValueError: a config the layer cannot take, or a missing, unexpected or wrongly
+            shaped tensor (named, with both shapes), before anything is built.
+        """
+        fn = f"load_{self.name}_layer"
+        checks.check_floating_dtype(fn, dtype=dtype)
+        kwargs = _layer_kwargs(self, fn, config)
+        tensors = _join_stored_parts(self, as_numpy_dict(fn, state_dict))
+        fla_shapes = fla_tensor_shapes(**kwargs)
+        check_tensors(fn, tensors, _fused_shapes(self, fla_shapes))
+        fla = _split(self, tensors, fla_shapes, kwargs["num_heads"])
+        layer_dtype = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
+        return load_fla_layer(fla, **kwargs, **layer_dtype)
+
+    @no_type_check  # a public entry point: checks.py names its bad arguments
+    def export(self, layer: GatedDeltaNet) -> dict[str, np.ndarray]:
+        """``layer``'s parameters as this family's state dict, the inverse of ``load``. The
+        layer must have the family's form: output gate, bias-free short convolutions, and
+        the family's beta range and norm epsilon."""
+        fn = f"export_{self.name}_layer"
+        fla = export_fla_layer(layer)
+        _check_family_form(self, fn, layer, fla)
+        return {
+            name: _join(self, name, [fla[part] for part in parts], layer.num_heads)
+            for name, parts in self.tensors.items()
+        }
+
+    @no_type_check  # a public entry point: checks.py names its bad arguments
+    def cache_to_gdn(self, conv_state, recurrent_state) -> RecurrentCache:
+        """transformers' per-layer decoding cache as gdn_jax's ``RecurrentCache``.
+
+        Args:
+          conv_state: ``[B, 2*H*K + HV*V, W]``, the last ``W`` inputs of the fused
+            convolution (only the last ``W - 1`` reach a later output; gdn_jax keeps those).
+          recurrent_state: ``[B, HV, K, V]`` (gdn_jax's state is its transpose).
+        """
+        return _cache_to_gdn(f"{self.name}_cache_to_gdn", conv_state, recurrent_state)
+
+    @no_type_check  # a public entry point: checks.py names its bad arguments
+    def gdn_cache_to(self, cache: RecurrentCache) -> tuple[np.ndarray, np.ndarray]:
+        """gdn_jax's ``RecurrentCache`` as transformers' ``(conv_state [B, channels, W],
+        recurrent_state [B, HV, K, V])``. The oldest column of ``conv_state``, which no
+        later output reads, is zero."""
+        return _gdn_cache_to(f"gdn_cache_to_{self.name}", cache)
+
+    @no_type_check  # a public entry point: checks.py names its bad arguments
+    def layer_prefixes(self, config) -> dict[int, str]:
+        """``{layer index: prefix}`` of the linear-attention layers, the prefixes to give
+        ``read_safetensors``: ``model.layers.{i}.linear_attn.``, or
+        ``model.language_model.layers.{i}.linear_attn.`` for a multimodal config. The
+        layers come from ``layer_types`` or, where the family allows a ``config.json``
+        without it, from ``num_hidden_layers`` and ``full_attention_interval``."""
+        return _layer_prefixes(self, f"{self.name}_layer_prefixes", config)
+
+
+def _as_mapping(fn: str, config) -> Mapping:
+    if not isinstance(config, Mapping) and hasattr(config, "to_dict"):
+        config = config.to_dict()
+    if not isinstance(config, Mapping):
+        raise ValueError(f"{fn}: config must be a mapping, got {type(config).__name__}")
+    return config
+
+
+def text_config(fn: str, config) -> tuple[Mapping, bool]:
+    """The config that describes the language model, and whether it was a multimodal
+    config's ``text_config``."""
+    config = _as_mapping(fn, config)
+    if "text_config" in config:
+        return _as_mapping(f"{fn}: text_config", config["text_config"]), True
+    return config, False
+
+
+def _check_count(fn: str, key: str, value) -> None:
+    """A count in a config: a positive integer, not a bool or a string from JSON."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{fn}: config {key} must be a positive integer, got {value!r}")
+
+
+def _layer_kwargs(family: Family, fn: str, config) -> dict:
+    config, _ = text_config(fn, config)
+    needed = COUNT_KEYS + (() if family.norm_eps else ("rms_norm_eps",))
+    missing = [key for key in needed if key not in config]
+    if missing:
+        raise ValueError(f"{fn}: config lacks {', '.join(missing)}")
+    for key in ("hidden_act", "output_gate_type"):
+        # The convolution and the output gate of GatedDeltaNet use silu.
+        act = config.get(key) or "silu"
+        if act not in ("silu", "swish"):
+            raise ValueError(f"{fn}: config {key}={act!r}; the layer uses silu")
+    for key in COUNT_KEYS:
+        _check_count(fn, key, config[key])
+    norm_eps = family.norm_eps or config["rms_norm_eps"]
+    checks.check_positive_number(fn, rms_norm_eps=norm_eps)
+    neg_eigval = bool(family.neg_eigval_key) and config.get(family.neg_eigval_key, True)
+    if not isinstance(neg_eigval, bool):
+        raise ValueError(f"{fn}: config {family.neg_eigval_key} must be a bool, got {neg_eigval!r}")
+    key_dim, value_dim = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    heads, v_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    if value_dim / key_dim * key_dim != value_dim:
+        raise ValueError(
+            f"{fn}: linear_value_head_dim={value_dim} is not an exact float multiple of "
+            f"linear_key_head_dim={key_dim}"
+        )
+    if v_heads % heads:
+        raise ValueError(
+            f"{fn}: config linear_num_value_heads={v_heads} must be a multiple "
+            f"of linear_num_key_heads={heads}"
+        )
+    return dict(
+        hidden_size=config["hidden_size"],
+        num_heads=heads,
+        head_dim=key_dim,
+        num_v_heads=v_heads,
+        expand_v=value_dim / key_dim,
+        use_gate=True,
+        use_short_conv=True,
+        conv_size=config["linear_conv_kernel_dim"],
+        conv_bias=False,
+        allow_neg_eigval=neg_eigval,
+        norm_eps=norm_eps,
+    )
+
+
+def _join_stored_parts(family: Family, tensors: dict) -> dict:
+    """``tensors`` with each complete set of stored parts concatenated as transformers
+    does; an incomplete set is left for ``check_tensors`` to name."""
+    for name, parts in family.stored_in_parts.items():
+        if name not in tensors and all(part in tensors for part in parts):
+            tensors[name] = np.concatenate([tensors.pop(part) for part in parts], axis=0)
+    return tensors
+
+
+def _groups(family: Family, name: str, heads: int) -> int:
+    """How many blocks a fused tensor interleaves its parts in: one per key head, or one."""
+    return heads if name in family.per_key_head else 1
+
+
+def _fused_shapes(family: Family, fla_shapes: Mapping) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for name, parts in family.tensors.items():
+        first, *rest = fla_shapes[parts[0]]
+        shapes[name] = (first + sum(fla_shapes[p][0] for p in parts[1:]), *rest)
+    return shapes
+
+
+def _split(family: Family, tensors: Mapping, fla_shapes: Mapping, heads: int) -> dict:
+    out = {}
+    for name, parts in family.tensors.items():
+        groups = _groups(family, name, heads)
+        tensor = tensors[name]
+        blocks = tensor.reshape(groups, -1, *tensor.shape[1:])
+        rows = [fla_shapes[part][0] // groups for part in parts]
+        pieces = np.split(blocks, np.cumsum(rows)[:-1], axis=1)
+        for part, piece in zip(parts, pieces, strict=True):
+            out[part] = piece.reshape(fla_shapes[part])
+    return out
+
+
+def _join(family: Family, name: str, pieces: list[np.ndarray], heads: int) -> np.ndarray:
+    groups = _groups(family, name, heads)
+    blocks = [p.reshape(groups, -1, *p.shape[1:]) for p in pieces]
+    joined = np.concatenate(blocks, axis=1)
+    return np.ascontiguousarray(joined.reshape(-1, *pieces[0].shape[1:]))
+
+
+def _check_family_form(family: Family, fn: str, layer: GatedDeltaNet, fla: Mapping) -> None:
+    if not layer.use_gate or layer.q_conv1d is None or "q_conv1d.bias" in fla:
+        raise ValueError(
+            f"{fn}: {family.title}'s layer has an output gate and bias-free short "
+            f"convolutions; this layer has use_gate={layer.use_gate}, "
+            f"use_short_conv={layer.q_conv1d is not None}, conv_bias={'q_conv1d.bias' in fla}"
+        )
+    if layer.allow_neg_eigval and not family.neg_eigval_key:
+        raise ValueError(f"{fn}: {family.title}'s beta lies in (0, 1); allow_neg_eigval=True")
+    if family.norm_eps and layer.o_norm.epsilon != family.norm_eps:
+        raise ValueError(
+            f"{fn}: {family.title}'s output norm has eps {family.norm_eps}; this layer's has "
+            f"norm_eps={layer.o_norm.epsilon}"
+        )
+
+
+def _cache_to_gdn(fn: str, conv_state, recurrent_state) -> RecurrentCache:
+    conv, state = np.asarray(conv_state), np.asarray(recurrent_state)
+    if conv.ndim != 3 or state.ndim != 4 or conv.shape[0] != state.shape[0]:
+        raise ValueError(
+            f"{fn}: conv_state must be [B, channels, W] and recurrent_state [B, HV, K, V] with "
+            f"one B, got {conv.shape} and {state.shape}"
+        )
+    _, v_heads, key_dim, value_dim = state.shape
+    keys2 = conv.shape[1] - v_heads * value_dim
+    if keys2 <= 0 or keys2 % (2 * key_dim) or conv.shape[2] < 2:
+        raise ValueError(
+            f"{fn}: conv_state {conv.shape} does not fit recurrent_state {state.shape}: its "
+            f"channels must be 2*H*{key_dim} + {v_heads}*{value_dim} and its width at least 2"
+        )
+    history = conv[:, :, 1:].transpose(0, 2, 1)
+    q, k, v = np.split(history, [keys2 // 2, keys2], axis=2)
+    return RecurrentCache(
+        conv=tuple(jnp.asarray(x) for x in (q, k, v)),
+        state=jnp.asarray(state.transpose(0, 1, 3, 2), jnp.float32),
+    )
+
+
+def _gdn_cache_to(fn: str, cache: RecurrentCache) -> tuple[np.ndarray, np.ndarray]:
+    if not isinstance(cache, RecurrentCache) or cache.conv is None:
+        raise ValueError(
+            f"{fn}: cache must be a RecurrentCache with convolution histories (a layer with "
+            f"short convolutions), got {type(cache).__name__}"
+        )
+    history = np.concatenate([np.asarray(h) for h in cache.conv], axis=2)
+    conv = np.pad(history.transpose(0, 2, 1), ((0, 0), (0, 0), (1, 0)))
+    return np.ascontiguousarray(conv), np.ascontiguousarray(
+        np.asarray(cache.state).transpose(0, 1, 3, 2)
+    )
+
+
+def _layer_types(family: Family, fn: str, config: Mapping) -> list:
+    types = config.get("layer_types")
+    if types is None and family.interval_default is None:
+        raise ValueError(f"{fn}: config has no layer_types")
+    if types is None:
+        if "num_hidden_layers" not in config:
+            raise ValueError(f"{fn}: config has neither layer_types nor num_hidden_layers")
+        interval = config.get("full_attention_interval", family.interval_default)
+        _check_count(fn, "num_hidden_layers", config["num_hidden_layers"])
+        _check_count(fn, "full_attention_interval", interval)
+        types = [
+            LINEAR if (i + 1) % interval else "full_attention"
+            for i in range(config["num_hidden_layers"])
+        ]
+    if not isinstance(types, list | tuple):
+        raise ValueError(f"{fn}: config layer_types must be a list of layer kinds, got {types!r}")
+    known = (LINEAR, *ATTENTION_KINDS)
+    unknown = [kind for kind in types if kind not in known]
+    if unknown:
+        raise ValueError(
+            f"{fn}: config layer_types names unknown kinds {unknown[:5]}; known: {known}"
+        )
+    return list(types)
+
+
+def _layer_prefixes(family: Family, fn: str, config) -> dict[int, str]:
+    config, multimodal = text_config(fn, config)
+    stem = "model.language_model.layers" if multimodal else "model.layers"
+    types = _layer_types(family, fn, config)
+    return {i: f"{stem}.{i}.linear_attn." for i, kind in enumerate(types) if kind == LINEAR}

@@ -1,0 +1,311 @@
+"""Every transformers family with a Gated DeltaNet layer, proven against transformers itself:
+Qwen3.5 (and Qwen3.5-MoE through the same code), OLMo-Hybrid, and Qwen3-Next through
+``load_layer``. Qwen3-Next's own layer-level tests are in test_interop.py."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from test_interop import (
+    REAL_HEADS,
+    TESTER,
+    assert_checkpoint_layers_match,
+    assert_decoding_matches,
+    assert_same_params,
+    forward,
+    hidden,
+    numpy_state,
+    prefill,
+    run_torch,
+    transformers_decoding,
+)
+from tolerance import assert_relative_rms
+from transformers.models.olmo_hybrid.modeling_olmo_hybrid import OlmoHybridGatedDeltaNet
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+from gdn_jax import GatedDeltaNet
+from gdn_jax.interop import (
+    FAMILIES,
+    layer_prefixes,
+    load_layer,
+)
+from gdn_jax.interop.olmo_hybrid import OLMO_HYBRID
+from gdn_jax.interop.qwen3_5 import QWEN3_5
+
+LENGTHS = (1, 37, 64, 65, 100)
+TESTER_HEADS = {k: v for k, v in TESTER.items() if k != "hidden_size"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One family as transformers builds it: its config, layer and causal LM classes."""
+
+    config: type
+    layer: type
+    lm: str
+    real_heads: dict  # the released models' linear-attention head shape
+    extra: dict = dataclasses.field(default_factory=dict)  # what the config needs besides
+
+    def make_config(self, layer_types=("linear_attention",), heads=TESTER_HEADS, **kw):
+        return self.config(
+            hidden_size=64,
+            num_hidden_layers=len(layer_types),
+            layer_types=list(layer_types),
+            linear_conv_kernel_dim=4,
+            **heads,
+            **{**self.extra, **kw},
+        )
+
+
+# Qwen3-Next and Qwen3.5 share their linear-attention head shape.
+QWEN_REAL = {k: v for k, v in REAL_HEADS.items() if k != "hidden_size"}
+MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+)
+CASES = {
+    "qwen3_5": Case(
+        transformers.Qwen3_5TextConfig, Qwen3_5GatedDeltaNet, "Qwen3_5ForCausalLM", QWEN_REAL
+    ),
+    "qwen3_5_moe": Case(
+        transformers.Qwen3_5MoeTextConfig,
+        Qwen3_5MoeGatedDeltaNet,
+        "Qwen3_5MoeForCausalLM",
+        QWEN_REAL,
+        MOE,
+    ),
+    # OLMo-Hybrid 7B: 30 heads, K = 0.75 * 3840 / 30 = 96, V = 2K.
+    "olmo_hybrid": Case(
+        transformers.OlmoHybridConfig,
+        OlmoHybridGatedDeltaNet,
+        "OlmoHybridForCausalLM",
+        dict(
+            linear_num_key_heads=30,
+            linear_num_value_heads=30,
+            linear_key_head_dim=96,
+            linear_value_head_dim=192,
+        ),
+        dict(num_attention_heads=4, pad_token_id=0),
+    ),
+    "qwen3_next": Case(
+        transformers.Qwen3NextConfig,
+        Qwen3NextGatedDeltaNet,
+        "Qwen3NextForCausalLM",
+        QWEN_REAL,
+        MOE,
+    ),
+}
+# OLMo-Hybrid refuses a config without an attention layer; layer 0 is the one under test.
+LAYER_TYPES = {"olmo_hybrid": ("linear_attention", "full_attention")}
+
+
+def family_layer(name, seed=0, heads=TESTER_HEADS):
+    """A random transformers layer of family ``name`` and its config. The norm weight and
+    dt_bias, which start as constants, are drawn too so that a swapped one shows."""
+    case = CASES[name]
+    config = case.make_config(LAYER_TYPES.get(name, ("linear_attention",)), heads)
+    torch.manual_seed(seed)
+    layer = case.layer(config, layer_idx=0).eval()
+    norm = layer.o_norm if hasattr(layer, "o_norm") else layer.norm
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        layer.dt_bias.normal_()
+    layer.config = config
+    return layer, config
+
+
+def packed(lengths, seed):
+    """The sequences of ``lengths`` side by side in one row, and their ``cu_seqlens``: one
+    compilation covers every length."""
+    bounds = np.cumsum((0, *lengths))
+    return hidden(seed, 1, int(bounds[-1])), bounds
+
+
+@pytest.mark.parametrize(
+    ("name", "real"),
+    [
+        ("qwen3_5", False),
+        ("qwen3_5", True),
+        ("qwen3_5_moe", False),
+        ("olmo_hybrid", False),
+        ("olmo_hybrid", True),
+        ("qwen3_next", True),
+    ],
+)
+def test_outputs_equal_transformers(name, real):
+    """Each T in LENGTHS alone through transformers, packed into one gdn_jax call."""
+    reference, config = family_layer(name, heads=CASES[name].real_heads if real else TESTER_HEADS)
+    layer = load_layer(numpy_state(reference), config.to_dict())
+    x, bounds = packed(LENGTHS, seed=len(name))
+    y = np.asarray(forward(layer, jnp.asarray(x), cu_seqlens=jnp.asarray(bounds, jnp.int32)))
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        expected = run_torch(reference, x[:, lo:hi])
+        assert_relative_rms(y[:, lo:hi], expected, jnp.float32, f"{name} T={hi - lo}")
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "olmo_hybrid"])
+def test_unpacked_batch_and_left_padding_equal_transformers(name):
+    reference, config = family_layer(name, seed=1)
+    layer = load_layer(numpy_state(reference), config.to_dict())
+    # Unpacked, T = 65 crosses a chunk boundary by one token.
+    x, pad = hidden(2, 2, 65), 7
+    assert_relative_rms(forward(layer, jnp.asarray(x)), run_torch(reference, x), jnp.float32)
+    # Left padding: transformers zeroes the padded inputs, gdn_jax masks them out.
+    mask = np.ones((2, 65), np.int32)
+    mask[1, :pad] = 0
+    x[1, :pad] = 0
+    expected = run_torch(reference, x, attention_mask=torch.from_numpy(mask))
+    y = np.asarray(forward(layer, jnp.asarray(x), mask=jnp.asarray(mask)))
+    assert_relative_rms(y[0], expected[0], jnp.float32, "unpadded row")
+    assert_relative_rms(y[1, pad:], expected[1, pad:], jnp.float32, "left-padded row")
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "olmo_hybrid"])
+def test_prefill_cache_and_decoding_equal_transformers(name):
+    family = FAMILIES[name]
+    reference, config = family_layer(name, seed=2)
+    layer = load_layer(numpy_state(reference), config.to_dict())
+    prompt, tokens = hidden(4, 2, 45), hidden(5, 2, 6)
+
+    expected, torch_conv, torch_state = transformers_decoding(reference, prompt, tokens)
+
+    y, gdn_cache = prefill(layer, jnp.asarray(prompt))
+    assert_relative_rms(y, expected[0], jnp.float32, "prefill")
+    conv, state = family.gdn_cache_to(gdn_cache)
+    # The oldest column of transformers' conv state is never read again; gdn_jax keeps W-1.
+    assert_relative_rms(conv[..., 1:], torch_conv[..., 1:], jnp.float32, "conv cache")
+    assert_relative_rms(state, torch_state, jnp.float32, "recurrent state")
+    # transformers' cache -> gdn_jax -> transformers is bit-exact (but for that column).
+    conv_back, state_back = family.gdn_cache_to(family.cache_to_gdn(torch_conv, torch_state))
+    np.testing.assert_array_equal(conv_back[..., 1:], torch_conv[..., 1:])
+    np.testing.assert_array_equal(state_back, torch_state)
+
+    assert_decoding_matches(
+        layer, (gdn_cache, family.cache_to_gdn(torch_conv, torch_state)), tokens, expected
+    )
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "olmo_hybrid", "qwen3_next"])
+def test_checkpoint_saved_by_transformers(name, tmp_path):
+    """load_layer reads every linear-attention layer of a tiny *ForCausalLM from the shards
+    save_pretrained writes, and each maps that layer's real input to its real output."""
+    case = CASES[name]
+    kinds = ("linear_attention", "linear_attention", "full_attention")
+    config = case.make_config(
+        kinds,
+        vocab_size=96,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    torch.manual_seed(4)
+    model = getattr(transformers, case.lm)(config).eval()
+    model.save_pretrained(tmp_path, max_shard_size="50KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+
+    prefixes = layer_prefixes(config.to_dict())
+    assert prefixes == {i: f"model.layers.{i}.linear_attn." for i in (0, 1)}
+    assert_checkpoint_layers_match(model, tmp_path, prefixes, load_layer)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "olmo_hybrid"])
+def test_round_trip_is_exact(name):
+    family = FAMILIES[name]
+    layer = GatedDeltaNet(
+        32,
+        num_heads=2,
+        head_dim=8,
+        num_v_heads=4,
+        expand_v=1.5,
+        norm_eps=family.norm_eps or 1e-6,
+        allow_neg_eigval=family.neg_eigval_key is not None,
+        rngs=nnx.Rngs(7),
+    )
+    config = dict(
+        model_type=name,
+        hidden_size=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=12,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6,
+    )
+    weights = family.export(layer)
+    back = load_layer(weights, config)
+    assert_same_params(back, layer)
+    assert back.allow_neg_eigval == layer.allow_neg_eigval
+    assert back.o_norm.epsilon == layer.o_norm.epsilon
+    again = family.export(back)
+    assert again.keys() == weights.keys()
+    for key, value in weights.items():
+        np.testing.assert_array_equal(again[key], value, err_msg=key)
+
+
+def test_multimodal_configs_read_their_text_config():
+    text = CASES["qwen3_5"].make_config(("linear_attention", "full_attention")).to_dict()
+    composite = {"model_type": "qwen3_5", "text_config": text}
+    assert layer_prefixes(composite) == {0: "model.language_model.layers.0.linear_attn."}
+    assert QWEN3_5.layer_kwargs(composite) == QWEN3_5.layer_kwargs(text)
+    for model_type in ("qwen3_5_moe", "qwen4_exp", "lara_mini"):
+        assert FAMILIES[model_type] is QWEN3_5
+
+
+# --- malformed input: one ValueError naming the tensor or argument, nothing built ---------
+
+
+def test_unknown_model_types_name_the_supported_ones():
+    with pytest.raises(ValueError, match=r"load_layer: config model_type='llama' .* qwen3_next"):
+        load_layer({}, {"model_type": "llama"})
+    with pytest.raises(ValueError, match=r"layer_prefixes: config model_type=None"):
+        layer_prefixes({"layer_types": ["linear_attention"]})
+
+
+def test_olmo_hybrid_checkpoints_store_the_convolution_in_parts():
+    """OLMo-Hybrid's released checkpoints hold fla's q/k/v_conv1d (64, 64, 128 rows here);
+    transformers 5.24's save_pretrained writes equal thirds (the checkpoint test)."""
+    reference, config = family_layer("olmo_hybrid")
+    weights, config = numpy_state(reference), config.to_dict()
+    q, k, v = np.split(weights.pop("conv1d.weight"), [64, 128])
+    parts = {**weights, "q_conv1d.weight": q, "k_conv1d.weight": k, "v_conv1d.weight": v}
+    assert_same_params(load_layer(parts, config), load_layer(numpy_state(reference), config))
+    del parts["v_conv1d.weight"]
+    with pytest.raises(ValueError, match=r"missing tensor 'conv1d.weight'.*unexpected tensor 'q_"):
+        load_layer(parts, config)
+
+
+def test_family_tensors_and_configs_are_checked():
+    reference, config = family_layer("olmo_hybrid")
+    weights, config = numpy_state(reference), config.to_dict()
+    with pytest.raises(ValueError, match=r"missing tensor 'g_proj.weight' \(expected shape"):
+        load_layer({k: v for k, v in weights.items() if k != "g_proj.weight"}, config)
+    with pytest.raises(
+        ValueError, match=r"'conv1d.weight' has shape \(256, 1, 4\), the config needs \(512, 1, 4\)"
+    ):
+        load_layer(weights, {**config, "linear_key_head_dim": 32, "linear_value_head_dim": 32})
+    with pytest.raises(ValueError, match=r"linear_allow_neg_eigval must be a bool, got 'yes'"):
+        load_layer(weights, {**config, "linear_allow_neg_eigval": "yes"})
+    qwen = CASES["qwen3_5"].make_config().to_dict()
+    with pytest.raises(ValueError, match=r"output_gate_type='sigmoid'; the layer uses silu"):
+        QWEN3_5.layer_kwargs({**qwen, "output_gate_type": "sigmoid"})
+    with pytest.raises(ValueError, match=r"olmo_hybrid_layer_prefixes: config has no layer_types"):
+        OLMO_HYBRID.layer_prefixes({"num_hidden_layers": 4})
+
+
+def test_layers_a_family_cannot_hold_are_refused():
+    base = dict(num_heads=2, head_dim=8, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"export_olmo_hybrid_layer: OLMo-Hybrid's output norm"):
+        OLMO_HYBRID.export(GatedDeltaNet(32, norm_eps=1e-6, **base))
+    with pytest.raises(ValueError, match=r"export_qwen3_5_layer: Qwen3.5's beta lies in \(0, 1\)"):
+        QWEN3_5.export(GatedDeltaNet(32, allow_neg_eigval=True, **base))
+    with pytest.raises(ValueError, match=r"Qwen3.5's layer has an output gate.*conv_bias=True"):
+        QWEN3_5.export(GatedDeltaNet(32, conv_bias=True, **base))
