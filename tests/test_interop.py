@@ -114,29 +114,34 @@ def test_outputs_equal_transformers(shape, conv, lengths):
         )
 
 
-def test_padding_mask_and_packing_on_converted_weights():
-    config = qwen_config()
-    reference = torch_layer(config, seed=1)
-    layer = load_qwen3_next_layer(numpy_state(reference), config.to_dict())
-
-    # Left padding: transformers zeroes the padded inputs, gdn_jax masks them out of the state.
-    x, pad = hidden(2, 2, 40), 7
-    mask = np.ones((2, 40), np.int32)
+def assert_left_padding_matches(layer, reference, x, pad):
+    """Row 1 of ``x [2, T, D]`` left-padded by ``pad`` tokens against transformers'
+    attention_mask: transformers zeroes the padded inputs, gdn_jax masks them out."""
+    mask = np.ones(x.shape[:2], np.int32)
     mask[1, :pad] = 0
+    x = x.copy()
     x[1, :pad] = 0
     expected = run_torch(reference, x, attention_mask=torch.from_numpy(mask))
     y = np.asarray(forward(layer, jnp.asarray(x), mask=jnp.asarray(mask)))
     assert_relative_rms(y[0], expected[0], jnp.float32, "unpadded row")
     assert_relative_rms(y[1, pad:], expected[1, pad:], jnp.float32, "left-padded row")
 
-    # Packed sequences equal transformers run on each sequence alone.
-    bounds = [0, 13, 13 + 70, 13 + 70 + 30]
-    x = hidden(3, 1, bounds[-1])
+
+def assert_packed_matches(layer, reference, x, bounds, what=""):
+    """The sequences packed in ``x [1, T, D]`` at offsets ``bounds``, in one gdn_jax call,
+    against transformers run on each sequence alone."""
     y = np.asarray(forward(layer, jnp.asarray(x), cu_seqlens=jnp.asarray(bounds, jnp.int32)))
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        assert_relative_rms(
-            y[:, lo:hi], run_torch(reference, x[:, lo:hi]), jnp.float32, f"{lo}:{hi}"
-        )
+        expected = run_torch(reference, x[:, lo:hi])
+        assert_relative_rms(y[:, lo:hi], expected, jnp.float32, f"{what} T={hi - lo} at {lo}")
+
+
+def test_padding_mask_and_packing_on_converted_weights():
+    config = qwen_config()
+    reference = torch_layer(config, seed=1)
+    layer = load_qwen3_next_layer(numpy_state(reference), config.to_dict())
+    assert_left_padding_matches(layer, reference, hidden(2, 2, 40), pad=7)
+    assert_packed_matches(layer, reference, hidden(3, 1, 113), [0, 13, 13 + 70, 13 + 70 + 30])
 
 
 def transformers_cache(layer):

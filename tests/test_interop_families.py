@@ -15,6 +15,8 @@ from test_interop import (
     TESTER,
     assert_checkpoint_layers_match,
     assert_decoding_matches,
+    assert_left_padding_matches,
+    assert_packed_matches,
     assert_same_params,
     forward,
     hidden,
@@ -145,10 +147,7 @@ def test_outputs_equal_transformers(name, real):
     reference, config = family_layer(name, heads=CASES[name].real_heads if real else TESTER_HEADS)
     layer = load_layer(numpy_state(reference), config.to_dict())
     x, bounds = packed(LENGTHS, seed=len(name))
-    y = np.asarray(forward(layer, jnp.asarray(x), cu_seqlens=jnp.asarray(bounds, jnp.int32)))
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        expected = run_torch(reference, x[:, lo:hi])
-        assert_relative_rms(y[:, lo:hi], expected, jnp.float32, f"{name} T={hi - lo}")
+    assert_packed_matches(layer, reference, x, bounds, name)
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "olmo_hybrid"])
@@ -156,16 +155,9 @@ def test_unpacked_batch_and_left_padding_equal_transformers(name):
     reference, config = family_layer(name, seed=1)
     layer = load_layer(numpy_state(reference), config.to_dict())
     # Unpacked, T = 65 crosses a chunk boundary by one token.
-    x, pad = hidden(2, 2, 65), 7
+    x = hidden(2, 2, 65)
     assert_relative_rms(forward(layer, jnp.asarray(x)), run_torch(reference, x), jnp.float32)
-    # Left padding: transformers zeroes the padded inputs, gdn_jax masks them out.
-    mask = np.ones((2, 65), np.int32)
-    mask[1, :pad] = 0
-    x[1, :pad] = 0
-    expected = run_torch(reference, x, attention_mask=torch.from_numpy(mask))
-    y = np.asarray(forward(layer, jnp.asarray(x), mask=jnp.asarray(mask)))
-    assert_relative_rms(y[0], expected[0], jnp.float32, "unpadded row")
-    assert_relative_rms(y[1, pad:], expected[1, pad:], jnp.float32, "left-padded row")
+    assert_left_padding_matches(layer, reference, x, pad=7)
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "olmo_hybrid"])
