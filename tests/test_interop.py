@@ -282,24 +282,37 @@ def assert_same_params(a, b):
         np.testing.assert_array_equal(pa[name], pb[name], err_msg=name)
 
 
+# The config of ``gdn_layer`` in the transformers families' names.
+GDN_LAYER_CONFIG = dict(
+    hidden_size=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    linear_conv_kernel_dim=4,
+    rms_norm_eps=1e-6,
+)
+
+
+def assert_round_trip_exact(layer, export, load, config):
+    """``load(export(layer), config)`` has the layer's parameters bit for bit, and exporting
+    it again gives the same tensors under the same names. Returns the loaded layer."""
+    weights = export(layer)
+    back = load(weights, config)
+    assert_same_params(back, layer)
+    again = export(back)
+    assert again.keys() == weights.keys()
+    for name, value in weights.items():
+        np.testing.assert_array_equal(again[name], value, err_msg=name)
+    return back
+
+
 @pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
 def test_qwen3_next_round_trip_is_exact(param_dtype):
     layer = gdn_layer(param_dtype=param_dtype, dtype=param_dtype)
-    config = dict(
-        hidden_size=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=12,
-        linear_conv_kernel_dim=4,
-        rms_norm_eps=1e-6,
+    back = assert_round_trip_exact(
+        layer, export_qwen3_next_layer, load_qwen3_next_layer, GDN_LAYER_CONFIG
     )
-    weights = export_qwen3_next_layer(layer)
-    back = load_qwen3_next_layer(weights, config)
-    assert_same_params(back, layer)
-    again = export_qwen3_next_layer(back)
-    for name, value in weights.items():
-        np.testing.assert_array_equal(again[name], value, err_msg=name)
     x = jnp.asarray(hidden(8, 1, 9, 32), param_dtype)
     with jax.numpy_dtype_promotion("standard"):  # Flax's RMSNorm in bfloat16, see above
         np.testing.assert_array_equal(

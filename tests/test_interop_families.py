@@ -11,14 +11,17 @@ import torch
 import transformers
 from flax import nnx
 from test_interop import (
+    GDN_LAYER_CONFIG,
     REAL_HEADS,
     TESTER,
     assert_checkpoint_layers_match,
     assert_decoding_matches,
     assert_left_padding_matches,
     assert_packed_matches,
+    assert_round_trip_exact,
     assert_same_params,
     forward,
+    gdn_layer,
     hidden,
     numpy_state,
     prefill,
@@ -212,35 +215,13 @@ def test_checkpoint_saved_by_transformers(name, tmp_path):
 @pytest.mark.parametrize("name", ["qwen3_5", "olmo_hybrid"])
 def test_round_trip_is_exact(name):
     family = FAMILIES[name]
-    layer = GatedDeltaNet(
-        32,
-        num_heads=2,
-        head_dim=8,
-        num_v_heads=4,
-        expand_v=1.5,
-        norm_eps=family.norm_eps or 1e-6,
-        allow_neg_eigval=family.neg_eigval_key is not None,
-        rngs=nnx.Rngs(7),
+    layer = gdn_layer(
+        norm_eps=family.norm_eps or 1e-6, allow_neg_eigval=family.neg_eigval_key is not None
     )
-    config = dict(
-        model_type=name,
-        hidden_size=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=12,
-        linear_conv_kernel_dim=4,
-        rms_norm_eps=1e-6,
-    )
-    weights = family.export(layer)
-    back = load_layer(weights, config)
-    assert_same_params(back, layer)
+    config = dict(GDN_LAYER_CONFIG, model_type=name)
+    back = assert_round_trip_exact(layer, family.export, load_layer, config)
     assert back.allow_neg_eigval == layer.allow_neg_eigval
     assert back.o_norm.epsilon == layer.o_norm.epsilon
-    again = family.export(back)
-    assert again.keys() == weights.keys()
-    for key, value in weights.items():
-        np.testing.assert_array_equal(again[key], value, err_msg=key)
 
 
 def test_multimodal_configs_read_their_text_config():
