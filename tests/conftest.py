@@ -63,8 +63,8 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        "costly(seconds): a long test (subprocesses, several devices) and its measured time "
-        "alone on 2 cores; it is scheduled first, longest first",
+        "costly(seconds): a long test (subprocesses, several devices) and its time in a full "
+        "run on 2 cores; it is scheduled first, longest first",
     )
 
 

@@ -175,7 +175,7 @@ def test_resume_with_nothing_to_resume_and_of_a_finished_run(tmp_path, command):
     assert snapshot(tmp_path / "done") == before
 
 
-@pytest.mark.costly(20)
+@pytest.mark.costly(11)
 def test_a_live_run_keeps_a_second_writer_out_and_a_stale_lock_is_taken_over(
     tmp_path, subprocess_env
 ):
@@ -201,7 +201,7 @@ def test_a_live_run_keeps_a_second_writer_out_and_a_stale_lock_is_taken_over(
     assert max(r["step"] for r in logged(out)) == 6 and snapshot(out) != before
 
 
-@pytest.mark.costly(25)
+@pytest.mark.costly(14)
 def test_interrupt_and_a_broken_checkpoint_resume_bit_for_bit(
     tmp_path, subprocess_env, finished_run
 ):

@@ -15,7 +15,7 @@ from gdn_jax.training.run_dir import RunError
 CHECKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mesh_checks.py")
 
 
-@pytest.mark.costly(90)
+@pytest.mark.costly(43)
 def test_multi_device_checks_pass(subprocess_env):
     """Layers on 2/4/8 sequence shards and (data 2, model 2, seq 2), training steps, the
     compiled step's all-gathers and a restore onto another mesh (see mesh_checks.py)."""
@@ -53,7 +53,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.costly(25)
+@pytest.mark.costly(10)
 def test_two_processes_train_like_one(subprocess_env, tmp_path, finished_run):
     """Two processes of 2 CPU devices each (jax.distributed, a localhost coordinator, gloo)
     run train.py with the losses of one process on one device (the shared finished run)."""

@@ -111,7 +111,7 @@ def test_weight_decay_skips_gates_norms_and_vectors():
     assert isinstance(model.blocks[0].mixer.A_log, NoWeightDecay)
 
 
-@pytest.mark.costly(15)
+@pytest.mark.costly(9)
 def test_short_run_learns_writes_its_outputs_and_a_rerun_replaces_them(tmp_path):
     summary = run(tiny(tmp_path, "train.steps=30", "train.learning_rate=1e-2"))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -135,7 +135,7 @@ def test_short_run_learns_writes_its_outputs_and_a_rerun_replaces_them(tmp_path)
     assert max(r["step"] for r in records) == 6
 
 
-@pytest.mark.costly(25)
+@pytest.mark.costly(7)
 def test_killed_run_resumes_bit_for_bit(tmp_path, subprocess_env, finished_run):
     # SIGKILL after step 10: no clean-up at all. Each run is the command in a fresh
     # interpreter, outside conftest's float64 mode, like the finished run it is compared with.
@@ -168,7 +168,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert not steps or steps[-1] <= records[-1]["step"]
 
 
-@pytest.mark.costly(15)
+@pytest.mark.costly(7)
 def test_data_parallel_over_four_cpu_devices_matches_one(tmp_path, subprocess_env, finished_run):
     flags = f"{subprocess_env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
     result = train(subprocess_env, tmp_path / "run", XLA_FLAGS=flags)
