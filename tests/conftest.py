@@ -23,13 +23,6 @@ import os
 import shutil
 import tempfile
 
-# Flags that only make XLA:CPU compile faster; a value the caller gave is kept.
-COMPILE_FAST = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false"}
-_given = os.environ.get("XLA_FLAGS", "").split()
-_names = {flag.lstrip("-").split("=")[0] for flag in _given}
-os.environ["XLA_FLAGS"] = " ".join(
-    _given + [f"--{name}={value}" for name, value in COMPILE_FAST.items() if name not in _names]
-)
 _MADE_ROOT = "GDN_TEST_RUN_ROOT" not in os.environ
 if _MADE_ROOT:
     os.environ["GDN_TEST_RUN_ROOT"] = tempfile.mkdtemp(prefix="gdn_jax-tests-")
@@ -50,6 +43,13 @@ from jaxtyping import install_import_hook  # noqa: E402
 # Every shape annotation in gdn_jax is checked at call (trace) time in the test session:
 # jaxtyping binds the dimension letters across a call's arguments and beartype checks them.
 install_import_hook("gdn_jax", "beartype.beartype")
+
+from gdn_jax.training.xla_flags import add_flags  # noqa: E402  (after the hook: checked too)
+
+# Flags that only make XLA:CPU compile faster; a value the caller gave is kept. Importing
+# gdn_jax starts no backend, so they still take effect here.
+COMPILE_FAST = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false"}
+add_flags(COMPILE_FAST)
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_dtype_promotion", "strict")

@@ -23,14 +23,15 @@ import time
 import traceback
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
-)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from jaxtyping import install_import_hook  # noqa: E402
 
 install_import_hook("gdn_jax", "beartype.beartype")  # as in conftest.py
+
+from gdn_jax.training.xla_flags import add_flags  # noqa: E402
+
+add_flags({"xla_force_host_platform_device_count": "8"})  # before the first computation
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -25,17 +25,16 @@ FLAGS = {
     "xla_force_host_platform_device_count": str(DEVICES),
     "xla_backend_optimization_level": "0",
 }
-_given = os.environ.get("XLA_FLAGS", "").split()
-_names = {flag.lstrip("-").split("=")[0] for flag in _given}
-os.environ["XLA_FLAGS"] = " ".join(
-    _given + [f"--{name}={value}" for name, value in FLAGS.items() if name not in _names]
-)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from jaxtyping import install_import_hook  # noqa: E402
 
 # As in conftest.py: every shape annotation in gdn_jax is checked at call (trace) time.
 install_import_hook("gdn_jax", "beartype.beartype")
+
+from gdn_jax.training.xla_flags import add_flags  # noqa: E402
+
+add_flags(FLAGS)  # importing gdn_jax starts no backend: in time for the first computation
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -7,7 +7,7 @@ backend. Each flag here earned its place with a figure in docs/benchmarks.md.
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 # XLA:CPU hands dots to YNNPACK either way; by default it also sends elementwise and reduce
 # fusions there, which on the small per-chunk arrays of the chunked op ran slower than
@@ -16,11 +16,17 @@ from collections.abc import MutableMapping
 CPU_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 
-def add_cpu_flags(environ: MutableMapping[str, str] = os.environ) -> str:
-    """Append ``CPU_FLAGS`` to ``environ["XLA_FLAGS"]``, keeping any value the user already
-    gave for the same flag; call before the first JAX computation. Returns the new value."""
+def add_flags(settings: Mapping[str, str], environ: MutableMapping[str, str] = os.environ) -> str:
+    """Append ``settings`` (``{flag name: value}``) to ``environ["XLA_FLAGS"]``, keeping any
+    value the user already gave for the same flag; call before the first JAX computation.
+    Returns the new value."""
     flags = environ.get("XLA_FLAGS", "").split()
     given = {flag.lstrip("-").split("=")[0] for flag in flags}
-    flags += [f"--{name}={value}" for name, value in CPU_FLAGS.items() if name not in given]
+    flags += [f"--{name}={value}" for name, value in settings.items() if name not in given]
     environ["XLA_FLAGS"] = " ".join(flags)
     return environ["XLA_FLAGS"]
+
+
+def add_cpu_flags(environ: MutableMapping[str, str] = os.environ) -> str:
+    """``add_flags(CPU_FLAGS)``: the options ``train.py`` and the benchmarks run with."""
+    return add_flags(CPU_FLAGS, environ)
