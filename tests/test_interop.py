@@ -469,8 +469,11 @@ def test_unreadable_shards_and_malformed_indexes_are_named(tmp_path):
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        (dict(num_hidden_layers=4, full_attention_interval=0), "full_attention_interval must"),
-        (dict(num_hidden_layers="4"), "num_hidden_layers must be a positive integer, got '4'"),
+        (
+            dict(num_hidden_layers=4, full_attention_interval=0),
+            r"full_attention_interval=0 must be a positive integer",
+        ),
+        (dict(num_hidden_layers="4"), r"num_hidden_layers='4' must be a positive integer"),
         (
             dict(layer_types=["linear-attention", "full_attention"]),
             r"layer_types names unknown kinds \['linear-attention'\]; known: \('linear_attention', 'full_attention', 'sliding_attention'\)",

@@ -172,12 +172,6 @@ def text_config(fn: str, config) -> tuple[Mapping, bool]:
     return config, False
 
 
-def _check_count(fn: str, key: str, value) -> None:
-    """A count in a config: a positive integer, not a bool or a string from JSON."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{fn}: config {key} must be a positive integer, got {value!r}")
-
-
 def _layer_kwargs(family: Family, fn: str, config) -> dict:
     config, _ = text_config(fn, config)
     needed = COUNT_KEYS + (() if family.norm_eps else ("rms_norm_eps",))
@@ -189,8 +183,7 @@ def _layer_kwargs(family: Family, fn: str, config) -> dict:
         act = config.get(key) or "silu"
         if act not in ("silu", "swish"):
             raise ValueError(f"{fn}: config {key}={act!r}; the layer uses silu")
-    for key in COUNT_KEYS:
-        _check_count(fn, key, config[key])
+    checks.check_positive_int(fn, **{f"config {key}": config[key] for key in COUNT_KEYS})
     norm_eps = family.norm_eps or config["rms_norm_eps"]
     checks.check_positive_number(fn, rms_norm_eps=norm_eps)
     neg_eigval = bool(family.neg_eigval_key) and config.get(family.neg_eigval_key, True)
@@ -324,8 +317,13 @@ def _layer_types(family: Family, fn: str, config: Mapping) -> list:
         if "num_hidden_layers" not in config:
             raise ValueError(f"{fn}: config has neither layer_types nor num_hidden_layers")
         interval = config.get("full_attention_interval", family.interval_default)
-        _check_count(fn, "num_hidden_layers", config["num_hidden_layers"])
-        _check_count(fn, "full_attention_interval", interval)
+        checks.check_positive_int(
+            fn,
+            **{
+                "config num_hidden_layers": config["num_hidden_layers"],
+                "config full_attention_interval": interval,
+            },
+        )
         types = [
             LINEAR if (i + 1) % interval else "full_attention"
             for i in range(config["num_hidden_layers"])
