@@ -2,7 +2,7 @@
 
 Each test drives the command with a tiny config and checks the exit status, the one-line
 message (never a traceback) and the files left behind. Refusals happen before anything
-compiles, so they run the command in this process (``main_in_process``) on fake run
+compiles, so they run the command in this process (the ``command`` fixture) on fake run
 directories (``fake_run``); a subprocess is kept for what needs a fresh interpreter: a real
 signal, a device count, the script's own name.
 """
@@ -25,41 +25,30 @@ def one_line_error(result, pattern, status=2):
     """The command failed with ``status`` and exactly one line on stderr matching ``pattern``."""
     assert result.returncode == status, result.stderr
     assert "Traceback" not in result.stderr
-    only_error_line(result.stderr, pattern)
-
-
-def only_error_line(stderr, pattern):
-    lines = stderr.strip().splitlines()
+    lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, lines
     assert lines[0].startswith("train.py: error: "), lines[0]
     assert re.search(pattern, lines[0]), lines[0]
-
-
-def main_in_process(argv, monkeypatch, capsys):
-    """``cli.main(argv)`` in this process, which skips an interpreter start and a JAX import:
-    the exit status and what it wrote to stdout and stderr."""
-    import jax
-
-    from gdn_jax.training import cli
-
-    monkeypatch.setattr(sys, "argv", ["train.py"])
-    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main appends to it
-    with jax.numpy_dtype_promotion("standard"):  # optax mixes float and int32 in Adam
-        status = cli.main(argv)
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 @pytest.fixture
 def command(monkeypatch, capsys):
     """The command on the tiny config into ``out_dir``, run in this process like
     ``runs.train`` runs it in a subprocess, with the same result fields: for the cases that
-    end before anything compiles, where a subprocess would cost an interpreter start and a
-    JAX import and test nothing more."""
+    need no fresh interpreter, where a subprocess would cost an interpreter start and a JAX
+    import and test nothing more."""
+    import jax
+
+    from gdn_jax.training import cli
+
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main appends to it
 
     def run(out_dir, *extra, sets=()):
         argv = command_args(out_dir, *extra, sets=sets)
-        status, out, err = main_in_process(argv, monkeypatch, capsys)
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes float and int32 in Adam
+            status = cli.main(argv)
+        out, err = capsys.readouterr()
         return subprocess.CompletedProcess(["train.py", *argv], status, out, err)
 
     return run
@@ -249,7 +238,7 @@ def test_sigterm_saves_and_exits_143(tmp_path, subprocess_env):
 
 
 def test_a_failed_save_stops_at_once_and_keeps_the_earlier_checkpoints(
-    tmp_path, monkeypatch, capsys
+    tmp_path, monkeypatch, command
 ):
     import orbax.checkpoint as ocp
 
@@ -261,9 +250,10 @@ def test_a_failed_save_stops_at_once_and_keeps_the_earlier_checkpoints(
         return save(self, step, *args, **kwargs)
 
     monkeypatch.setattr(ocp.CheckpointManager, "save", disk_full_at_8)
-    status, _, err = main_in_process(command_args(tmp_path / "run"), monkeypatch, capsys)
-    (message,) = err.strip().splitlines()
-    assert status == 1 and message.startswith("train.py: error: could not save checkpoint step 8")
+    result = command(tmp_path / "run")
+    (message,) = result.stderr.strip().splitlines()
+    assert result.returncode == 1
+    assert message.startswith("train.py: error: could not save checkpoint step 8")
     assert "No space left on device" in message and "step 4 is the latest kept" in message
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["4"]
     assert max(r["step"] for r in logged(tmp_path / "run")) == 8
@@ -283,7 +273,7 @@ def test_a_failed_save_stops_at_once_and_keeps_the_earlier_checkpoints(
     ],
 )  # fmt: skip
 def test_resume_refuses_an_unreadable_run_file_in_one_line_and_touches_nothing(
-    tmp_path, monkeypatch, capsys, name, damage, pattern
+    tmp_path, command, name, damage, pattern
 ):
     out = tmp_path / "run"
     fake_run(out)
@@ -294,10 +284,7 @@ def test_resume_refuses_an_unreadable_run_file_in_one_line_and_touches_nothing(
     before = snapshot(out)
     # The run was made with 4 pairs: without its config.yaml it must not become an 8-pair run.
     changed = ["data.num_kv_pairs=8"] if name == "config.yaml" else []
-    argv = command_args(out, "--resume", sets=changed)
-    status, _, err = main_in_process(argv, monkeypatch, capsys)
-    assert status == 2
-    only_error_line(err, pattern)
+    one_line_error(command(out, "--resume", sets=changed), pattern)
     assert snapshot(out) == before
 
 
@@ -309,40 +296,36 @@ def resumable_copy(finished_run, out_dir):
 
 
 def test_a_checkpoint_of_another_model_is_a_config_mismatch_not_damage(
-    tmp_path, monkeypatch, capsys, finished_run
+    tmp_path, command, finished_run
 ):
     out = resumable_copy(finished_run, tmp_path / "run")
     config = out / "config.yaml"
     config.write_text(config.read_text().replace("d_model: 16", "d_model: 32"))
     before = snapshot(out)
-    argv = command_args(out, "--resume", sets=["model.d_model=32"])
-    status, _, err = main_in_process(argv, monkeypatch, capsys)
-    assert status == 2
-    only_error_line(
-        err, r"checkpoint step 12 .* is of another model than the config: params \S+ is "
+    one_line_error(
+        command(out, "--resume", sets=["model.d_model=32"]),
+        r"checkpoint step 12 .* is of another model than the config: params \S+ is "
         r"\(16, \d+\) there and \(32, \d+\) here",
     )  # fmt: skip
     assert snapshot(out) == before and not (out / "broken_checkpoints").exists()
 
 
-def test_resume_refuses_train_steps_below_the_newest_checkpoint(tmp_path, monkeypatch, capsys):
+def test_resume_refuses_train_steps_below_the_newest_checkpoint(tmp_path, command):
     before = fake_run(tmp_path / "run", steps=(4, 8))  # stopped at step 8, no summary
-    argv = command_args(tmp_path / "run", "--resume", sets=["train.steps=7"])
-    status, _, err = main_in_process(argv, monkeypatch, capsys)
-    assert status == 2
-    only_error_line(err, r"train.steps=7 is below step 8 of the newest checkpoint")
+    result = command(tmp_path / "run", "--resume", sets=["train.steps=7"])
+    one_line_error(result, r"train.steps=7 is below step 8 of the newest checkpoint")
     assert snapshot(tmp_path / "run") == before
 
 
 def test_a_run_killed_after_its_last_checkpoint_resumes_to_its_summary_past_a_torn_line(
-    tmp_path, monkeypatch, capsys, finished_run
+    tmp_path, command, finished_run
 ):
     out = resumable_copy(finished_run, tmp_path / "run")
     with (out / "metrics.jsonl").open("a") as log:
         log.write('{"kind": "train", "st')  # the crash hit mid-write
-    status, _, err = main_in_process(command_args(out, "--resume"), monkeypatch, capsys)
-    assert status == 0, err
-    (warning,) = err.strip().splitlines()
+    result = command(out, "--resume")
+    assert result.returncode == 0, result.stderr
+    (warning,) = result.stderr.strip().splitlines()
     assert warning.startswith("warning: dropping the torn last line of ") and "step 12" in warning
     assert logged(out) == logged(finished_run)
     summary = json.loads((out / "summary.json").read_text())
@@ -350,7 +333,7 @@ def test_a_run_killed_after_its_last_checkpoint_resumes_to_its_summary_past_a_to
 
 
 def test_a_run_that_died_before_its_first_checkpoint_is_replaced_by_a_fresh_start(
-    tmp_path, monkeypatch, capsys
+    tmp_path, monkeypatch, command
 ):
     import jax
 
@@ -360,10 +343,11 @@ def test_a_run_that_died_before_its_first_checkpoint_is_replaced_by_a_fresh_star
     fake_run(out, steps=())
     (out / "metrics.jsonl").write_text("")  # it died compiling its first step
     before = snapshot(out)
-    status, _, err = main_in_process(command_args(out, "--resume"), monkeypatch, capsys)
-    assert status == 2 and snapshot(out) == before
-    only_error_line(
-        err, r"nothing to resume in \S+ \(its run died before its first checkpoint\); start it "
+    result = command(out, "--resume")
+    assert snapshot(out) == before
+    one_line_error(
+        result,
+        r"nothing to resume in \S+ \(its run died before its first checkpoint\); start it "
         r"afresh with: python train.py --set (?!.*--resume).*train.out_dir=\S+/run$",
     )  # fmt: skip
 
@@ -371,47 +355,46 @@ def test_a_run_that_died_before_its_first_checkpoint_is_replaced_by_a_fresh_star
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4e12 B")
 
     monkeypatch.setattr(loop, "LanguageModel", too_big)
-    status, _, err = main_in_process(command_args(out), monkeypatch, capsys)
-    replaced, error = err.strip().splitlines()
+    result = command(out)
+    replaced, error = result.stderr.strip().splitlines()
     assert replaced.startswith("replacing the run in ") and "config.yaml, metrics.jsonl" in replaced
-    assert status == 1 and error.startswith("train.py: error: out of memory (RESOURCE_EXHAUSTED")
+    assert result.returncode == 1
+    assert error.startswith("train.py: error: out of memory (RESOURCE_EXHAUSTED")
     assert "model.d_model=16" in error and "shrink model.d_model" in error
 
 
-def test_a_run_with_logged_steps_but_no_checkpoint_names_the_one_way_out(
-    tmp_path, monkeypatch, capsys
-):
+def test_a_run_with_logged_steps_but_no_checkpoint_names_the_one_way_out(tmp_path, command):
     out = tmp_path / "run"
     before = fake_run(out, steps=())  # a NaN at step 2: step 1 is logged, nothing saved
-    status, _, err = main_in_process(command_args(out), monkeypatch, capsys)
-    assert status == 2
-    only_error_line(err, r"holds an earlier run \(config.yaml, metrics.jsonl\); it has no "
+    one_line_error(command(out), r"holds an earlier run \(config.yaml, metrics.jsonl\); it has no "
                          r"checkpoint; delete it with --overwrite$")  # fmt: skip
-    status, _, err = main_in_process(command_args(out, "--resume"), monkeypatch, capsys)
-    assert status == 2
-    only_error_line(
-        err, r"nothing to resume .* start it afresh with: python train.py .*--overwrite$"
+    one_line_error(
+        command(out, "--resume"),
+        r"nothing to resume .* start it afresh with: python train.py .*--overwrite$",
     )
     assert snapshot(out) == before
 
 
-def test_out_of_memory_is_one_line_and_the_directory_stays_usable(tmp_path, monkeypatch, capsys):
+def test_out_of_memory_is_one_line_and_the_directory_stays_usable(tmp_path, monkeypatch, command):
     from gdn_jax.training import loop
 
     def held_out_too_big(config, *, num_examples, seed):
         raise MemoryError
 
     monkeypatch.setattr(loop, "make_mqar", held_out_too_big)
-    status, _, err = main_in_process(command_args(tmp_path / "run"), monkeypatch, capsys)
-    assert status == 1
-    only_error_line(err, r"out of memory \(MemoryError\) with .*train.eval_examples=16; shrink ")
-    argv = command_args(tmp_path / "run", "--resume")
-    status, _, err = main_in_process(argv, monkeypatch, capsys)
-    only_error_line(err, r"its run died before its first checkpoint\); start it afresh with")
+    one_line_error(
+        command(tmp_path / "run"),
+        r"out of memory \(MemoryError\) with .*train.eval_examples=16; shrink ",
+        status=1,
+    )
+    one_line_error(
+        command(tmp_path / "run", "--resume"),
+        r"its run died before its first checkpoint\); start it afresh with",
+    )
 
 
 def test_a_plot_that_fails_in_the_finally_block_does_not_hide_the_error(
-    tmp_path, monkeypatch, capsys
+    tmp_path, monkeypatch, command
 ):
     import matplotlib.figure
     import orbax.checkpoint as ocp
@@ -426,10 +409,12 @@ def test_a_plot_that_fails_in_the_finally_block_does_not_hide_the_error(
     monkeypatch.setattr(ocp.CheckpointManager, "save", disk_full)
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", partial_then_disk_full)
     out = tmp_path / "run"
-    status, _, err = main_in_process(command_args(out), monkeypatch, capsys)
-    warning, error = err.strip().splitlines()
+    result = command(out)
+    warning, error = result.stderr.strip().splitlines()
     assert warning.startswith("warning: could not plot ") and "No space left" in warning
-    assert status == 1 and error.startswith("train.py: error: could not save checkpoint step 4")
+    assert result.returncode == 1 and error.startswith(
+        "train.py: error: could not save checkpoint step 4"
+    )
     assert sorted(os.listdir(out)) == ["checkpoints", "config.yaml", "metrics.jsonl"]
 
 
