@@ -32,29 +32,30 @@ class ChunkDecays(NamedTuple):
     whole: Float[Array, ""]  # exp(g_C)
 
 
-def segment_sums(log_alpha: Float[Array, " C"]) -> Float[Array, "C+1 C+1"]:
-    """``L[a, b] = sum(x[b+1 : a+1])`` for ``a >= b`` over ``x = [0, *log_alpha]``, else 0.
-
-    Row and column 0 stand for the chunk start, so ``L[t+1, i+1]`` is the log-decay from
-    token ``i`` to token ``t``, ``L[t+1, 0]`` from the start to ``t`` and ``L[C, i+1]`` from
-    ``i`` to the end.
-    """
-    x = jnp.concatenate([jnp.zeros((1,), log_alpha.dtype), log_alpha])
-    lower = jnp.tril(jnp.ones((x.shape[0],) * 2, log_alpha.dtype))
+def segment_sums(log_alpha: Float[Array, " C"]) -> Float[Array, "C C"]:
+    """``L[t, i] = sum(log_alpha[i+1 : t+1])`` for ``t >= i``, else 0: the log-decay from
+    token ``i`` to token ``t``."""
+    chunk = log_alpha.shape[0]
+    lower = jnp.tril(jnp.ones((chunk, chunk), log_alpha.dtype))
     # A cumulative sum down the columns of the masked matrix, as a product with a
     # lower-triangular matrix of ones (XLA:CPU's cumsum is a slow reduce_window). HIGHEST
     # keeps TPU and GPU from rounding the log-decays to bf16 or tf32.
-    masked = jnp.where(jnp.tril(lower, -1) > 0, x[:, None], 0)
+    masked = jnp.where(jnp.tril(lower, -1) > 0, log_alpha[:, None], 0)
     return jnp.matmul(lower, masked, precision=jax.lax.Precision.HIGHEST)
 
 
 def chunk_decays(log_alpha: Float[Array, " C"]) -> ChunkDecays:
-    """Every decay of one chunk, from its gates ``log_alpha [C]`` (each ``<= 0``)."""
+    """Every decay of one chunk, from its gates ``log_alpha [C]`` (each ``<= 0``).
+
+    The sums from the chunk start add the first gate to column 0 of the segment sums, which
+    starts after it: ``g_t = log_alpha_0 + L[t, 0]``.
+    """
     chunk = log_alpha.shape[0]
     seg = segment_sums(log_alpha)
     causal = jnp.tril(jnp.ones((chunk, chunk), bool))
-    within = jnp.where(causal, jnp.exp(seg[1:, 1:]), 0)
-    return ChunkDecays(within, jnp.exp(seg[1:, 0]), jnp.exp(seg[chunk, 1:]), jnp.exp(seg[chunk, 0]))
+    from_start = log_alpha[0] + seg[:, 0]
+    within = jnp.where(causal, jnp.exp(seg), 0)
+    return ChunkDecays(within, jnp.exp(from_start), jnp.exp(seg[-1]), jnp.exp(from_start[-1]))
 
 
 def chunk_decays_bwd(decays: ChunkDecays, cotangents: ChunkDecays) -> Float[Array, " C"]:

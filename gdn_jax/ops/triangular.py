@@ -1,8 +1,8 @@
 """Inverse of a unit lower-triangular matrix from matmuls alone.
 
-Blockwise inversion uses only ``dot`` and reshapes, runs on every backend and is batched
-across chunks and heads by ``vmap``; docs/benchmarks.md records why it is used instead of
-``jax.lax.linalg.triangular_solve``.
+Blockwise inversion uses only ``dot``, slices and reshapes, runs on every backend and is
+batched across chunks and heads by ``vmap``; docs/benchmarks.md records why it is used instead
+of ``jax.lax.linalg.triangular_solve``.
 """
 
 from __future__ import annotations
@@ -24,15 +24,23 @@ def unit_lower_inverse(strict: Float[Array, "C C"]) -> Float[Array, "C C"]:
     size = strict.shape[-1]
     if size & (size - 1):
         raise ValueError(f"unit_lower_inverse: size {size} must be a power of two")
+    # The A21 blocks of every level. Each is a diagonal block of a reshaped matrix; the
+    # diagonal is read by padding the flattened matrix so that consecutive diagonal blocks
+    # start one row apart (a diagonal taken with jnp.diagonal is a gather, which XLA:TPU runs
+    # as a while loop).
+    below, block = {}, 1
+    while block < size:
+        pairs, width = size // (2 * block), 2 * block
+        flat = jnp.pad(strict.reshape(-1), (0, size))
+        skewed = flat.reshape(pairs, size * width + width)[:, : size * width]
+        diag = skewed.reshape(pairs, width, size)[:, :, :width]
+        below[block] = diag[:, block:, :block]
+        block *= 2
     inverse = jnp.ones((size, 1, 1), strict.dtype)  # the 1x1 diagonal blocks of I + strict
     block = 1
     while block < size:
-        pairs = size // (2 * block)
-        # The (2 block x 2 block) diagonal blocks of `strict`, one per pair: [pairs, 2b, 2b].
-        diag = jnp.diagonal(strict.reshape(pairs, 2 * block, pairs, 2 * block), axis1=0, axis2=2)
-        a21 = jnp.moveaxis(diag, -1, 0)[:, block:, :block]
         x11, x22 = inverse[0::2], inverse[1::2]
-        x21 = -(x22 @ a21 @ x11)
+        x21 = -(x22 @ below[block] @ x11)
         top = jnp.concatenate([x11, jnp.zeros_like(x11)], axis=2)
         bottom = jnp.concatenate([x21, x22], axis=2)
         inverse = jnp.concatenate([top, bottom], axis=1)
