@@ -110,22 +110,22 @@ def gated_linear_attention(
     return _batched("gated_linear_attention", LINEAR_RULE, q, k, v, log_alpha, beta, **options)
 
 
-def prepare_batched(q, k, v, log_alpha, beta, initial_state, *, scale, use_qk_l2norm, cu_seqlens):
-    """The batched inputs as the one-head forms take them: in the compute dtype (float32, or
-    float64 for float64 input), q and k L2-normalised when asked, ``q`` pre-scaled, and the
-    initial states (zeros when None) ``[B, HV, V, K]``, or ``[N, HV, V, K]`` for packed
-    ``cu_seqlens``."""
+def prepare_batched(q, k, v, log_alpha, beta, initial_state, *, use_qk_l2norm, cu_seqlens):
+    """The batched inputs as the one-head forms take them: q, k and v in their own dtype (the
+    forms cast them where they compute, so that no compute-dtype copy of them is kept), q and
+    k L2-normalised in the compute dtype (float32, or float64 for float64 input) when asked,
+    the gates in the compute dtype, and the initial states (zeros when None) ``[B, HV, V, K]``,
+    or ``[N, HV, V, K]`` for packed ``cu_seqlens``. ``q`` is not scaled: ``y`` is linear in
+    it, so the callers scale the outputs."""
     key_dim, (v_heads, value_dim) = q.shape[-1], v.shape[2:]
     num_states = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    scale = default_scale(key_dim) if scale is None else scale
     compute = compute_dtype(q, log_alpha, beta, initial_state)
-    q, k = q.astype(compute), k.astype(compute)
     if use_qk_l2norm:
-        q, k = l2_normalize(q), l2_normalize(k)
+        q, k = l2_normalize(q.astype(compute)), l2_normalize(k.astype(compute))
     if initial_state is None:
         initial_state = jnp.zeros((num_states, v_heads, value_dim, key_dim), compute)
-    rest = (x.astype(compute) for x in (v, log_alpha, beta, initial_state))
-    return (q * scale, k, *rest)
+    rest = (x.astype(compute) for x in (log_alpha, beta, initial_state))
+    return (q, k, v, *rest)
 
 
 def over_batch_and_heads(one_head, q, k, v, log_alpha, beta, initial_states, cu_seqlens=None):
@@ -181,7 +181,8 @@ def _batched(
     use_qk_l2norm,
 ):
     """Shared body of ``gated_delta_rule`` and ``gated_linear_attention``: a shape check,
-    the compute-dtype inputs, then ``rule`` in the form ``impl`` over batch and heads."""
+    the prepared inputs, then ``rule`` in the form ``impl`` over batch and heads, and the
+    outputs scaled: ``S (scale q) = scale (S q)``."""
     checks.check_batched(fn, q, k, v, log_alpha, beta, initial_state, cu_seqlens)
     checks.check_scale(fn, scale)
     checks.check_impl(fn, impl)
@@ -195,10 +196,10 @@ def _batched(
         log_alpha,
         beta,
         initial_state,
-        scale=scale,
         use_qk_l2norm=use_qk_l2norm,
         cu_seqlens=cu_seqlens,
     )
+    scale = default_scale(q.shape[-1]) if scale is None else scale
     if impl == "chunked":
         one_head = functools.partial(
             chunked_rule, chunk_size=chunk_size, rule=rule.chunk, schedule=schedule
@@ -206,4 +207,4 @@ def _batched(
     else:
         one_head = functools.partial(recurrent_rule, step=rule.token)
     out, final = over_batch_and_heads(one_head, *inputs, cu_seqlens)
-    return out.astype(v.dtype), final
+    return (scale * out).astype(v.dtype), final

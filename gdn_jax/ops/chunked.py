@@ -49,27 +49,48 @@ from jaxtyping import Array, Float, Int
 from gdn_jax.ops import checks
 from gdn_jax.ops.blocks import scan_blocks, scan_blocks_backward
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR, ChunkDecays, chunk_decays, chunk_decays_bwd
-from gdn_jax.ops.step import core_inputs
+from gdn_jax.ops.step import core_inputs, default_scale
 from gdn_jax.ops.varlen import pack_layout
 from gdn_jax.ops.wy import DELTA, WriteRule
 
 over_chunks = jax.vmap
 
 
+def in_dtype(dtype, *arrays):
+    """``arrays`` cast to ``dtype``: q, k and v stay in their input dtype until a chunk's
+    work reads them."""
+    return tuple(x.astype(dtype) for x in arrays)
+
+
+def in_dtypes(dtypes, arrays):
+    """Each of ``arrays`` cast to its own of ``dtypes`` (gradients back to their inputs')."""
+    return tuple(x.astype(d) for x, d in zip(arrays, dtypes, strict=True))
+
+
+def decayed(x: Float[Array, "C D"], decay: Float[Array, " C"]) -> Float[Array, "C D"]:
+    """``diag(decay) x`` in the decay's (the compute) dtype, from ``x`` in its own."""
+    return x.astype(decay.dtype) * decay[:, None]
+
+
 def state_step(
     state: Float[Array, "V K"],
     w: Float[Array, "C K"] | None,
     u: Float[Array, "C V"],
-    k_to_end: Float[Array, "C K"],
+    k: Float[Array, "C K"],
+    q: Float[Array, "C K"],
+    from_start: Float[Array, " C"],
+    to_end: Float[Array, " C"],
     whole: Float[Array, ""],
-    q_from_start: Float[Array, "C K"],
 ):
     """One chunk of the state pass, with every product that touches the state.
 
-    ``(S [V, K], w [C, K] or None, u [C, V], K diag(exp(g_C - g)) [C, K], exp(g_C),
-    diag(exp(g)) Q [C, K]) -> (S' [V, K], (U [C, V] or (), diag(exp(g)) Q S^T [C, V]))``.
-    ``w`` and the queries read the state in one product.
+    ``(S [V, K], w [C, K] or None, u [C, V], K, Q [C, K], exp(g), exp(g_C - g) [C],
+    exp(g_C)) -> (S' [V, K], (U [C, V] or (), diag(exp(g)) Q S^T [C, V]))``. The keys and
+    queries (in their input dtype) are cast and decayed here, where the products read them:
+    batched over all chunks they would be two more token-sized arrays. ``w`` and the queries
+    read the state in one product.
     """
+    k_to_end, q_from_start = decayed(k, to_end), decayed(q, from_start)
     if w is None:
         return whole * state + u.T @ k_to_end, ((), q_from_start @ state.T)
     chunk = w.shape[0]
@@ -78,26 +99,35 @@ def state_step(
     return whole * state + corrections.T @ k_to_end, (corrections, reads[chunk:])
 
 
-def state_step_bwd(d_end, start, w, u, k_to_end, whole, q_from_start, d_u_intra, d_y):
-    """Pullback of ``state_step`` for one chunk, given its start state.
+def chunk_corrections(start, w, u):
+    """``U = u - w S^T [C, V]`` of one chunk from its start state (``u`` without ``w``)."""
+    return u if w is None else u - w @ start.T
 
-    ``d_end`` is the cotangent of the chunk's end state and ``d_u_intra`` that of ``U`` from
-    the chunk's own outputs. Returns the start state's cotangent and the token-sized
-    ``(U, dU, dY S, dw, d(K diag(exp(g_C - g))), d exp(g_C))``.
+
+def state_step_bwd(d_end, start, w, corrections, k, q, from_start, to_end, whole, d_u_intra, d_y):
+    """Pullback of ``state_step`` for one chunk, as far as it needs the end state's cotangent.
+
+    ``d_end`` is the cotangent of the chunk's end state, ``corrections`` its ``U`` and
+    ``d_u_intra`` the cotangent of ``U`` from the chunk's own outputs. Returns the start
+    state's cotangent and ``(dU, d(K diag(exp(g_C - g))), d exp(g_C))``; the products of the
+    cotangents with the start state itself are ``start_reads``'.
     """
+    k_to_end, q_from_start = decayed(k, to_end), decayed(q, from_start)
     d_u = d_u_intra + k_to_end @ d_end.T
     if w is None:
-        corrections, d_y_start = u, d_y @ start
         d_start = whole * d_end + d_y.T @ q_from_start
-        d_w = ()
     else:
-        corrections = u - w @ start.T
         cotangents = jnp.concatenate([d_y, -d_u])
         d_start = whole * d_end + cotangents.T @ jnp.concatenate([q_from_start, w])
-        d_y_start, d_w = jnp.split(cotangents @ start, 2)
-    d_k_to_end = corrections @ d_end
-    outs = (corrections, d_u, d_y_start, d_w, d_k_to_end, (d_end * start).sum())
-    return d_start, outs
+    return d_start, (d_u, corrections @ d_end, (d_end * start).sum())
+
+
+def start_reads(start, w, d_y, d_u):
+    """The rest of ``state_step``'s pullback: ``(dY S, dw = -dU S)`` (``dw`` is ``()``
+    without ``w``), one product with the start state."""
+    if w is None:
+        return d_y @ start, ()
+    return tuple(jnp.split(jnp.concatenate([d_y, -d_u]) @ start, 2))
 
 
 def chunk_output(
@@ -135,11 +165,9 @@ def chunk_grads(rule: WriteRule, q, k, v, beta, decays, factors, qk, d):
 
 
 def chunk_prepare(rule: WriteRule, q, k, v, log_alpha, beta):
-    """Stage 1 for one chunk: decays, WY factors, and the keys and queries decayed to the
-    chunk's end and from its start."""
+    """Stage 1 for one chunk: its decays and WY factors."""
     decays = chunk_decays(log_alpha)
-    factors = rule.factors(k, v, beta, decays)
-    return decays, factors, k * decays.to_end[:, None], q * decays.from_start[:, None]
+    return decays, rule.factors(k, v, beta, decays)
 
 
 def chunk_forward(
@@ -151,10 +179,12 @@ def chunk_forward(
     log_alpha: Float[Array, " C"],
     beta: Float[Array, " C"],
 ) -> tuple[Float[Array, "V K"], Float[Array, "C V"]]:
-    """All three stages for one chunk: ``(S, chunk inputs) -> (S', Y [C, V])``."""
-    decays, (w, u, _), k_to_end, q_from_start = chunk_prepare(rule, q, k, v, log_alpha, beta)
+    """All three stages for one chunk: ``(S, chunk inputs) -> (S', Y [C, V])``, with q, k
+    and v in their input dtype."""
+    q, k, v = in_dtype(state.dtype, q, k, v)
+    decays, (w, u, _) = chunk_prepare(rule, q, k, v, log_alpha, beta)
     new_state, (corrections, y_start) = state_step(
-        state, w, u, k_to_end, decays.whole, q_from_start
+        state, w, u, k, q, decays.from_start, decays.to_end, decays.whole
     )
     corrections = u if w is None else corrections
     return new_state, chunk_output(q, k, decays, corrections, y_start)
@@ -163,27 +193,34 @@ def chunk_forward(
 def chunk_backward_inputs(rule: WriteRule, q, k, v, log_alpha, beta, d_y):
     """What the reverse state pass needs of one chunk: stage 1 again, ``q k^T`` and the
     cotangent of ``U`` from the chunk's own outputs, ``(Q K^T * Gamma)^T dY``."""
-    prepared = chunk_prepare(rule, q, k, v, log_alpha, beta)
+    decays, factors = chunk_prepare(rule, q, k, v, log_alpha, beta)
     qk = q @ k.T
-    return prepared, qk, (qk * prepared[0].within).T @ d_y
+    return (decays, factors), qk, (qk * decays.within).T @ d_y
 
 
 def chunk_backward(rule: WriteRule, d_end, start, q, k, v, log_alpha, beta, d_y):
-    """The whole backward of one chunk: ``(dS', S, chunk inputs, dY) -> (dS, grads)``."""
-    prepared, qk, d_u_intra = chunk_backward_inputs(rule, q, k, v, log_alpha, beta, d_y)
-    decays, factors, k_to_end, q_from_start = prepared
+    """The whole backward of one chunk: ``(dS', S, chunk inputs, dY) -> (dS, grads)``, with
+    q, k and v and their gradients in their input dtype."""
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    q, k, v = in_dtype(start.dtype, q, k, v)
+    (decays, factors), qk, d_u_intra = chunk_backward_inputs(rule, q, k, v, log_alpha, beta, d_y)
     w, u, _ = factors
-    d_start, outs = state_step_bwd(
-        d_end, start, w, u, k_to_end, decays.whole, q_from_start, d_u_intra, d_y
+    corrections = chunk_corrections(start, w, u)
+    d_start, (d_u, d_k_to_end, d_whole) = state_step_bwd(
+        d_end, start, w, corrections, k, q, *decays[1:], d_u_intra, d_y
     )
-    return d_start, chunk_grads(rule, q, k, v, beta, decays, factors, qk, (d_y, *outs))
+    d_y_start, d_w = start_reads(start, w, d_y, d_u)
+    d = (d_y, corrections, d_u, d_y_start, d_w, d_k_to_end, d_whole)
+    grads = chunk_grads(rule, q, k, v, beta, decays, factors, qk, d)
+    return d_start, (*in_dtypes(dtypes, grads[:3]), *grads[3:])
 
 
 def _hoisted_forward(rule, inputs, initial_states, resets, *, keep_starts):
-    q, k = inputs[:2]
-    prepare = over_chunks(functools.partial(chunk_prepare, rule))
-    decays, (w, u, _), k_to_end, q_from_start = prepare(*inputs)
-    blocks = (w, u, k_to_end, decays.whole, q_from_start)
+    # The scan reads q and k in their input dtype; the batched stages cast them as they read.
+    q_in, k_in = inputs[:2]
+    q, k, v = in_dtype(initial_states.dtype, *inputs[:3])
+    decays, (w, u, _) = over_chunks(functools.partial(chunk_prepare, rule))(q, k, v, *inputs[3:])
+    blocks = (w, u, k_in, q_in, *decays[1:])
     out = scan_blocks(state_step, blocks, initial_states, resets, keep_starts=keep_starts)
     (corrections, y_start), *starts, finals = out
     corrections = u if w is None else corrections
@@ -192,17 +229,26 @@ def _hoisted_forward(rule, inputs, initial_states, resets, *, keep_starts):
 
 
 def _hoisted_backward(rule, inputs, starts, resets, d_ys, d_finals):
-    q, k, v, _, beta = inputs
+    # The barrier keeps XLA from merging this pass's casts and stage 1 with the forward's,
+    # which would keep their compute-dtype results alive from the forward to here.
+    inputs, starts, d_ys = jax.lax.optimization_barrier((inputs, starts, d_ys))
+    q_in, k_in, _, log_alpha, beta = inputs
+    q, k, v = in_dtype(starts.dtype, *inputs[:3])
     backward_inputs = over_chunks(functools.partial(chunk_backward_inputs, rule))
-    prepared, qk, d_u_intra = backward_inputs(*inputs, d_ys)
-    decays, factors, k_to_end, q_from_start = prepared
+    (decays, factors), qk, d_u_intra = backward_inputs(q, k, v, log_alpha, beta, d_ys)
     w, u, _ = factors
-    xs = (starts, w, u, k_to_end, decays.whole, q_from_start, d_u_intra, d_ys)
-    outs, d_initial = scan_blocks_backward(state_step_bwd, xs, d_finals, resets)
-    grads = over_chunks(functools.partial(chunk_grads, rule))(
-        q, k, v, beta, decays, factors, qk, (d_ys, *outs)
+    corrections = over_chunks(chunk_corrections)(starts, w, u)
+    xs = (starts, w, corrections, k_in, q_in, *decays[1:], d_u_intra, d_ys)
+    (d_u, d_k_to_end, d_whole), d_initial = scan_blocks_backward(
+        state_step_bwd, xs, d_finals, resets
     )
-    return grads, d_initial
+    d_y_start, d_w = over_chunks(start_reads)(starts, w, d_ys, d_u)
+    d = (d_ys, corrections, d_u, d_y_start, d_w, d_k_to_end, d_whole)
+    grads = over_chunks(functools.partial(chunk_grads, rule))(
+        q, k, v, beta, decays, factors, qk, d
+    )
+    dtypes = (x.dtype for x in inputs[:3])
+    return (*in_dtypes(dtypes, grads[:3]), *grads[3:]), d_initial
 
 
 def _in_scan_forward(rule, inputs, initial_states, resets, *, keep_starts):
@@ -235,9 +281,11 @@ def resolve_schedule(schedule: checks.Schedule) -> str:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def chunked_core(rule, schedule, q, k, v, log_alpha, beta, initial_states, resets):
-    """The chunked form for one head: q, k ``[NC, C, K]`` (q pre-scaled), v ``[NC, C, V]``,
+    """The chunked form for one head: q, k ``[NC, C, K]`` (q unscaled), v ``[NC, C, V]``,
     gates ``[NC, C]``, ``initial_states [N, V, K]``, ``resets`` as in ``blocks.scan_blocks``;
-    ``rule`` is ``wy.DELTA`` or ``wy.LINEAR``, ``schedule`` a key of ``SCHEDULES``.
+    ``rule`` is ``wy.DELTA`` or ``wy.LINEAR``, ``schedule`` a key of ``SCHEDULES``. It
+    computes in the states' dtype; q, k and v may be narrower and are kept so (also as the
+    residuals of the backward), their gradients in their own dtype.
 
     Returns ``(y [NC, C, V], finals [N, V, K])``.
     """
@@ -282,8 +330,9 @@ def chunked_rule(
     """Lay the tokens out in chunks, run ``chunked_core`` with ``rule`` and ``schedule``, and
     back; the chunked twin of ``recurrent.recurrent_rule``.
 
-    Arrays are in the compute dtype and ``q`` is pre-scaled: q, k ``[T, K]``, v ``[T, V]``,
-    gates ``[T]``, ``initial_states [N, V, K]``. Without ``cu_seqlens`` the tail is padded
+    The gates and states are in the compute dtype, q, k and v in it or narrower, and ``q``
+    is not scaled (the callers scale ``y``): q, k ``[T, K]``, v ``[T, V]``, gates ``[T]``,
+    ``initial_states [N, V, K]``. Without ``cu_seqlens`` the tail is padded
     with inert tokens (zero q, k, v and beta, log_alpha 0: no decay, no write); with it each
     packed sequence starts on a chunk boundary (``varlen.pack_layout``).
     Returns ``(y [T, V], finals [N, V, K])``.
@@ -360,6 +409,7 @@ def gated_delta_rule_chunked(
     checks.check_scale(fn, scale)
     checks.check_chunk_size(fn, chunk_size)
     checks.check_schedule(fn, schedule)
-    inputs = core_inputs(q, k, v, log_alpha, beta, initial_state, scale)
+    inputs = core_inputs(q, k, v, log_alpha, beta, initial_state)
     y, finals = chunked_rule(*inputs, chunk_size=chunk_size, schedule=schedule)
-    return y.astype(v.dtype), finals[0]
+    scale = default_scale(q.shape[-1]) if scale is None else scale
+    return (scale * y).astype(v.dtype), finals[0]

@@ -12,7 +12,7 @@ from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.blocks import scan_blocks
-from gdn_jax.ops.step import core_inputs, token_step
+from gdn_jax.ops.step import core_inputs, default_scale, token_step
 from gdn_jax.ops.varlen import pack_layout
 
 
@@ -26,8 +26,9 @@ def recurrent_core(
     resets=None,
     step=token_step,
 ) -> tuple[Float[Array, "T V"], Float[Array, "N V K"]]:
-    """Scan ``step`` over tokens on compute-dtype arrays (``q`` pre-scaled); see
-    ``scan_blocks``."""
+    """Scan ``step`` over tokens in the states' dtype, which q, k and v are cast to (``q``
+    unscaled); see ``scan_blocks``."""
+    q, k, v = (x.astype(initial_states.dtype) for x in (q, k, v))
     return scan_blocks(step, (q, k, v, log_alpha, beta), initial_states, resets)
 
 
@@ -84,5 +85,6 @@ def gated_delta_rule_recurrent(
     fn = "gated_delta_rule_recurrent"
     checks.check_single_head(fn, q, k, v, log_alpha, beta, initial_state)
     checks.check_scale(fn, scale)
-    y, finals = recurrent_rule(*core_inputs(q, k, v, log_alpha, beta, initial_state, scale))
-    return y.astype(v.dtype), finals[0]
+    y, finals = recurrent_rule(*core_inputs(q, k, v, log_alpha, beta, initial_state))
+    scale = default_scale(q.shape[-1]) if scale is None else scale
+    return (scale * y).astype(v.dtype), finals[0]

@@ -56,6 +56,7 @@ from gdn_jax.ops.api import (
     prepare_batched,
 )
 from gdn_jax.ops.chunked import chunked_rule
+from gdn_jax.ops.step import default_scale
 from gdn_jax.ops.wy import DELTA, WriteRule
 
 
@@ -103,7 +104,8 @@ def seq_parallel_rule(
     """One head over one shard of the tokens, called inside ``jax.shard_map``; the
     sequence-parallel twin of ``chunked.chunked_rule``, with its arguments and results.
 
-    Arrays are in the compute dtype and ``q`` is pre-scaled: q, k ``[T / n, K]``, v
+    The gates and states are in the compute dtype, q, k and v in it or narrower, and ``q`` is
+    not scaled (``chunked_rule``'s contract): q, k ``[T / n, K]``, v
     ``[T / n, V]``, gates ``[T / n]`` are this shard's tokens; ``initial_states [N, V, K]``
     and ``cu_seqlens [N+1]`` (global offsets) are the same on every shard. ``T / n`` need
     not be a multiple of ``chunk_size``.
@@ -327,7 +329,6 @@ def _seq_parallel(
         log_alpha,
         beta,
         initial_state,
-        scale=scale,
         use_qk_l2norm=use_qk_l2norm,
         cu_seqlens=cu_seqlens,
     )
@@ -353,4 +354,5 @@ def _seq_parallel(
         axis_names={axis_name},
     )
     out, final = run(*inputs[:5], *replicated)
-    return out.astype(v.dtype), final
+    scale = default_scale(q.shape[-1]) if scale is None else scale
+    return (scale * out).astype(v.dtype), final

@@ -23,18 +23,20 @@ def compute_dtype(*arrays) -> jnp.dtype:
     return jnp.dtype(jnp.float32)
 
 
-def core_inputs(q, k, v, log_alpha, beta, initial_state, scale):
-    """One head's inputs as the cores take them: in the compute dtype, ``q`` pre-scaled, and
-    the initial state (zeros when None) as a batch of one, ``[1, V, K]``."""
+def core_inputs(q, k, v, log_alpha, beta, initial_state):
+    """One head's inputs as the cores take them: q, k and v as jax arrays in their own dtype
+    (the cores cast them where they compute), the gates in the compute dtype, and the initial
+    state (zeros when None) as a batch of one, ``[1, V, K]``. ``q`` is not scaled: the
+    callers scale the outputs, ``S (scale q) = scale (S q)``."""
     key_dim, value_dim = q.shape[-1], v.shape[-1]
-    scale = default_scale(key_dim) if scale is None else scale
     compute = compute_dtype(q, log_alpha, beta, initial_state)
     if initial_state is None:
         initial_state = jnp.zeros((value_dim, key_dim), compute)
-    q, k, v, log_alpha, beta, initial_state = (
-        jnp.asarray(x, compute) for x in (q, k, v, log_alpha, beta, initial_state)
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    log_alpha, beta, initial_state = (
+        jnp.asarray(x, compute) for x in (log_alpha, beta, initial_state)
     )
-    return q * scale, k, v, log_alpha, beta, initial_state[None]
+    return q, k, v, log_alpha, beta, initial_state[None]
 
 
 def token_step(

@@ -24,18 +24,14 @@ def unit_lower_inverse(strict: Float[Array, "C C"]) -> Float[Array, "C C"]:
     size = strict.shape[-1]
     if size & (size - 1):
         raise ValueError(f"unit_lower_inverse: size {size} must be a power of two")
-    # The A21 blocks of every level. Each is a diagonal block of a reshaped matrix; the
-    # diagonal is read by padding the flattened matrix so that consecutive diagonal blocks
-    # start one row apart (a diagonal taken with jnp.diagonal is a gather, which XLA:TPU runs
-    # as a while loop).
-    below, block = {}, 1
-    while block < size:
-        pairs, width = size // (2 * block), 2 * block
-        flat = jnp.pad(strict.reshape(-1), (0, size))
-        skewed = flat.reshape(pairs, size * width + width)[:, : size * width]
-        diag = skewed.reshape(pairs, width, size)[:, :, :width]
+    # The A21 blocks of every level, found by halving the diagonal blocks with slices: a
+    # diagonal taken across blocks would be a gather, which XLA:TPU runs as a while loop.
+    below = {}
+    diag, block = strict[None], size // 2
+    while block >= 1:
         below[block] = diag[:, block:, :block]
-        block *= 2
+        halves = jnp.stack([diag[:, :block, :block], diag[:, block:, block:]], axis=1)
+        diag, block = halves.reshape(-1, block, block), block // 2
     inverse = jnp.ones((size, 1, 1), strict.dtype)  # the 1x1 diagonal blocks of I + strict
     block = 1
     while block < size:
