@@ -110,7 +110,8 @@ def state_step_bwd(d_end, start, w, corrections, k, q, from_start, to_end, whole
     ``d_end`` is the cotangent of the chunk's end state, ``corrections`` its ``U`` and
     ``d_u_intra`` the cotangent of ``U`` from the chunk's own outputs. Returns the start
     state's cotangent and ``(dU, d(K diag(exp(g_C - g))), d exp(g_C))``; the products of the
-    cotangents with the start state itself are ``start_reads``'.
+    cotangents with the start state itself (``dY S``, ``dw = -dU S``) are left to
+    ``chunk_grads``, which needs no carried state.
     """
     k_to_end, q_from_start = decayed(k, to_end), decayed(q, from_start)
     d_u = d_u_intra + k_to_end @ d_end.T
@@ -120,14 +121,6 @@ def state_step_bwd(d_end, start, w, corrections, k, q, from_start, to_end, whole
         cotangents = jnp.concatenate([d_y, -d_u])
         d_start = whole * d_end + cotangents.T @ jnp.concatenate([q_from_start, w])
     return d_start, (d_u, corrections @ d_end, (d_end * start).sum())
-
-
-def start_reads(start, w, d_y, d_u):
-    """The rest of ``state_step``'s pullback: ``(dY S, dw = -dU S)`` (``dw`` is ``()``
-    without ``w``), one product with the start state."""
-    if w is None:
-        return d_y @ start, ()
-    return tuple(jnp.split(jnp.concatenate([d_y, -d_u]) @ start, 2))
 
 
 def chunk_output(
@@ -143,14 +136,23 @@ def chunk_output(
     return y_start + attn_CxC @ corrections
 
 
-def chunk_grads(rule: WriteRule, q, k, v, beta, decays, factors, qk, d):
-    """Gradients of one chunk's q, k, v, beta and log_alpha from ``q k^T`` and what the
-    reverse state pass returned, ``d = (dY, U, dU, dY S, dw, d(K diag(exp(g_C - g))),
-    d exp(g_C))``."""
-    d_y, corrections, d_u, d_y_start, d_w, d_k_to_end, d_whole = d
+def chunk_grads(rule: WriteRule, q, k, v, log_alpha, beta, inverse, start, d):
+    """Gradients of one chunk's q, k, v, beta and log_alpha from its inputs, ``T`` (``None``
+    without the delta correction), its start state ``S`` and what the reverse state pass
+    returned, ``d = (dY, U, dU, d(K diag(exp(g_C - g))), d exp(g_C))``.
+
+    The decays and ``q k^T`` are formed again here rather than passed in: where the forward
+    of the chunk runs in the same program (the in-scan schedule) XLA merges the two, and in
+    the hoisted backward, which forms them again after its loop, no ``[C, C]`` array per
+    chunk is kept through the loop.
+    """
+    d_y, corrections, d_u, d_k_to_end, d_whole = d
+    decays = chunk_decays(log_alpha)
+    qk = q @ k.T
     d_y_u = d_y @ corrections.T
     d_attn = d_y_u * decays.within
-    grads = rule.factors_bwd(k, v, beta, decays, factors, d_w, d_u)
+    d_y_start = d_y @ start
+    grads = rule.factors_bwd(k, v, beta, decays, inverse, start, corrections, d_u)
     d_q = d_y_start * decays.from_start[:, None] + d_attn @ k
     d_k = d_attn.T @ q + d_k_to_end * decays.to_end[:, None] + grads.k
     if grads.gram is not None:
@@ -191,11 +193,10 @@ def chunk_forward(
 
 
 def chunk_backward_inputs(rule: WriteRule, q, k, v, log_alpha, beta, d_y):
-    """What the reverse state pass needs of one chunk: stage 1 again, ``q k^T`` and the
-    cotangent of ``U`` from the chunk's own outputs, ``(Q K^T * Gamma)^T dY``."""
+    """What the reverse state pass needs of one chunk: stage 1 again and the cotangent of
+    ``U`` from the chunk's own outputs, ``(Q K^T * Gamma)^T dY``."""
     decays, factors = chunk_prepare(rule, q, k, v, log_alpha, beta)
-    qk = q @ k.T
-    return (decays, factors), qk, (qk * decays.within).T @ d_y
+    return decays, factors, ((q @ k.T) * decays.within).T @ d_y
 
 
 def chunk_backward(rule: WriteRule, d_end, start, q, k, v, log_alpha, beta, d_y):
@@ -203,15 +204,15 @@ def chunk_backward(rule: WriteRule, d_end, start, q, k, v, log_alpha, beta, d_y)
     q, k and v and their gradients in their input dtype."""
     dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v = in_dtype(start.dtype, q, k, v)
-    (decays, factors), qk, d_u_intra = chunk_backward_inputs(rule, q, k, v, log_alpha, beta, d_y)
-    w, u, _ = factors
+    decays, (w, u, inverse), d_u_intra = chunk_backward_inputs(
+        rule, q, k, v, log_alpha, beta, d_y
+    )
     corrections = chunk_corrections(start, w, u)
     d_start, (d_u, d_k_to_end, d_whole) = state_step_bwd(
         d_end, start, w, corrections, k, q, *decays[1:], d_u_intra, d_y
     )
-    d_y_start, d_w = start_reads(start, w, d_y, d_u)
-    d = (d_y, corrections, d_u, d_y_start, d_w, d_k_to_end, d_whole)
-    grads = chunk_grads(rule, q, k, v, beta, decays, factors, qk, d)
+    d = (d_y, corrections, d_u, d_k_to_end, d_whole)
+    grads = chunk_grads(rule, q, k, v, log_alpha, beta, inverse, start, d)
     return d_start, (*in_dtypes(dtypes, grads[:3]), *grads[3:])
 
 
@@ -229,23 +230,23 @@ def _hoisted_forward(rule, inputs, initial_states, resets, *, keep_starts):
 
 
 def _hoisted_backward(rule, inputs, starts, resets, d_ys, d_finals):
-    # The barrier keeps XLA from merging this pass's casts and stage 1 with the forward's,
-    # which would keep their compute-dtype results alive from the forward to here.
+    # The barriers keep XLA from merging this pass's casts and [C, C] matrices with the
+    # forward's or across the loop, which would keep them alive from one to the other.
     inputs, starts, d_ys = jax.lax.optimization_barrier((inputs, starts, d_ys))
     q_in, k_in, _, log_alpha, beta = inputs
     q, k, v = in_dtype(starts.dtype, *inputs[:3])
     backward_inputs = over_chunks(functools.partial(chunk_backward_inputs, rule))
-    (decays, factors), qk, d_u_intra = backward_inputs(q, k, v, log_alpha, beta, d_ys)
-    w, u, _ = factors
+    decays, (w, u, inverse), d_u_intra = backward_inputs(q, k, v, log_alpha, beta, d_ys)
     corrections = over_chunks(chunk_corrections)(starts, w, u)
     xs = (starts, w, corrections, k_in, q_in, *decays[1:], d_u_intra, d_ys)
     (d_u, d_k_to_end, d_whole), d_initial = scan_blocks_backward(
         state_step_bwd, xs, d_finals, resets
     )
-    d_y_start, d_w = over_chunks(start_reads)(starts, w, d_ys, d_u)
-    d = (d_ys, corrections, d_u, d_y_start, d_w, d_k_to_end, d_whole)
+    inputs, d_u = jax.lax.optimization_barrier((inputs, d_u))
+    q, k, v = in_dtype(starts.dtype, *inputs[:3])
+    d = (d_ys, corrections, d_u, d_k_to_end, d_whole)
     grads = over_chunks(functools.partial(chunk_grads, rule))(
-        q, k, v, beta, decays, factors, qk, d
+        q, k, v, *inputs[3:], inverse, starts, d
     )
     dtypes = (x.dtype for x in inputs[:3])
     return (*in_dtypes(dtypes, grads[:3]), *grads[3:]), d_initial

@@ -11,9 +11,10 @@ so with ``T = (I + A)^{-1}`` the corrections are ``U = u - w S^T`` for the WY fa
 only and are computed for all chunks at once. Without the delta correction (gated linear
 attention) ``U = diag(beta) V`` and there is no ``w``.
 
-Backward, from cotangents ``dw`` and ``du``: with ``dKb = T^T dw`` and ``dVb = T^T du`` the
-cotangent of ``A`` is ``-(dVb u^T + dKb w^T)`` on the strict lower triangle, since
-``d(I + A)^{-1} = -T dA T``.
+Backward, from the cotangent ``dU`` of the corrections: ``U = T (diag(beta) V -
+diag(beta exp(g)) K S^T)``, so with ``dVb = T^T dU`` the cotangents of ``diag(beta) V`` and
+``diag(beta exp(g)) K`` are ``dVb`` and ``-dVb S``, and that of ``A`` is ``-dVb U^T`` on the
+strict lower triangle, since ``d(I + A)^{-1} = -T dA T``. Neither ``w`` nor ``u`` is needed.
 """
 
 from __future__ import annotations
@@ -40,22 +41,26 @@ class FactorGrads(NamedTuple):
 
 
 def delta_factors(k, v, beta, decays: ChunkDecays):
-    """``(w [C, K], u [C, V], (T, k k^T) [C, C])`` for k ``[C, K]``, v ``[C, V]``, beta
-    ``[C]``; ``w`` and ``u`` come from one product of ``T`` with ``[k | v]``."""
+    """``(w [C, K], u [C, V], T [C, C])`` for k ``[C, K]``, v ``[C, V]``, beta ``[C]``; ``w``
+    and ``u`` come from one product of ``T`` with ``[k | v]``."""
     key_dim = k.shape[1]
-    gram = k @ k.T
-    inverse = unit_lower_inverse(jnp.tril(beta[:, None] * gram * decays.within, -1))
+    inverse = unit_lower_inverse(jnp.tril(beta[:, None] * (k @ k.T) * decays.within, -1))
     k_beta = k * (beta * decays.from_start)[:, None]
     w, u = jnp.split(inverse @ jnp.concatenate([k_beta, v * beta[:, None]], 1), [key_dim], 1)
-    return w, u, (inverse, gram)
+    return w, u, inverse
 
 
-def delta_factors_bwd(k, v, beta, decays: ChunkDecays, factors, d_w, d_u) -> FactorGrads:
-    w, u, (inverse, gram) = factors
-    key_dim = k.shape[1]
-    d_kv_beta = inverse.T @ jnp.concatenate([d_w, d_u], 1)
-    d_strict = -jnp.tril(d_kv_beta @ jnp.concatenate([w, u], 1).T, -1)
-    d_k_beta, d_v_beta = jnp.split(d_kv_beta, [key_dim], 1)
+def delta_factors_bwd(
+    k, v, beta, decays: ChunkDecays, inverse, start, corrections, d_corrections
+) -> FactorGrads:
+    """The cotangents from ``dU [C, V]`` given ``T``, the start state ``S`` and ``U``. ``k
+    k^T`` is formed again here rather than kept from the forward: under one jit XLA merges the
+    two products, and where they are apart (the hoisted backward) it saves keeping a
+    ``[C, C]`` array per chunk."""
+    gram = k @ k.T
+    d_v_beta = inverse.T @ d_corrections
+    d_k_beta = -(d_v_beta @ start)
+    d_strict = -jnp.tril(d_v_beta @ corrections.T, -1)
     d_decayed = d_strict * decays.within  # cotangent of beta_t * (k k^T)_ti
     d_k_proj = (d_k_beta * k).sum(1)
     return FactorGrads(
@@ -74,14 +79,17 @@ def linear_factors(k, v, beta, decays: ChunkDecays):
     return None, v * beta[:, None], None
 
 
-def linear_factors_bwd(k, v, beta, decays: ChunkDecays, factors, d_w, d_u) -> FactorGrads:
-    del factors, d_w
+def linear_factors_bwd(
+    k, v, beta, decays: ChunkDecays, inverse, start, corrections, d_corrections
+) -> FactorGrads:
+    """The cotangents from ``dU`` of ``U = diag(beta) V``."""
+    del inverse, start, corrections
     zero = jnp.zeros_like(beta)
     return FactorGrads(
         k=jnp.zeros_like(k),
         gram=None,
-        v=d_u * beta[:, None],
-        beta=(d_u * v).sum(1),
+        v=d_corrections * beta[:, None],
+        beta=(d_corrections * v).sum(1),
         within=jnp.zeros_like(decays.within),
         from_start=zero,
     )
