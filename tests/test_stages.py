@@ -4,8 +4,8 @@ Each comparison runs under one jit: one compilation per test instead of one per 
 
 One chunk, float64, random cotangents: the decays (``chunk_decays_bwd``), the WY factors
 (``delta_factors_bwd``, ``linear_factors_bwd``), one step of the state pass
-(``state_step_bwd``), and all of them composed by ``chunk_grads`` as ``_chunked_core_bwd``
-wires them, against autodiff of the one-chunk forward.
+(``state_step_bwd``), and all of them composed by ``chunk_grads`` as ``chunk_backward``
+wires them, against autodiff of the one-chunk forward (``chunk_forward``).
 """
 
 import jax
@@ -15,7 +15,13 @@ import pytest
 from reference import random_inputs, random_state
 from tolerance import assert_close
 
-from gdn_jax.ops.chunked import chunk_grads, chunk_output, state_step, state_step_bwd
+from gdn_jax.ops.chunked import (
+    chunk_backward,
+    chunk_corrections,
+    chunk_forward,
+    state_step,
+    state_step_bwd,
+)
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR, ChunkDecays, chunk_decays, chunk_decays_bwd
 from gdn_jax.ops.wy import DELTA, LINEAR
 
@@ -57,16 +63,20 @@ def test_chunk_decays_bwd(chunk, key_dim, value_dim, edges):
 @RULES
 def test_factors_bwd(chunk, key_dim, value_dim, rule):
     _, k, v, log_alpha, beta = random_inputs(1, chunk, key_dim, value_dim, dtype=F64)
-    d_w = None if rule is LINEAR else cotangent(5, chunk, key_dim)
-    d_u = cotangent(6, chunk, value_dim)
+    start = cotangent(5, value_dim, key_dim)
+    d_corrections = cotangent(6, chunk, value_dim)
+
+    def corrections_of(k, v, beta, decays):
+        w, u, _ = rule.factors(k, v, beta, decays)
+        return chunk_corrections(start, w, u)
 
     @jax.jit
-    def pairs(k, v, beta, log_alpha, d_w, d_u):
+    def pairs(k, v, beta, log_alpha, d_corrections):
         decays = chunk_decays(log_alpha)
-        factors = rule.factors(k, v, beta, decays)
-        _, pullback = jax.vjp(lambda *a: rule.factors(*a)[:2], k, v, beta, decays)
-        d_k, d_v, d_beta, d_decays = pullback((d_w, d_u))
-        grads = rule.factors_bwd(k, v, beta, decays, factors, d_w, d_u)
+        _, _, inverse = rule.factors(k, v, beta, decays)
+        corrections, pullback = jax.vjp(corrections_of, k, v, beta, decays)
+        d_k, d_v, d_beta, d_decays = pullback(d_corrections)
+        grads = rule.factors_bwd(k, v, beta, decays, inverse, start, corrections, d_corrections)
         # The cotangent of k k^T is left for the caller to fold into dk (chunk_grads does).
         grads_k = grads.k if grads.gram is None else grads.k + (grads.gram + grads.gram.T) @ k
         # delta_factors reads `within` only through tril(., -1), so autodiff's cotangent is
@@ -80,16 +90,18 @@ def test_factors_bwd(chunk, key_dim, value_dim, rule):
             "d from_start": (grads.from_start, d_decays.from_start),
         }, d_decays
 
-    compared, d_decays = pairs(k, v, beta, log_alpha, d_w, d_u)
+    compared, d_decays = pairs(k, v, beta, log_alpha, d_corrections)
     check(compared)
     # FactorGrads has no fields for the decays the factors do not read.
     assert not np.any(d_decays.to_end) and not np.any(d_decays.whole)
 
 
 def step_with_corrections(start, w, u, k_to_end, whole, q_from_start):
-    """``state_step`` returning ``U`` in both rules (without ``w`` it is ``u``, as in
-    ``_staged_forward``), so that the cotangent of ``U`` from the outputs reaches ``u``."""
-    end, (corrections, y_start) = state_step(start, w, u, k_to_end, whole, q_from_start)
+    """``state_step`` on keys and queries already decayed, returning ``U`` in both rules
+    (without ``w`` it is ``u``, as in ``chunk_forward``), so that the cotangent of ``U`` from
+    the outputs reaches ``u``."""
+    ones = jnp.ones(u.shape[0], u.dtype)
+    end, (corrections, y_start) = state_step(start, w, u, k_to_end, q_from_start, ones, ones, whole)
     return end, (u if w is None else corrections), y_start
 
 
@@ -110,57 +122,43 @@ def test_state_step_bwd(chunk, key_dim, value_dim, rule):
         primals = (start, w, u, k_to_end, decays.whole, q_from_start)
         (_, corrections, _), pullback = jax.vjp(step_with_corrections, *primals)
         d_start, d_w, d_u, d_k_to_end, d_whole, d_q_from_start = pullback((d_end, d_u_intra, d_y))
-        got_start, outs = state_step_bwd(d_end, *primals, d_u_intra, d_y)
-        got_corrections, got_u, got_y_start, got_w, got_k_to_end, got_whole = outs
+        got_corrections = chunk_corrections(start, w, u)
+        got_start, outs = state_step_bwd(
+            d_end, start, w, got_corrections, k, q, *decays[1:], d_u_intra, d_y
+        )
+        got_u, got_k_to_end, got_whole = outs
         compared = {
             "U": (got_corrections, corrections),
             "d start": (got_start, d_start),
             "dU": (got_u, d_u),
-            "dY S": (got_y_start, d_q_from_start),
+            # The products with the start state that chunk_grads and the WY backward form.
+            "dY S": (d_y @ start, d_q_from_start),
             "d k_to_end": (got_k_to_end, d_k_to_end),
             "d whole": (got_whole, d_whole),
         }
         if w is not None:
-            compared["dw"] = (got_w, d_w)
+            compared["dw"] = (-got_u @ start, d_w)
         return compared
 
     check(pairs(q, k, v, log_alpha, beta, start, d_end, d_u_intra, d_y))
 
 
-def one_chunk(rule, q, k, v, log_alpha, beta, start):
-    """``(Y, S')`` of one chunk from its start state, by the stages of the forward."""
-    decays = chunk_decays(log_alpha)
-    w, u, _ = rule.factors(k, v, beta, decays)
-    k_to_end, q_from_start = k * decays.to_end[:, None], q * decays.from_start[:, None]
-    end, corrections, y_start = step_with_corrections(
-        start, w, u, k_to_end, decays.whole, q_from_start
-    )
-    return chunk_output(q, k, decays, corrections, y_start), end
-
-
 @SIZES
 @RULES
-def test_chunk_grads(chunk, key_dim, value_dim, rule):
+def test_chunk_backward(chunk, key_dim, value_dim, rule):
     q, k, v, log_alpha, beta = random_inputs(3, chunk, key_dim, value_dim, dtype=F64)
     start = cotangent(11, value_dim, key_dim)
     d_y, d_end = cotangent(12, chunk, value_dim), cotangent(13, value_dim, key_dim)
 
     @jax.jit
     def pairs(q, k, v, log_alpha, beta, start, d_y, d_end):
-        _, pullback = jax.vjp(lambda *a: one_chunk(rule, *a), q, k, v, log_alpha, beta, start)
-        expected = pullback((d_y, d_end))
-        # The backward as _chunked_core_bwd wires it, for one chunk.
-        decays = chunk_decays(log_alpha)
-        factors = rule.factors(k, v, beta, decays)
-        qk = q @ k.T
-        d_u_intra = (qk * decays.within).T @ d_y
-        k_to_end, q_from_start = k * decays.to_end[:, None], q * decays.from_start[:, None]
-        d_start, outs = state_step_bwd(
-            d_end, start, *factors[:2], k_to_end, decays.whole, q_from_start, d_u_intra, d_y
-        )
-        d_q, d_k, d_v, d_beta, d_log_alpha = chunk_grads(
-            rule, q, k, v, beta, decays, factors, qk, (d_y, *outs)
-        )
+        def forward(*args):
+            return chunk_forward(rule, args[-1], *args[:-1])
+
+        _, pullback = jax.vjp(forward, q, k, v, log_alpha, beta, start)
+        expected = pullback((d_end, d_y))
+        d_start, grads = chunk_backward(rule, d_end, start, q, k, v, log_alpha, beta, d_y)
+        d_q, d_k, d_v, d_beta, d_log_alpha = grads
         actual = (d_q, d_k, d_v, d_log_alpha, d_beta, d_start)
         names = ("dq", "dk", "dv", "d log_alpha", "dbeta", "d start")
         return {n: (a, e) for n, a, e in zip(names, actual, expected, strict=True)}

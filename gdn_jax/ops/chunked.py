@@ -67,7 +67,7 @@ def in_dtypes(dtypes, arrays):
     return tuple(x.astype(d) for x, d in zip(arrays, dtypes, strict=True))
 
 
-def decayed(x: Float[Array, "C D"], decay: Float[Array, " C"]) -> Float[Array, "C D"]:
+def decayed(x: Float[Array, "C K"], decay: Float[Array, " C"]) -> Float[Array, "C K"]:
     """``diag(decay) x`` in the decay's (the compute) dtype, from ``x`` in its own."""
     return x.astype(decay.dtype) * decay[:, None]
 
@@ -204,9 +204,7 @@ def chunk_backward(rule: WriteRule, d_end, start, q, k, v, log_alpha, beta, d_y)
     q, k and v and their gradients in their input dtype."""
     dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v = in_dtype(start.dtype, q, k, v)
-    decays, (w, u, inverse), d_u_intra = chunk_backward_inputs(
-        rule, q, k, v, log_alpha, beta, d_y
-    )
+    decays, (w, u, inverse), d_u_intra = chunk_backward_inputs(rule, q, k, v, log_alpha, beta, d_y)
     corrections = chunk_corrections(start, w, u)
     d_start, (d_u, d_k_to_end, d_whole) = state_step_bwd(
         d_end, start, w, corrections, k, q, *decays[1:], d_u_intra, d_y
