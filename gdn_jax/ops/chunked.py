@@ -99,28 +99,23 @@ def state_step(
     return whole * state + corrections.T @ k_to_end, (corrections, reads[chunk:])
 
 
-def chunk_corrections(start, w, u):
-    """``U = u - w S^T [C, V]`` of one chunk from its start state (``u`` without ``w``)."""
-    return u if w is None else u - w @ start.T
+def state_step_bwd(d_end, start, w, u, k, q, from_start, to_end, whole, d_u_intra, d_y):
+    """Pullback of ``state_step`` for one chunk, given its start state.
 
-
-def state_step_bwd(d_end, start, w, corrections, k, q, from_start, to_end, whole, d_u_intra, d_y):
-    """Pullback of ``state_step`` for one chunk, as far as it needs the end state's cotangent.
-
-    ``d_end`` is the cotangent of the chunk's end state, ``corrections`` its ``U`` and
-    ``d_u_intra`` the cotangent of ``U`` from the chunk's own outputs. Returns the start
-    state's cotangent and ``(dU, d(K diag(exp(g_C - g))), d exp(g_C))``; the products of the
-    cotangents with the start state itself (``dY S``, ``dw = -dU S``) are left to
-    ``chunk_grads``, which needs no carried state.
+    ``d_end`` is the cotangent of the chunk's end state and ``d_u_intra`` that of ``U`` from
+    the chunk's own outputs. Returns the start state's cotangent and the token-sized ``(U,
+    dU, d(K diag(exp(g_C - g))), d exp(g_C))``. The cotangents' products with the start
+    state, ``dY S`` and ``dw = -dU S``, need no carried state: ``chunk_grads`` forms them.
     """
     k_to_end, q_from_start = decayed(k, to_end), decayed(q, from_start)
+    corrections = u if w is None else u - w @ start.T
     d_u = d_u_intra + k_to_end @ d_end.T
     if w is None:
         d_start = whole * d_end + d_y.T @ q_from_start
     else:
         cotangents = jnp.concatenate([d_y, -d_u])
         d_start = whole * d_end + cotangents.T @ jnp.concatenate([q_from_start, w])
-    return d_start, (d_u, corrections @ d_end, (d_end * start).sum())
+    return d_start, (corrections, d_u, corrections @ d_end, (d_end * start).sum())
 
 
 def chunk_output(
@@ -205,9 +200,8 @@ def chunk_backward(rule: WriteRule, d_end, start, q, k, v, log_alpha, beta, d_y)
     dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v = in_dtype(start.dtype, q, k, v)
     decays, (w, u, inverse), d_u_intra = chunk_backward_inputs(rule, q, k, v, log_alpha, beta, d_y)
-    corrections = chunk_corrections(start, w, u)
-    d_start, (d_u, d_k_to_end, d_whole) = state_step_bwd(
-        d_end, start, w, corrections, k, q, *decays[1:], d_u_intra, d_y
+    d_start, (corrections, d_u, d_k_to_end, d_whole) = state_step_bwd(
+        d_end, start, w, u, k, q, *decays[1:], d_u_intra, d_y
     )
     d = (d_y, corrections, d_u, d_k_to_end, d_whole)
     grads = chunk_grads(rule, q, k, v, log_alpha, beta, inverse, start, d)
@@ -235,9 +229,8 @@ def _hoisted_backward(rule, inputs, starts, resets, d_ys, d_finals):
     q, k, v = in_dtype(starts.dtype, *inputs[:3])
     backward_inputs = over_chunks(functools.partial(chunk_backward_inputs, rule))
     decays, (w, u, inverse), d_u_intra = backward_inputs(q, k, v, log_alpha, beta, d_ys)
-    corrections = over_chunks(chunk_corrections)(starts, w, u)
-    xs = (starts, w, corrections, k_in, q_in, *decays[1:], d_u_intra, d_ys)
-    (d_u, d_k_to_end, d_whole), d_initial = scan_blocks_backward(
+    xs = (starts, w, u, k_in, q_in, *decays[1:], d_u_intra, d_ys)
+    (corrections, d_u, d_k_to_end, d_whole), d_initial = scan_blocks_backward(
         state_step_bwd, xs, d_finals, resets
     )
     inputs, d_u = jax.lax.optimization_barrier((inputs, d_u))
