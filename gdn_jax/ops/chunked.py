@@ -222,9 +222,6 @@ def _hoisted_forward(rule, inputs, initial_states, resets, *, keep_starts):
 
 
 def _hoisted_backward(rule, inputs, starts, resets, d_ys, d_finals):
-    # The barriers keep XLA from merging this pass's casts and [C, C] matrices with the
-    # forward's or across the loop, which would keep them alive from one to the other.
-    inputs, starts, d_ys = jax.lax.optimization_barrier((inputs, starts, d_ys))
     q_in, k_in, _, log_alpha, beta = inputs
     q, k, v = in_dtype(starts.dtype, *inputs[:3])
     backward_inputs = over_chunks(functools.partial(chunk_backward_inputs, rule))
@@ -233,6 +230,8 @@ def _hoisted_backward(rule, inputs, starts, resets, d_ys, d_finals):
     (corrections, d_u, d_k_to_end, d_whole), d_initial = scan_blocks_backward(
         state_step_bwd, xs, d_finals, resets
     )
+    # chunk_grads forms the chunks' decays, q k^T and k k^T again after the loop rather than
+    # keep them through it; the barrier keeps XLA from merging them with those before it.
     inputs, d_u = jax.lax.optimization_barrier((inputs, d_u))
     q, k, v = in_dtype(starts.dtype, *inputs[:3])
     d = (d_ys, corrections, d_u, d_k_to_end, d_whole)
