@@ -230,9 +230,13 @@ def _hoisted_backward(rule, inputs, starts, resets, d_ys, d_finals):
     (corrections, d_u, d_k_to_end, d_whole), d_initial = scan_blocks_backward(
         state_step_bwd, xs, d_finals, resets
     )
-    # chunk_grads forms the chunks' decays, q k^T and k k^T again after the loop rather than
-    # keep them through it; the barrier keeps XLA from merging them with those before it.
-    inputs, d_u = jax.lax.optimization_barrier((inputs, d_u))
+    # chunk_grads forms the chunks' decays, q k^T and k k^T again. Off CPU they are formed
+    # again indeed, after the loop, rather than kept through it: a barrier keeps XLA from
+    # merging them with those before it. On CPU, where memory is plenty and the batched
+    # products are slow, XLA merges them (docs/benchmarks.md).
+    inputs, d_u = jax.lax.platform_dependent(
+        inputs, d_u, cpu=lambda *a: a, default=lambda *a: jax.lax.optimization_barrier(a)
+    )
     q, k, v = in_dtype(starts.dtype, *inputs[:3])
     d = (d_ys, corrections, d_u, d_k_to_end, d_whole)
     grads = over_chunks(functools.partial(chunk_grads, rule))(
