@@ -41,13 +41,12 @@ class FactorGrads(NamedTuple):
 
 
 def delta_factors(k, v, beta, decays: ChunkDecays):
-    """``(w [C, K], u [C, V], T [C, C])`` for k ``[C, K]``, v ``[C, V]``, beta ``[C]``; ``w``
-    and ``u`` come from one product of ``T`` with ``[k | v]``."""
-    key_dim = k.shape[1]
+    """``(w [C, K], u [C, V], T [C, C])`` for k ``[C, K]``, v ``[C, V]``, beta ``[C]``. ``w``
+    and ``u`` are two products with ``T``: one with ``[k | v]`` made XLA:TPU keep the product
+    and its two halves at once, and ran slower on CPU."""
     inverse = unit_lower_inverse(jnp.tril(beta[:, None] * (k @ k.T) * decays.within, -1))
-    k_beta = k * (beta * decays.from_start)[:, None]
-    w, u = jnp.split(inverse @ jnp.concatenate([k_beta, v * beta[:, None]], 1), [key_dim], 1)
-    return w, u, inverse
+    w = inverse @ (k * (beta * decays.from_start)[:, None])
+    return w, inverse @ (v * beta[:, None]), inverse
 
 
 def delta_factors_bwd(
