@@ -16,20 +16,26 @@ al., 2025, Sec. 3.3; flash-linear-attention's ``chunk_gated_delta_rule`` has the
 
 The backward is written by hand in the same stages. One reverse scan carries the state's
 cotangent, ``dS = exp(g_C) dS' + dY^T diag(exp(g)) Q - dU^T w`` with ``dU = (Q K^T *
-Gamma)^T dY + diag(exp(g_C - g)) K dS'^T``, and forms the products with each chunk's start
-state there (``dY S``, ``dw = -dU S``, ``U dS'``), so only token-sized arrays leave it; every
-input's gradient then follows chunk by chunk. Between the forward and the backward only the
-inputs and each chunk's start state are kept.
+Gamma)^T dY + diag(exp(g_C - g)) K dS'^T``, and forms there the products with the carried
+cotangent and ``U = u - w S^T``; only token-sized arrays leave it (``U``, ``dU``, ``U dS'``).
+Every input's gradient then follows chunk by chunk, with the products of the cotangents
+with the chunk's start state, which need nothing carried (``dY S``, and ``dw = -dU S`` in
+the WY backward). Between the forward and the backward only the inputs, in their own dtype,
+and each chunk's start state are kept.
 
 Stages 1 and 3 and the gradients run either hoisted out of the scan and batched over all
 chunks (``"hoisted"``: only state-sized products inside the loop, the shape GPUs and TPUs
 need) or inside the scan, one chunk per step (``"in_scan"``: faster on CPU, where a chunk's
-intermediates then stay in cache). Both compose the same per-chunk functions.
+intermediates then stay in cache). Both compose the same per-chunk functions. What the
+hoisted schedule keeps is held down for the accelerators' memory (docs/benchmarks.md): q, k
+and v stay in their input dtype until a chunk's work reads them, the loops decay the keys
+and queries themselves, and the backward forms its chunks' ``[C, C]`` matrices other than
+``T`` again after its loop instead of keeping them through it.
 
 A NaN or inf goes further back than in the recurrent form, to the start of its chunk. A NaN
 in k, v, log_alpha or beta at token t reaches the recurrent outputs from t on, but the
 chunked ones from the start of t's chunk on: the in-chunk products are dense matmuls (the
-segment sums, ``T [k | v]``, ``(Q K^T * Gamma) U``) in which the exact zeros of the causal
+segment sums, ``T k``, ``T v``, ``(Q K^T * Gamma) U``) in which the exact zeros of the causal
 structure multiply it, and 0 * NaN = NaN. Selecting with ``where`` before the products does
 not help, since the zeros meet the NaN inside the matmul; only per-row masked products,
 ``C`` times the work, would. A NaN in q reaches ``y_t`` alone in both forms; outputs before
