@@ -137,18 +137,17 @@ def chunk_output(
     return y_start + attn_CxC @ corrections
 
 
-def chunk_grads(rule: WriteRule, q, k, v, log_alpha, beta, inverse, start, d):
-    """Gradients of one chunk's q, k, v, beta and log_alpha from its inputs, ``T`` (``None``
-    without the delta correction), its start state ``S`` and what the reverse state pass
-    returned, ``d = (dY, U, dU, d(K diag(exp(g_C - g))), d exp(g_C))``.
+def chunk_grads(rule: WriteRule, q, k, v, beta, decays, inverse, start, d):
+    """Gradients of one chunk's q, k, v, beta and log_alpha from its inputs, decays, ``T``
+    (``None`` without the delta correction), start state ``S`` and what the reverse state
+    pass returned, ``d = (dY, U, dU, d(K diag(exp(g_C - g))), d exp(g_C))``.
 
-    The decays and ``q k^T`` are formed again here rather than passed in: where the forward
-    of the chunk runs in the same program (the in-scan schedule) XLA merges the two, and in
-    the hoisted backward, which forms them again after its loop, no ``[C, C]`` array per
-    chunk is kept through the loop.
+    ``q k^T`` is formed again here rather than passed in: where the chunk's stage 1 runs in
+    the same program (the in-scan schedule) XLA merges the two products, and the hoisted
+    backward, which calls this after its loop, keeps no ``[C, C]`` array per chunk through
+    the loop for it.
     """
     d_y, corrections, d_u, d_k_to_end, d_whole = d
-    decays = chunk_decays(log_alpha)
     qk = q @ k.T
     d_y_u = d_y @ corrections.T
     d_attn = d_y_u * decays.within
@@ -210,7 +209,7 @@ def chunk_backward(rule: WriteRule, d_end, start, q, k, v, log_alpha, beta, d_y)
         d_end, start, w, u, k, q, *decays[1:], d_u_intra, d_y
     )
     d = (d_y, corrections, d_u, d_k_to_end, d_whole)
-    grads = chunk_grads(rule, q, k, v, log_alpha, beta, inverse, start, d)
+    grads = chunk_grads(rule, q, k, v, beta, decays, inverse, start, d)
     return d_start, (*in_dtypes(dtypes, grads[:3]), *grads[3:])
 
 
@@ -236,17 +235,18 @@ def _hoisted_backward(rule, inputs, starts, resets, d_ys, d_finals):
     (corrections, d_u, d_k_to_end, d_whole), d_initial = scan_blocks_backward(
         state_step_bwd, xs, d_finals, resets
     )
-    # chunk_grads forms the chunks' decays, q k^T and k k^T again. Off CPU they are formed
-    # again indeed, after the loop, rather than kept through it: a barrier keeps XLA from
-    # merging them with those before it. On CPU, where memory is plenty and the batched
+    # The chunks' decays, q k^T and k k^T are formed again for chunk_grads. Off CPU they are
+    # formed again indeed, after the loop, rather than kept through it: a barrier keeps XLA
+    # from merging them with those before it. On CPU, where memory is plenty and the batched
     # products are slow, XLA merges them (docs/benchmarks.md).
     inputs, d_u = jax.lax.platform_dependent(
         inputs, d_u, cpu=lambda *a: a, default=lambda *a: jax.lax.optimization_barrier(a)
     )
     q, k, v = in_dtype(starts.dtype, *inputs[:3])
+    decays, beta = over_chunks(chunk_decays)(inputs[3]), inputs[4]
     d = (d_ys, corrections, d_u, d_k_to_end, d_whole)
     grads = over_chunks(functools.partial(chunk_grads, rule))(
-        q, k, v, *inputs[3:], inverse, starts, d
+        q, k, v, beta, decays, inverse, starts, d
     )
     dtypes = (x.dtype for x in inputs[:3])
     return (*in_dtypes(dtypes, grads[:3]), *grads[3:]), d_initial
