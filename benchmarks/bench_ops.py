@@ -12,9 +12,10 @@ For each impl and T it prints the forward and forward+backward wall time (best o
 after a warm-up call; the gradient is that of ``sum(y ** 2)`` with respect to every input),
 the compiled programs' temp memory (``memory_analysis().temp_size_in_bytes``), and for the
 chunked forward its achieved GFLOP/s next to a 2048^3 matmul timed in the same run.
-``--baseline REV`` adds the chunked form of the package as it was at git revision REV,
-imported next to the current one (``revision.py``), so before and after share one run:
-ratios within one run are what to compare, these machines are noisy from run to run.
+``--baseline REV`` adds the chunked form of the package as it was at git revision REV in each
+of ``--schedules`` (``auto`` for a revision from before schedules), imported next to the
+current one (``revision.py``), so before and after share one run: ratios within one run are
+what to compare, these machines are noisy from run to run.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def inputs(shape, seq_len):
 
 def programs(package, impl, chunk, schedule):
     options = dict(impl=impl, chunk_size=chunk)
-    if schedule is not None:  # a baseline revision may predate schedules
+    if schedule not in (None, "auto"):  # a baseline revision may predate schedules
         options.update(schedule=schedule)
 
     def forward(*args):
@@ -125,11 +126,12 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
 
     runs = [] if args.no_recurrent else [("recurrent", gdn_jax, "recurrent", 64, None)]
+    baseline = import_revision(args.baseline) if args.baseline else None
     for chunk in args.chunk_sizes:
-        if args.baseline:
-            baseline = import_revision(args.baseline)
-            runs.append((f"chunked@{args.baseline}", baseline, "chunked", chunk, None))
         for schedule in args.schedules:
+            if baseline is not None:
+                label = f"chunked@{args.baseline} {schedule}"
+                runs.append((label, baseline, "chunked", chunk, schedule))
             runs.append((f"chunked {schedule}", gdn_jax, "chunked", chunk, schedule))
     for seq_len in args.seq_lens:
         data = inputs(shape, seq_len)

@@ -52,10 +52,11 @@ def delta_factors(k, v, beta, decays: ChunkDecays):
 def delta_factors_bwd(
     k, v, beta, decays: ChunkDecays, inverse, start, corrections, d_corrections
 ) -> FactorGrads:
-    """The cotangents from ``dU [C, V]`` given ``T``, the start state ``S`` and ``U``. ``k
-    k^T`` is formed again here rather than kept from the forward: under one jit XLA merges the
-    two products, and where they are apart (the hoisted backward) it saves keeping a
-    ``[C, C]`` array per chunk."""
+    """The cotangents from ``dU [C, V]`` given ``T``, the start state ``S`` and ``U``.
+
+    ``k k^T`` is formed again here rather than passed in: XLA merges the two products in one
+    program unless they are kept apart, as the hoisted backward does off CPU, which forms it
+    again after its loop rather than keep a ``[C, C]`` array per chunk through it."""
     gram = k @ k.T
     d_v_beta = inverse.T @ d_corrections
     d_k_beta = -(d_v_beta @ start)
