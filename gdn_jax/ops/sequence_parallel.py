@@ -105,10 +105,10 @@ def seq_parallel_rule(
     sequence-parallel twin of ``chunked.chunked_rule``, with its arguments and results.
 
     The gates and states are in the compute dtype, q, k and v in it or narrower, and ``q`` is
-    not scaled (``chunked_rule``'s contract): q, k ``[T / n, K]``, v
-    ``[T / n, V]``, gates ``[T / n]`` are this shard's tokens; ``initial_states [N, V, K]``
-    and ``cu_seqlens [N+1]`` (global offsets) are the same on every shard. ``T / n`` need
-    not be a multiple of ``chunk_size``.
+    not scaled (``chunked_rule``'s contract): q, k ``[T / n, K]``, v ``[T / n, V]``, gates
+    ``[T / n]`` are this shard's tokens; ``initial_states [N, V, K]`` and ``cu_seqlens
+    [N+1]`` (global offsets) are the same on every shard. ``T / n`` need not be a multiple
+    of ``chunk_size``.
 
     Returns ``(y [T / n, V], finals [N, V, K])``; ``finals`` is the same on every shard.
     """
