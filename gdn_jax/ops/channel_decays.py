@@ -24,11 +24,10 @@ decay). Each of the ``log2(C)`` levels holds two ``[C/2, K]`` factors, so a chun
 arrays are ``[C, K]`` and ``M`` itself, never ``[C, C, K]``; the matmuls add up to the
 ``2 C^2 K`` flops of one undecayed ``X K^T``.
 
-Every exponent is a sum of gates over a segment of tokens, summed as such rather than as a
-difference of running sums (as in ``decays.py``): sums of terms ``<= 0`` lose nothing to
-cancellation, so the -0.01 steps after a -1e4 reset stay exact, and none is positive, so no
-``exp`` overflows. The sums are built by doubling, in elementwise adds (no matmul that a TPU
-could round to bf16).
+Every decay is a product of per-token ``alpha`` over a segment of tokens, built by doubling
+(``log2(C)`` products deep), never a ratio or a difference of running sums (as in
+``decays.py``): factors in ``[0, 1]`` neither overflow nor cancel, so the -0.01 steps after
+a -1e4 reset stay exact, and the chunk takes one ``exp`` per gate.
 """
 
 from __future__ import annotations
@@ -58,28 +57,26 @@ class ChannelDecays(NamedTuple):
 def channel_decays(log_alpha: Float[Array, "C K"]) -> ChannelDecays:
     """Every decay of one chunk from its gates ``log_alpha [C, K]`` (each ``<= 0``, finite).
 
-    The segment sums come by doubling: with ``prefix`` and ``suffix`` the sums from each
-    aligned segment of ``h`` tokens' start through ``t`` and from after ``t`` to its end, the
-    segments of ``2 h`` add their first half's total to the second half's prefixes and the
-    second half's total to the first half's suffixes. At ``h`` these are a level's factors
-    (``rows`` from the second halves' prefixes, ``cols`` from the first halves' suffixes of
-    the blocks of ``2 h``), at ``h = C`` the decays from the start and to the end.
+    The segment decays come by doubling from the per-token ``alpha = exp(log_alpha)``: with
+    ``prefix`` and ``suffix`` the decays from each aligned segment of ``h`` tokens' start
+    through ``t`` and from after ``t`` to its end, the segments of ``2 h`` scale their second
+    half's prefixes by the first half's whole decay and their first half's suffixes by the
+    second half's. At ``h`` these are a level's factors (``rows`` from the second halves'
+    prefixes, ``cols`` from the first halves' suffixes of the blocks of ``2 h``), at ``h = C``
+    the decays from the start and to the end.
     """
     chunk, key_dim = log_alpha.shape
-    prefix = log_alpha.reshape(chunk, 1, key_dim)  # [segments, h, K], h = 1: the gate itself
-    suffix = jnp.zeros_like(prefix)
+    prefix = jnp.exp(log_alpha).reshape(chunk, 1, key_dim)  # [segments, h, K] at h = 1
+    suffix = jnp.ones_like(prefix)
     levels = []
     while prefix.shape[0] > 1:
         num, half = prefix.shape[:2]
         prefix, suffix = (x.reshape(num // 2, 2, half, key_dim) for x in (prefix, suffix))
-        levels.append(HalvingLevel(jnp.exp(prefix[:, 1]), jnp.exp(suffix[:, 0])))
-        first_total, second_total = prefix[:, 0, -1:], prefix[:, 1, -1:]
-        prefix = jnp.concatenate([prefix[:, 0], prefix[:, 1] + first_total], axis=1)
-        suffix = jnp.concatenate([suffix[:, 0] + second_total, suffix[:, 1]], axis=1)
-    from_start, to_end = prefix[0], suffix[0]
-    return ChannelDecays(
-        jnp.exp(from_start), jnp.exp(to_end), jnp.exp(from_start[-1]), tuple(levels)
-    )
+        levels.append(HalvingLevel(prefix[:, 1], suffix[:, 0]))
+        first_whole, second_whole = prefix[:, 0, -1:], prefix[:, 1, -1:]
+        prefix = jnp.concatenate([prefix[:, 0], prefix[:, 1] * first_whole], axis=1)
+        suffix = jnp.concatenate([suffix[:, 0] * second_whole, suffix[:, 1]], axis=1)
+    return ChannelDecays(prefix[0], suffix[0], prefix[0, -1], tuple(levels))
 
 
 def channel_scores(
