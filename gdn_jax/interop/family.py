@@ -33,7 +33,7 @@ import numpy as np
 from gdn_jax.interop.fla import export_fla_layer, fla_tensor_shapes, load_fla_layer
 from gdn_jax.interop.tensors import as_numpy_dict, check_tensors
 from gdn_jax.layers.gated_deltanet import GatedDeltaNet
-from gdn_jax.layers.recurrent_mixer import RecurrentCache
+from gdn_jax.layers.recurrent_layer import RecurrentCache
 from gdn_jax.ops import checks
 
 LINEAR = "linear_attention"

@@ -6,7 +6,8 @@ from gdn_jax.layers.gated_deltanet import GatedDeltaNet
 from gdn_jax.layers.mixer import TokenMixer
 from gdn_jax.layers.mlp import SwiGLU
 from gdn_jax.layers.params import NoWeightDecay
-from gdn_jax.layers.recurrent_mixer import RecurrentCache, RecurrentMixer
+from gdn_jax.layers.recurrent_layer import RecurrentCache
+from gdn_jax.layers.recurrent_mixer import RecurrentMixer
 
 __all__ = [
     "DeltaNet",
