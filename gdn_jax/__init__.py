@@ -28,6 +28,9 @@ from gdn_jax.ops import (
     gated_delta_rule_recurrent,
     gated_delta_step,
     gated_linear_attention,
+    kda,
+    kda_recurrent,
+    kda_step,
     l2_normalize,
 )
 
@@ -48,5 +51,8 @@ __all__ = [
     "gated_delta_rule_recurrent",
     "gated_delta_step",
     "gated_linear_attention",
+    "kda",
+    "kda_recurrent",
+    "kda_step",
     "l2_normalize",
 ]
