@@ -476,7 +476,7 @@ def test_unreadable_shards_and_malformed_indexes_are_named(tmp_path):
         (dict(num_hidden_layers="4"), r"num_hidden_layers='4' must be a positive integer"),
         (
             dict(layer_types=["linear-attention", "full_attention"]),
-            r"layer_types names unknown kinds \['linear-attention'\]; known: \('linear_attention', 'full_attention', 'sliding_attention'\)",
+            r"layer_types names unknown kinds \['linear-attention'\]; known: \('linear_attention', 'full_attention', 'sliding_attention', 'indexed_attention'\)",
         ),
     ],
 )

@@ -3,6 +3,7 @@
 from gdn_jax.layers.attention import KVCache, SoftmaxAttention
 from gdn_jax.layers.baselines import DeltaNet, GatedLinearAttention, LinearAttention
 from gdn_jax.layers.gated_deltanet import GatedDeltaNet
+from gdn_jax.layers.kda import KimiDeltaAttention
 from gdn_jax.layers.mixer import TokenMixer
 from gdn_jax.layers.mlp import SwiGLU
 from gdn_jax.layers.params import NoWeightDecay
@@ -14,6 +15,7 @@ __all__ = [
     "GatedDeltaNet",
     "GatedLinearAttention",
     "KVCache",
+    "KimiDeltaAttention",
     "LinearAttention",
     "NoWeightDecay",
     "RecurrentCache",
