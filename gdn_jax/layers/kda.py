@@ -136,6 +136,7 @@ class KimiDeltaAttention(RecurrentLayer):
         self.key_dim, self.value_dim = num_heads * head_dim, num_v_heads * head_v_dim
         self.gate_dim = num_v_heads * head_dim  # one decay per value head and key channel
         self.allow_neg_eigval, self.use_gate = allow_neg_eigval, use_gate
+        self.low_rank_gates = low_rank_gates
         self.gate_lower_bound = None if gate_lower_bound is None else float(gate_lower_bound)
         self.chunk_size, self.impl, self.conv_size = chunk_size, impl, conv_size
 
