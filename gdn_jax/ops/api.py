@@ -17,6 +17,7 @@ from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.chunked import chunked_rule
+from gdn_jax.ops.kda_chunked import kda_chunked_rule
 from gdn_jax.ops.normalize import l2_normalize
 from gdn_jax.ops.recurrent import recurrent_rule
 from gdn_jax.ops.step import compute_dtype, default_scale, linear_token_step, token_step
@@ -42,7 +43,7 @@ class Forms(NamedTuple):
     per key channel, ``[.., K]``."""
 
     recurrent: Callable
-    chunked: Callable | None
+    chunked: Callable
     per_channel: bool
 
 
@@ -53,7 +54,9 @@ def rule_forms(rule: Rule) -> Forms:
 
 
 # S' = S Diag(alpha) + beta (v - S Diag(alpha) k) k^T: token_step broadcasts [K] gates.
-KDA_FORMS = Forms(functools.partial(recurrent_rule, step=token_step), None, per_channel=True)
+KDA_FORMS = Forms(
+    functools.partial(recurrent_rule, step=token_step), kda_chunked_rule, per_channel=True
+)
 
 
 @no_type_check  # a public entry point: checks.py names its bad arguments
@@ -145,8 +148,9 @@ def kda(
     initial_state: Float[Array, "B HV V K"] | None = None,
     use_qk_l2norm: bool = False,
     cu_seqlens: Int[Array, " N+1"] | None = None,
-    impl: checks.Impl = "recurrent",
+    impl: checks.Impl = "chunked",
     chunk_size: int = 64,
+    schedule: checks.Schedule = "auto",
 ) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV V K"]]:
     """Kimi Delta Attention (KDA) over a batch of sequences and heads.
 
@@ -166,15 +170,18 @@ def kda(
       use_qk_l2norm: L2-normalise q and k over ``K`` (eps 1e-6) inside the op.
       cu_seqlens: ``[N+1]`` int offsets of ``N`` sequences packed along ``T`` (needs
         ``B == 1``), as in ``gated_delta_rule``.
-      impl: ``"recurrent"``, the token-by-token form.
+      impl: ``"chunked"`` (train with this; ``kda_chunked``) or ``"recurrent"`` (the
+        token-by-token reference, ``kda_recurrent``).
       chunk_size: 16, 32, 64 or 128 (chunked only).
+      schedule: ``"auto"``, ``"hoisted"`` or ``"in_scan"`` (chunked only), as in
+        ``gated_delta_rule_chunked``.
 
     Returns:
       ``(o [B, T, HV, V], final_state)``: ``o`` in the input dtype; ``final_state`` float32
       (float64 for float64 input), ``[B, HV, V, K]`` or ``[N, HV, V, K]`` with ``cu_seqlens``.
     """
     options = dict(scale=scale, initial_state=initial_state, impl=impl, chunk_size=chunk_size)
-    options.update(schedule="auto", cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
+    options.update(schedule=schedule, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
     return _batched("kda", KDA_FORMS, q, k, v, log_alpha, beta, **options)
 
 
@@ -259,9 +266,6 @@ def _batched(
     )
     checks.check_scale(fn, scale)
     checks.check_impl(fn, impl)
-    checks.require(
-        fn, impl == "recurrent" or forms.chunked is not None, f"impl={impl!r} is not built yet"
-    )
     if impl == "chunked":
         checks.check_chunk_size(fn, chunk_size)
         checks.check_schedule(fn, schedule)
