@@ -53,8 +53,8 @@ def kda_log_decay(
     ``log_alpha = L * sigmoid(exp(A_log) * (f + dt_bias))``, in ``(L, 0)``: each step keeps
     at least ``exp(L)`` of every channel (flash-linear-attention's ``lower_bound``).
     """
-    f = gate.astype(jnp.float32) + dt_bias.astype(jnp.float32)
-    rate = jnp.exp(A_log.astype(jnp.float32))[:, None]
+    f = gate.astype(jnp.float32) + dt_bias.astype(jnp.float32)[None, None]
+    rate = jnp.exp(A_log.astype(jnp.float32))[None, None, :, None]
     if lower_bound is None:
         return -rate * jax.nn.softplus(f)
     return lower_bound * jax.nn.sigmoid(rate * f)
