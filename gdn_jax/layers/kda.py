@@ -72,7 +72,7 @@ class KimiDeltaAttention(RecurrentLayer):
     channel; the rule with ``scale = head_dim ** -0.5``; a per-head RMSNorm gated by
     ``sigmoid(g_b_proj(g_a_proj(x)))`` (``g_b_proj`` with a bias when
     ``output_gate_bias``; ``g_proj(x)`` without ``low_rank_gates``; plain RMSNorm without
-    ``use_gate``); bias-free ``o_proj``. The gates read the layer input, not the convolution
+    ``use_gate``, where ``output_gate_bias`` has nothing to add to); bias-free ``o_proj``. The gates read the layer input, not the convolution
     output.
 
     Initialisation as flash-linear-attention's: ``A_log = log U(1, 16)`` (zeros with a
