@@ -3,8 +3,8 @@ gated form); see ``gdn_jax`` for the dimension legend."""
 
 from gdn_jax.ops.api import gated_delta_rule, gated_linear_attention, kda
 from gdn_jax.ops.chunked import gated_delta_rule_chunked
-from gdn_jax.ops.kda_chunked import kda_chunked
-from gdn_jax.ops.kda_step import kda_step
+from gdn_jax.ops.kda_chunkwise import kda_chunked
+from gdn_jax.ops.kda_token import kda_step
 from gdn_jax.ops.normalize import l2_normalize
 from gdn_jax.ops.recurrent import gated_delta_rule_recurrent, kda_recurrent
 from gdn_jax.ops.sequence_parallel import (

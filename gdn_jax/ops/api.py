@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.chunked import chunked_rule
-from gdn_jax.ops.kda_chunked import kda_chunked_rule
+from gdn_jax.ops.kda_chunkwise import kda_chunked_rule
 from gdn_jax.ops.normalize import l2_normalize
 from gdn_jax.ops.recurrent import recurrent_rule
 from gdn_jax.ops.step import compute_dtype, default_scale, linear_token_step, token_step

@@ -10,82 +10,73 @@ With log-gates ``g [C, K]``, one per token and key channel, write ``G_t = g_1 + 
 
 for ``x = q`` (the outputs) and ``x = k`` (the WY system). ``M`` sums over channels a decay
 that differs per channel, so it is one matmul of decayed factors only if the decay splits:
-``exp(G_t) exp(-G_i)`` would overflow once a chunk decays by more than e^88 (float32). So the
-chunk is cut into sub-chunks of ``c`` tokens. For a row sub-chunk ``R`` whose first token is
-``r`` and an earlier column sub-chunk ``J``, the reference point ``r - 1`` lies between them:
+``exp(G_t) exp(-G_i)`` would overflow once a chunk decays by more than e^88 (float32). So
+``M`` is built by halving. Split a block of ``b`` tokens into halves; for ``t`` in the second
+half and ``i`` in the first the half's boundary ``r`` (the first half's last token) lies
+between them:
 
-    exp(G_t - G_i) = exp(G_t - G_{r-1}) exp(G_{r-1} - G_i),   both factors in [0, 1],
+    exp(G_t - G_i) = exp(G_t - G_r) exp(G_r - G_i),   both factors in [0, 1],
 
-so ``M[R, J] = (X_R * exp(G_R - G_{r-1})) (K_J * exp(G_{r-1} - G_J))^T`` for all ``J < R`` at
-once is one matmul per row sub-chunk. On the diagonal sub-chunks ``exp(G_t - G_i)`` is taken
-exactly, as a ``[c, c, K]`` array each. The largest arrays of a chunk are ``[C/c, C, K]`` and
-``[C/c, c, c, K]``, never ``[C, C, K]``.
+so the block's lower-left quarter is one matmul of ``x`` and ``k`` each decayed to the
+boundary, ``(X_2 * exp(G_2 - G_r)) (K_1 * exp(G_r - G_1))^T``, and the two diagonal
+quarters are the same problem at half the size, down to single tokens (``x_t . k_t``: no
+decay). Each of the ``log2(C)`` levels holds two ``[C/2, K]`` factors, so a chunk's largest
+arrays are ``[C, K]`` and ``M`` itself, never ``[C, C, K]``; the matmuls add up to the
+``2 C^2 K`` flops of one undecayed ``X K^T``.
 
-Every exponent is a sum of gates over a segment of tokens, summed directly rather than as a
-difference of running sums (as in ``decays.py``): sums of terms ``<= 0`` lose nothing to
-cancellation, so the -0.01 steps after a -1e4 reset stay exact, and none is positive, so no
-``exp`` overflows. Masked entries are sums over empty segments, 0, zeroed after the ``exp``.
+Every decay is a product of per-token ``alpha`` over a segment of tokens, built by doubling
+(``log2(C)`` products deep), never a ratio or a difference of running sums (as in
+``decays.py``): factors in ``[0, 1]`` neither overflow nor cancel, so the -0.01 steps after
+a -1e4 reset stay exact, and the chunk takes one ``exp`` per gate.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float
 
-# Tokens per sub-chunk (``c``), or the whole chunk when it is smaller.
-SUB_CHUNK = 16
 
-HIGHEST = jax.lax.Precision.HIGHEST  # keeps TPU and GPU from rounding log-decays to bf16/tf32
+class HalvingLevel(NamedTuple):
+    """The factors of one level, blocks of ``b`` tokens (``C / b`` of them) split in halves."""
+
+    rows: Float[Array, "NB b2 K"]  # exp(G_t - G_r), t in a block's second half
+    cols: Float[Array, "NB b2 K"]  # exp(G_r - G_i), i in a block's first half
 
 
 class ChannelDecays(NamedTuple):
-    """The per-channel decays of one chunk of ``C = NB * c`` tokens (``NB`` sub-chunks)."""
+    """The per-channel decays of one chunk of ``C`` tokens (a power of two)."""
 
     from_start: Float[Array, "C K"]  # exp(G_t)
     to_end: Float[Array, "C K"]  # exp(G_C - G_i)
     whole: Float[Array, " K"]  # exp(G_C)
-    from_ref: Float[Array, "C K"]  # exp(G_t - G_{r-1}), r the first token of t's sub-chunk
-    ref_from: Float[Array, "NB C K"]  # [R, i]: exp(G_{r-1} - G_i) for i before R's r, else 0
-    within: Float[Array, "NB c c K"]  # [R, t, i]: exp(G_t - G_i) for i <= t in R, else 0
+    levels: tuple[HalvingLevel, ...]  # blocks of b = 2, 4, ..., C tokens
 
 
-def masked_sums(spec: str, mask: np.ndarray, g):
-    """``einsum(spec, mask, g)`` for a constant 0/1 ``mask``: sums of gates over segments,
-    exact (HIGHEST) and summed in one product."""
-    return jnp.einsum(spec, jnp.asarray(mask, g.dtype), g, precision=HIGHEST)
+def channel_decays(log_alpha: Float[Array, "C K"]) -> ChannelDecays:
+    """Every decay of one chunk from its gates ``log_alpha [C, K]`` (each ``<= 0``, finite).
 
-
-def channel_decays(log_alpha: Float[Array, "C K"], sub_chunk: int = SUB_CHUNK) -> ChannelDecays:
-    """Every decay of one chunk from its gates ``log_alpha [C, K]`` (each ``<= 0``, finite)."""
+    The segment decays come by doubling from the per-token ``alpha = exp(log_alpha)``: with
+    ``prefix`` and ``suffix`` the decays from each aligned segment of ``h`` tokens' start
+    through ``t`` and from after ``t`` to its end, the segments of ``2 h`` scale their second
+    half's prefixes by the first half's whole decay and their first half's suffixes by the
+    second half's. At ``h`` these are a level's factors (``rows`` from the second halves'
+    prefixes, ``cols`` from the first halves' suffixes of the blocks of ``2 h``), at ``h = C``
+    the decays from the start and to the end.
+    """
     chunk, key_dim = log_alpha.shape
-    sub = min(sub_chunk, chunk)
-    num = chunk // sub
-    g = log_alpha.reshape(num, sub, key_dim)
-    t, s = np.arange(sub)[:, None], np.arange(sub)[None, :]
-    prefix = masked_sums("ts,rsk->rtk", s <= t, g)  # [R, t]: g summed over [r, t]
-    suffix = masked_sums("ts,rsk->rtk", s > t, g)  # [J, i]: over (i, last token of J]
-    totals = prefix[:, -1]  # [NB, K]
-    a, b, m = np.arange(num)[:, None, None], np.arange(num)[None, :, None], np.arange(num)
-    before = masked_sums("ab,bk->ak", b[..., 0] < a[..., 0], totals)  # sub-chunks before R
-    after = masked_sums("ab,bk->ak", b[..., 0] > a[..., 0], totals)  # sub-chunks after J
-    between = masked_sums("abm,mk->abk", (b < m) & (m < a), totals)  # [R, J]: J < m < R
-    earlier = (b < a)[..., None]  # [R, J, 1, 1]
-    ref_from = jnp.where(earlier, jnp.exp(suffix[None] + between[:, :, None]), 0)
-    i, u = np.arange(sub)[None, :, None], np.arange(sub)[None, None, :]
-    segment = masked_sums("tiu,ruk->rtik", (i < u) & (u <= t[..., None]), g)  # over (i, t]
-    causal = (s <= t)[None, :, :, None]
-    return ChannelDecays(
-        from_start=jnp.exp(prefix + before[:, None]).reshape(chunk, key_dim),
-        to_end=jnp.exp(suffix + after[:, None]).reshape(chunk, key_dim),
-        whole=jnp.exp(totals.sum(0)),
-        from_ref=jnp.exp(prefix).reshape(chunk, key_dim),
-        ref_from=ref_from.reshape(num, chunk, key_dim),
-        within=jnp.where(causal, jnp.exp(segment), 0),
-    )
+    prefix = jnp.exp(log_alpha).reshape(chunk, 1, key_dim)  # [segments, h, K] at h = 1
+    suffix = jnp.ones_like(prefix)
+    levels = []
+    while prefix.shape[0] > 1:
+        num, half = prefix.shape[:2]
+        prefix, suffix = (x.reshape(num // 2, 2, half, key_dim) for x in (prefix, suffix))
+        levels.append(HalvingLevel(prefix[:, 1], suffix[:, 0]))
+        first_whole, second_whole = prefix[:, 0, -1:], prefix[:, 1, -1:]
+        prefix = jnp.concatenate([prefix[:, 0], prefix[:, 1] * first_whole], axis=1)
+        suffix = jnp.concatenate([suffix[:, 0] * second_whole, suffix[:, 1]], axis=1)
+    return ChannelDecays(prefix[0], suffix[0], prefix[0, -1], tuple(levels))
 
 
 def channel_scores(
@@ -93,12 +84,15 @@ def channel_scores(
 ) -> Float[Array, "P C C"]:
     """``M_ti = sum_c x_tc k_ic exp(G_tc - G_ic)`` for ``i <= t``, zero above the diagonal,
     for each of ``P`` row factors ``x`` (queries and keys, say) against one ``k``."""
-    num, sub = decays.within.shape[:2]
     parts, chunk, key_dim = x.shape
-    left = (x * decays.from_ref[None]).reshape(parts, num, sub, key_dim)
-    off_diagonal = jnp.einsum("prtk,rik->prti", left, k[None] * decays.ref_from)  # [P, NB, c, C]
-    k_within = k.reshape(num, 1, sub, key_dim) * decays.within  # [R, t, i, K]
-    diagonal = jnp.einsum("prtk,rtik->prti", x.reshape(parts, num, sub, key_dim), k_within)
-    on_diagonal = jnp.eye(num, dtype=x.dtype)[None, :, None, :, None]
-    full = off_diagonal.reshape(parts, num, sub, num, sub) + diagonal[:, :, :, None] * on_diagonal
-    return full.reshape(parts, chunk, chunk)
+    blocks = (x * k[None]).sum(-1)[..., None, None]  # [P, C, 1, 1]: the diagonal
+    for level in decays.levels:
+        num, half = level.rows.shape[:2]
+        x_rows = x.reshape(parts, num, 2, half, key_dim)[:, :, 1] * level.rows[None]
+        k_cols = k.reshape(num, 2, half, key_dim)[:, 0] * level.cols
+        lower = jnp.einsum("pjtk,jik->pjti", x_rows, k_cols)  # [P, NB, b/2, b/2]
+        pairs = blocks.reshape(parts, num, 2, half, half)
+        top = jnp.concatenate([pairs[:, :, 0], jnp.zeros_like(lower)], axis=3)
+        bottom = jnp.concatenate([lower, pairs[:, :, 1]], axis=3)
+        blocks = jnp.concatenate([top, bottom], axis=2)  # [P, NB, b, b]
+    return blocks.reshape(parts, chunk, chunk)

@@ -70,7 +70,7 @@ def state_step(
     ``(S [V, K], w [C, K] or None, u [C, V], K diag(exp(g_C - g)) [C, K], exp(g_C),
     diag(exp(g)) Q [C, K]) -> (S' [V, K], (U [C, V] or (), diag(exp(g)) Q S^T [C, V]))``.
     ``w`` and the queries read the state in one product. A per-channel ``exp(g_C) [K]``
-    (KDA, ``kda_chunked.py``) decays the state as ``S Diag(exp(g_C))``.
+    (KDA, ``kda_chunkwise.py``) decays the state as ``S Diag(exp(g_C))``.
     """
     decayed = jnp.atleast_1d(whole)[None, :] * state  # [1, 1] or [1, K] against [V, K]
     if w is None:

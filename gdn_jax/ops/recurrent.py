@@ -1,5 +1,5 @@
 """The gated delta rule token by token: ``gated_delta_step`` under ``jax.lax.scan``; and
-Kimi Delta Attention's the same way, whose gates are ``[T, K]`` (``kda_step.py``).
+Kimi Delta Attention's the same way, whose gates are ``[T, K]`` (``kda_token.py``).
 
 This is the readable reference form. Its forward is cheap, but reverse-mode autodiff keeps
 one ``[V, K]`` state per token (``T * V * K`` floats per head), so train with the chunked form.

@@ -53,7 +53,7 @@ def token_step(
     form ``S (alpha (I - beta k k^T)) + beta v k^T`` would cost a matrix-matrix product.
 
     A gate per key channel, ``log_alpha [K]``, broadcasts along the state's rows: then
-    ``D = S Diag(alpha)``, Kimi Delta Attention's decay (``kda_step.py``).
+    ``D = S Diag(alpha)``, Kimi Delta Attention's decay (``kda_token.py``).
     """
     # [1, 1] for a head's gate, [1, K] for per-channel gates: either scales S's columns.
     decayed = jnp.atleast_1d(jnp.exp(log_alpha))[None, :] * state

@@ -28,7 +28,6 @@ rule was not needed to meet the memory and time bars (docs/benchmarks.md, KDA).
 
 from __future__ import annotations
 
-import functools
 from typing import no_type_check
 
 import jax
@@ -37,7 +36,7 @@ from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.blocks import scan_blocks
-from gdn_jax.ops.channel_decays import SUB_CHUNK, channel_decays, channel_scores
+from gdn_jax.ops.channel_decays import channel_decays, channel_scores
 from gdn_jax.ops.chunked import chunk_layout, resolve_schedule, state_step
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
 from gdn_jax.ops.step import core_inputs
@@ -50,14 +49,13 @@ def chunk_prepare(
     v: Float[Array, "C V"],
     log_alpha: Float[Array, "C K"],
     beta: Float[Array, " C"],
-    sub_chunk: int = SUB_CHUNK,
 ):
     """Stage 1 for one chunk: ``(w [C, K], u [C, V], K * exp(G_C - G) [C, K], exp(G_C) [K],
     Q * exp(G) [C, K], M [C, C])``, ``M`` the decayed causal query-key scores."""
     # -inf gates become full resets that keep the segment sums' matmuls free of inf * 0.
     # Clamped here, inside the rematerialised work, the clamp's mask is not kept for the
     # backward either.
-    decays = channel_decays(jnp.maximum(log_alpha, LOG_ALPHA_FLOOR), sub_chunk)
+    decays = channel_decays(jnp.maximum(log_alpha, LOG_ALPHA_FLOOR))
     scores = channel_scores(jnp.stack([q, k]), k, decays)
     inverse = unit_lower_inverse(jnp.tril(beta[:, None] * scores[1], -1))
     k_beta = k * decays.from_start * beta[:, None]
@@ -66,7 +64,6 @@ def chunk_prepare(
 
 
 def chunk_forward(
-    sub_chunk: int,
     state: Float[Array, "V K"],
     q: Float[Array, "C K"],
     k: Float[Array, "C K"],
@@ -75,22 +72,21 @@ def chunk_forward(
     beta: Float[Array, " C"],
 ) -> tuple[Float[Array, "V K"], Float[Array, "C V"]]:
     """All three stages for one chunk: ``(S, chunk inputs) -> (S', Y [C, V])``."""
-    w, u, k_to_end, whole, q_from_start, scores = chunk_prepare(q, k, v, log_alpha, beta, sub_chunk)
+    w, u, k_to_end, whole, q_from_start, scores = chunk_prepare(q, k, v, log_alpha, beta)
     new_state, (corrections, y_start) = state_step(state, w, u, k_to_end, whole, q_from_start)
     return new_state, y_start + scores @ corrections
 
 
-def in_scan(sub_chunk, inputs, initial_states, resets):
+def in_scan(inputs, initial_states, resets):
     """Each chunk's stages inside the scan over chunks, rematerialised in the backward."""
-    step = jax.checkpoint(functools.partial(chunk_forward, sub_chunk))
-    return scan_blocks(step, inputs, initial_states, resets)
+    return scan_blocks(jax.checkpoint(chunk_forward), inputs, initial_states, resets)
 
 
-@functools.partial(jax.checkpoint, static_argnums=(0,))
-def hoisted(sub_chunk, inputs, initial_states, resets):
+@jax.checkpoint
+def hoisted(inputs, initial_states, resets):
     """Stages 1 and 3 batched over all chunks around a scan of state-sized products; the
     backward reruns this forward rather than keep its ``[NC, C, C]`` intermediates."""
-    prepare = jax.vmap(functools.partial(chunk_prepare, sub_chunk=sub_chunk))
+    prepare = jax.vmap(chunk_prepare)
     w, u, k_to_end, whole, q_from_start, scores = prepare(*inputs)
     blocks = (w, u, k_to_end, whole, q_from_start)
     (corrections, y_start), finals = scan_blocks(state_step, blocks, initial_states, resets)
@@ -111,7 +107,6 @@ def kda_chunked_rule(
     chunk_size: int,
     cu_seqlens: Int[Array, " N+1"] | None = None,
     schedule: checks.Schedule = "auto",
-    sub_chunk: int = SUB_CHUNK,
 ) -> tuple[Float[Array, "T V"], Float[Array, "N V K"]]:
     """KDA's twin of ``chunked.chunked_rule``: the same layout (padded tail, or packed
     sequences each from a chunk boundary), arrays in the compute dtype with ``q`` pre-scaled,
@@ -119,7 +114,7 @@ def kda_chunked_rule(
     layout = chunk_layout(q.shape[0], chunk_size, cu_seqlens)
     chunks = tuple(layout.to_chunks(x) for x in (q, k, v, log_alpha, beta))
     run = SCHEDULES[resolve_schedule(schedule)]
-    ys, finals = run(sub_chunk, chunks, initial_states, layout.resets)
+    ys, finals = run(chunks, initial_states, layout.resets)
     return layout.from_chunks(ys), finals
 
 
