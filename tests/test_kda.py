@@ -198,6 +198,20 @@ def test_gate_edges_are_finite_and_exact(edge):
     assert_forms_agree(args, jnp.float32, dict(chunk_size=64, schedule="in_scan"), edge)
 
 
+def test_extent_of_a_nan_at_one_token():
+    """The documented extent (kda_chunkwise.py): a NaN at token t in q reaches y_t alone, in
+    k, v, log_alpha or beta the outputs from the start of t's chunk on."""
+    inputs = random_inputs(20, 40, 4, 3, per_channel=True)
+    t, chunk_start = 20, 16
+    for i, name in enumerate(["q", "k", "v", "log_alpha", "beta"]):
+        poisoned = list(inputs)
+        poisoned[i] = poisoned[i].at[t].set(jnp.nan)
+        y, _ = kda_chunked(*poisoned, chunk_size=16)
+        nan_rows = np.flatnonzero(~np.isfinite(np.asarray(y)).all(1))
+        expected = [t] if name == "q" else list(range(chunk_start, 40))
+        assert nan_rows.tolist() == expected, name
+
+
 def test_residuals_are_the_inputs_and_one_state_per_chunk():
     """What the backward keeps grows with T by the inputs and one [V, K] state per chunk
     (two lengths, so the constant masks the recomputation needs cancel out)."""
