@@ -40,7 +40,8 @@ t's chunk and the other sequences of a packed batch are never touched
 from __future__ import annotations
 
 import functools
-from typing import no_type_check
+from collections.abc import Callable
+from typing import NamedTuple, no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -61,21 +62,23 @@ def state_step(
     w: Float[Array, "C K"] | None,
     u: Float[Array, "C V"],
     k_to_end: Float[Array, "C K"],
-    whole: Float[Array, ""],
+    whole: Float[Array, ""] | Float[Array, " K"],
     q_from_start: Float[Array, "C K"],
 ):
     """One chunk of the state pass, with every product that touches the state.
 
     ``(S [V, K], w [C, K] or None, u [C, V], K diag(exp(g_C - g)) [C, K], exp(g_C),
     diag(exp(g)) Q [C, K]) -> (S' [V, K], (U [C, V] or (), diag(exp(g)) Q S^T [C, V]))``.
-    ``w`` and the queries read the state in one product.
+    ``w`` and the queries read the state in one product. A per-channel ``exp(g_C) [K]``
+    (KDA, ``kda_chunkwise.py``) decays the state as ``S Diag(exp(g_C))``.
     """
+    decayed = jnp.atleast_1d(whole)[None, :] * state  # [1, 1] or [1, K] against [V, K]
     if w is None:
-        return whole * state + u.T @ k_to_end, ((), q_from_start @ state.T)
+        return decayed + u.T @ k_to_end, ((), q_from_start @ state.T)
     chunk = w.shape[0]
     reads = jnp.concatenate([w, q_from_start]) @ state.T
     corrections = u - reads[:chunk]
-    return whole * state + corrections.T @ k_to_end, (corrections, reads[chunk:])
+    return decayed + corrections.T @ k_to_end, (corrections, reads[chunk:])
 
 
 def state_step_bwd(d_end, start, w, u, k_to_end, whole, q_from_start, d_u_intra, d_y):
@@ -263,22 +266,19 @@ chunked_core.defvjp(_chunked_core_fwd, _chunked_core_bwd)
 AUTO_SCHEDULES = {"cpu": "in_scan", "default": "hoisted"}
 
 
-def scheduled_core(rule, schedule, *arrays):
-    """``chunked_core(rule, schedule, *arrays)``, with ``"auto"`` resolved by the platform
-    the program is lowered for, not the host that traces it (``AUTO_SCHEDULES``): traced on
-    a CPU and compiled for a TPU, it is hoisted.
+def run_schedule(schedules: dict[str, Callable], schedule: checks.Schedule, *args):
+    """``schedules[schedule](*args)``, with ``"auto"`` resolved by the platform the program
+    is lowered for, not the host that traces it (``AUTO_SCHEDULES``): traced on a CPU and
+    compiled for a TPU, it is ``"hoisted"``.
 
-    Each schedule's custom VJP sits whole inside its branch of ``jax.lax.platform_dependent``,
-    so forward and backward follow one choice. Both branches are traced; a lowering for one
-    platform keeps only that platform's.
+    A schedule's forward and backward sit whole inside its branch of
+    ``jax.lax.platform_dependent``, so both follow one choice. Both branches are traced; a
+    lowering for one platform keeps only that platform's.
     """
     if schedule != "auto":
-        return chunked_core(rule, schedule, *arrays)
-    branches = {
-        platform: functools.partial(chunked_core, rule, choice)
-        for platform, choice in AUTO_SCHEDULES.items()
-    }
-    return jax.lax.platform_dependent(*arrays, **branches)
+        return schedules[schedule](*args)
+    branches = {platform: schedules[choice] for platform, choice in AUTO_SCHEDULES.items()}
+    return jax.lax.platform_dependent(*args, **branches)
 
 
 def chunked_rule(
@@ -303,33 +303,45 @@ def chunked_rule(
     packed sequence starts on a chunk boundary (``varlen.pack_layout``).
     Returns ``(y [T, V], finals [N, V, K])``.
     """
-    seq_len = q.shape[0]
     log_alpha = jnp.maximum(log_alpha, LOG_ALPHA_FLOOR)
-    layout = None if cu_seqlens is None else pack_layout(cu_seqlens, seq_len, chunk_size)
-    if layout is None:
-        num_chunks = -(-seq_len // chunk_size)
-        pad = num_chunks * chunk_size - seq_len
+    layout = chunk_layout(q.shape[0], chunk_size, cu_seqlens)
+    chunks = (layout.to_chunks(x) for x in (q, k, v, log_alpha, beta))
+    cores = {name: functools.partial(chunked_core, rule, name) for name in SCHEDULES}
+    ys, finals = run_schedule(cores, schedule, *chunks, initial_states, layout.resets)
+    return layout.from_chunks(ys), finals
 
-        def to_chunks(x):
-            x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-            return x.reshape(num_chunks, chunk_size, *x.shape[1:])
 
-        def from_chunks(y):
-            return y.reshape(num_chunks * chunk_size, -1)[:seq_len]
+class ChunkLayout(NamedTuple):
+    """Tokens ``[T, ...]`` to chunks ``[NC, C, ...]`` and outputs ``[NC, C, V]`` back to
+    ``[T, V]``, with the resets of ``blocks.scan_blocks`` (None for one sequence)."""
 
-        resets = None
-    else:
+    to_chunks: Callable
+    from_chunks: Callable
+    resets: tuple | None
 
-        def to_chunks(x):
-            return layout.scatter(x).reshape(-1, chunk_size, *x.shape[1:])
 
-        def from_chunks(y):
-            return layout.gather(y.reshape(-1, y.shape[-1]))
+def chunk_layout(seq_len: int, chunk_size: int, cu_seqlens=None) -> ChunkLayout:
+    """The chunks of one sequence, its tail padded with inert tokens (zero inputs, so zero
+    q, k, v, beta and log_alpha: no decay, no write), or of packed ``cu_seqlens``, each
+    sequence starting on a chunk boundary (``varlen.pack_layout``)."""
+    if cu_seqlens is not None:
+        layout = pack_layout(cu_seqlens, seq_len, chunk_size)
+        return ChunkLayout(
+            lambda x: layout.scatter(x).reshape(-1, chunk_size, *x.shape[1:]),
+            lambda y: layout.gather(y.reshape(-1, y.shape[-1])),
+            layout.resets,
+        )
+    num_chunks = -(-seq_len // chunk_size)
+    pad = num_chunks * chunk_size - seq_len
 
-        resets = layout.resets
-    chunks = (to_chunks(x) for x in (q, k, v, log_alpha, beta))
-    ys, finals = scheduled_core(rule, schedule, *chunks, initial_states, resets)
-    return from_chunks(ys), finals
+    def to_chunks(x):
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape(num_chunks, chunk_size, *x.shape[1:])
+
+    def from_chunks(y):
+        return y.reshape(num_chunks * chunk_size, -1)[:seq_len]
+
+    return ChunkLayout(to_chunks, from_chunks, None)
 
 
 @no_type_check  # a public entry point: checks.py names its bad arguments

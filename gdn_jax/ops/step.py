@@ -42,7 +42,7 @@ def token_step(
     q: Float[Array, " K"],
     k: Float[Array, " K"],
     v: Float[Array, " V"],
-    log_alpha: Float[Array, ""],
+    log_alpha: Float[Array, ""] | Float[Array, " K"],
     beta: Float[Array, ""],
 ) -> tuple[Float[Array, "V K"], Float[Array, " V"]]:
     """The update on arrays already in the compute dtype, ``q`` already scaled.
@@ -51,8 +51,12 @@ def token_step(
         D = alpha S;  S' = D + beta (v - D k) k^T;  y = S' q.
     The error form costs two matrix-vector products and one outer product; the factored
     form ``S (alpha (I - beta k k^T)) + beta v k^T`` would cost a matrix-matrix product.
+
+    A gate per key channel, ``log_alpha [K]``, broadcasts along the state's rows: then
+    ``D = S Diag(alpha)``, Kimi Delta Attention's decay (``kda_token.py``).
     """
-    decayed = jnp.exp(log_alpha) * state
+    # [1, 1] for a head's gate, [1, K] for per-channel gates: either scales S's columns.
+    decayed = jnp.atleast_1d(jnp.exp(log_alpha))[None, :] * state
     error = v - decayed @ k
     new_state = decayed + beta * jnp.outer(error, k)
     return new_state, new_state @ q
