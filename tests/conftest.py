@@ -30,6 +30,11 @@ ROOT = os.environ["GDN_TEST_RUN_ROOT"]
 # Subprocesses store every program they compile: they compile the same tiny ones again and
 # again. This process keeps only the ones that took a while (below).
 os.environ.update(
+    # The suite runs on CPU. libtpu, which the test extra installs to compile for TPUs ahead of
+    # time (test_tpu_compile.py, a topology needs no backend), would otherwise start a TPU
+    # backend in every process: on a host without TPUs it fails after printing warnings on
+    # stderr (which the one-line error tests read), and holds libtpu's host lock as it does.
+    JAX_PLATFORMS="cpu",
     JAX_COMPILATION_CACHE_DIR=os.path.join(ROOT, "jax-compilation-cache"),
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",

@@ -43,6 +43,12 @@ def command(monkeypatch, capsys):
 
     monkeypatch.setattr(sys, "argv", ["train.py"])
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main appends to it
+    for name in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES"):  # --compile-only sets them
+        # setenv records the variable as it was, set or not, for the undo; delenv then
+        # leaves it as it was until the command runs.
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+        if not os.environ[name]:
+            monkeypatch.delenv(name)
 
     def run(out_dir, *extra, sets=()):
         argv = command_args(out_dir, *extra, sets=sets)
@@ -441,3 +447,78 @@ def test_a_dangling_link_as_out_dir_is_one_line(tmp_path):
     (tmp_path / "run").symlink_to(tmp_path / "gone")
     with pytest.raises(RunError, match=r"run is a link to \S+/gone, which does not exist"):
         check_writable(tmp_path / "run")
+
+
+def compile_only(command, tmp_path, topology="v5e:2x2", sets=()):
+    """``--compile-only`` as users run it: without the test session's float64, which a TPU
+    would emulate at twice the compile time."""
+    import jax
+
+    with jax.enable_x64(False):
+        return command(tmp_path / "run", "--compile-only", "--topology", topology, sets=sets)
+
+
+@pytest.mark.costly(8)
+def test_compile_only_prints_the_memory_per_chip_and_whether_it_fits(tmp_path, command):
+    pytest.importorskip("libtpu", reason='--compile-only needs libtpu: pip install -e ".[test]"')
+    result = compile_only(command, tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "for TPU v5e:2x2 (4 chips, mesh data=4 x model=1 x seq=1)" in lines[0]
+    assert lines[1] == "per chip, MiB (HBM 16 GiB):"
+    rows = {line[:32].strip(): float(line[32:]) for line in lines[2:6]}
+    assert list(rows) == ["parameters + optimizer state", "batch", "temp", "total"]
+    assert 0 < rows["parameters + optimizer state"] < rows["total"] < 16 * 1024
+    assert re.fullmatch(r"compiled FLOPs per step per chip: \S+e\+\d+ \(.*\)", lines[6])
+    assert re.fullmatch(r"fits: [\d.]+ MiB of 16 GiB per chip \([\d.]+%\) on v5e:2x2", lines[7])
+    assert not (tmp_path / "run").exists()
+
+    # Embeddings and their Adam moments alone, 2**20 x 1024 floats three times, pass 12 GiB.
+    big = ["model.vocab_size=1048576", "data.vocab_size=1048576", "model.d_model=1024"]
+    result = compile_only(command, tmp_path, sets=big)
+    assert result.returncode == 1, result.stderr
+    *_, verdict = result.stdout.splitlines()
+    assert verdict.startswith("does NOT fit: the TPU compiler ran out of HBM: "), verdict
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "sets", "pattern"),
+    [
+        (["--topology", "v5e:2x2"], [], r"--topology is for --compile-only$"),
+        (["--compile-only"], [], r"--compile-only needs --topology, e.g. --topology v5e:2x4$"),
+        (
+            ["--compile-only", "--topology", "v7:2x2"],
+            [],
+            r"topology 'v7:2x2' must be <generation>:<chips per axis, joined by x> with a "
+            r"generation of v4, v5e, v5p, v6e, e.g. v5e:2x4$",
+        ),
+        (
+            ["--compile-only", "--topology", "v5e:3x3"],
+            [],
+            r"topology 'v5e:3x3': Topology layout \"v5e:3x3\" is not divisible",
+        ),
+        (
+            ["--compile-only", "--topology", "v5e:2x2"],
+            ["train.mesh.data=3"],
+            r"train.mesh \{'data': 3, 'model': 1, 'seq': 1\} does not fit the 4 devices",
+        ),
+    ],
+)
+def test_compile_only_refuses_bad_input_in_one_line(tmp_path, command, args, sets, pattern):
+    if "--compile-only" in args and "--topology" in args:
+        pytest.importorskip(
+            "libtpu", reason='--compile-only needs libtpu: pip install -e ".[test]"'
+        )
+    one_line_error(command(tmp_path / "run", *args, sets=sets), pattern)
+    assert not (tmp_path / "run").exists()
+
+
+def test_compile_only_without_libtpu_names_the_install_command(tmp_path, monkeypatch, command):
+    from gdn_jax import tpu_compile
+
+    monkeypatch.setattr(tpu_compile, "libtpu_installed", lambda: False)
+    one_line_error(
+        compile_only(command, tmp_path),
+        r"compiling for TPU needs libtpu; install it with: pip install \"libtpu==0.0.52\"$",
+    )

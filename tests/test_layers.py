@@ -191,7 +191,7 @@ def test_padding_does_not_change_real_tokens(cls):
 def test_nan_padding_stays_out_of_real_tokens_in_the_hoisted_schedule(monkeypatch):
     """The layer runs the chunked op's "auto" schedule, "in_scan" on CPU, as the test above;
     this one forces "hoisted", where every chunk's work runs batched outside the scan."""
-    monkeypatch.setattr(chunked, "resolve_schedule", lambda schedule: "hoisted")
+    monkeypatch.setattr(chunked, "AUTO_SCHEDULES", {"default": "hoisted"})
     layer = make(GatedDeltaNet)
     # Two rows with the same real tokens after 5 padded ones: NaN in row 0, zeros in row 1.
     pad = jnp.stack([jnp.full((5, HIDDEN), jnp.nan), jnp.zeros((5, HIDDEN))]).astype(jnp.float32)

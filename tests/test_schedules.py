@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hlo import has_square, loop_bodies
 from jax.test_util import check_grads
 from reference import random_inputs, random_state
 from tolerance import assert_close
 
 import gdn_jax
-from gdn_jax.ops.chunked import resolve_schedule
 
 SCHEDULES = ("hoisted", "in_scan")
 NAMES = ("q", "k", "v", "log_alpha", "beta", "initial_state")
@@ -44,9 +44,19 @@ def single_head(schedule, chunk_size):
     return jax.jit(lambda q, k, v, la, b, s: fn(q, k, v, la, b, initial_state=s))
 
 
-def test_auto_is_in_scan_on_cpu():
-    assert jax.default_backend() == "cpu"
-    assert resolve_schedule("auto") == "in_scan"
+def test_auto_compiles_to_in_scan_for_cpu():
+    """``"auto"`` picks by the platform a program is compiled for (test_tpu_compile.py
+    compiles it for a TPU): for this CPU, the in_scan program, whose loop holds a chunk's
+    ``[C, C]`` work, which hoisted's never does."""
+    q, k, v, la, b = random_inputs(0, 96, 24, 40)
+
+    def loop_has_chunk_work(schedule):
+        fn = single_head(schedule, 16)
+        hlo = fn.lower(q, k, v, la, b, random_state(1, 40, 24)).compile().as_text()
+        return [has_square(body, 16) for body in loop_bodies(hlo)]
+
+    assert loop_has_chunk_work("auto") == loop_has_chunk_work("in_scan") == [True]
+    assert loop_has_chunk_work("hoisted") == [False]
 
 
 @pytest.mark.parametrize(

@@ -6,68 +6,20 @@ idle the MXU, so in the ``"hoisted"`` schedule (the default off CPU) the intra-c
 here; no accelerator is needed to check the structure.
 """
 
-import re
-
 import jax
 import jax.numpy as jnp
 import pytest
+from hlo import dots, has_square, loop_bodies
 from reference import random_inputs, random_state
 
 import gdn_jax
 
 # Distinct sizes, so that a [C, C] array cannot be mistaken for anything else.
 SEQ, CHUNK, KEY, VALUE = 96, 16, 24, 40
-COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.-]+) .*\{$")
-CALLED = re.compile(r"(?:calls|body|condition|to_apply)=%?([\w.-]+)")
-
-
-def computations(hlo: str) -> dict[str, list[str]]:
-    """The instruction lines of each computation in an HLO module's text."""
-    blocks, name = {}, None
-    for line in hlo.splitlines():
-        match = COMPUTATION.match(line)
-        if match:
-            name = match.group(1)
-            blocks[name] = []
-        elif line.strip() == "}":
-            name = None
-        elif name is not None:
-            blocks[name].append(line)
-    return blocks
-
-
-def reachable(blocks, name):
-    """Every instruction in ``name`` and the computations it calls, transitively."""
-    lines, todo, seen = [], [name], set()
-    while todo:
-        current = todo.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        for line in blocks[current]:
-            lines.append(line)
-            todo.extend(CALLED.findall(line))
-    return lines
-
-
-def loop_bodies(hlo: str) -> list[list[str]]:
-    """The instructions of each while loop's body, with what the body calls."""
-    blocks = computations(hlo)
-    bodies = [
-        m
-        for lines in blocks.values()
-        for line in lines
-        for m in re.findall(r"body=%?([\w.-]+)", line)
-    ]
-    return [reachable(blocks, body) for body in bodies]
-
-
-def dots(lines):
-    return [line for line in lines if re.search(r"= \S+ (dot|convolution)\(", line)]
 
 
 def has_chunk_square(lines):
-    return any(re.search(rf"\[(?:\d+,)*{CHUNK},{CHUNK}\]", line) for line in lines)
+    return has_square(lines, CHUNK)
 
 
 def inputs():

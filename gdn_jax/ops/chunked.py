@@ -228,14 +228,6 @@ SCHEDULES = {
 }
 
 
-def resolve_schedule(schedule: checks.Schedule) -> str:
-    """``"auto"`` is ``"in_scan"`` on CPU, where it measured faster (docs/benchmarks.md), and
-    ``"hoisted"`` on every other backend."""
-    if schedule != "auto":
-        return schedule
-    return "in_scan" if jax.default_backend() == "cpu" else "hoisted"
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def chunked_core(rule, schedule, q, k, v, log_alpha, beta, initial_states, resets):
     """The chunked form for one head: q, k ``[NC, C, K]`` (q pre-scaled), v ``[NC, C, V]``,
@@ -268,6 +260,26 @@ def _chunked_core_bwd(rule, schedule, residuals, cotangents):
 
 chunked_core.defvjp(_chunked_core_fwd, _chunked_core_bwd)
 
+# What "auto" means on each platform the program is lowered for (``jax.lax.platform_dependent``
+# keys): in the scan on CPU, where it measured faster (docs/benchmarks.md), hoisted on GPU, TPU
+# and anything else.
+AUTO_SCHEDULES = {"cpu": "in_scan", "default": "hoisted"}
+
+
+def run_schedule(schedules: dict[str, Callable], schedule: checks.Schedule, *args):
+    """``schedules[schedule](*args)``, with ``"auto"`` resolved by the platform the program
+    is lowered for, not the host that traces it (``AUTO_SCHEDULES``): traced on a CPU and
+    compiled for a TPU, it is ``"hoisted"``.
+
+    A schedule's forward and backward sit whole inside its branch of
+    ``jax.lax.platform_dependent``, so both follow one choice. Both branches are traced; a
+    lowering for one platform keeps only that platform's.
+    """
+    if schedule != "auto":
+        return schedules[schedule](*args)
+    branches = {platform: schedules[choice] for platform, choice in AUTO_SCHEDULES.items()}
+    return jax.lax.platform_dependent(*args, **branches)
+
 
 def chunked_rule(
     q: Float[Array, "T K"],
@@ -293,9 +305,9 @@ def chunked_rule(
     """
     log_alpha = jnp.maximum(log_alpha, LOG_ALPHA_FLOOR)
     layout = chunk_layout(q.shape[0], chunk_size, cu_seqlens)
-    schedule = resolve_schedule(schedule)
     chunks = (layout.to_chunks(x) for x in (q, k, v, log_alpha, beta))
-    ys, finals = chunked_core(rule, schedule, *chunks, initial_states, layout.resets)
+    cores = {name: functools.partial(chunked_core, rule, name) for name in SCHEDULES}
+    ys, finals = run_schedule(cores, schedule, *chunks, initial_states, layout.resets)
     return layout.from_chunks(ys), finals
 
 
@@ -361,8 +373,9 @@ def gated_delta_rule_chunked(
       schedule: where each chunk's own work runs. ``"hoisted"`` batches it over all chunks
         outside the sequential scan, which then holds only state-sized products (the shape
         accelerators need); ``"in_scan"`` runs it chunk by chunk inside the scan, which keeps
-        a chunk's intermediates in cache on CPU; ``"auto"`` is ``"in_scan"`` on CPU and
-        ``"hoisted"`` elsewhere. Both compute the same function and gradients.
+        a chunk's intermediates in cache on CPU; ``"auto"`` is ``"in_scan"`` when compiled for
+        CPU and ``"hoisted"`` for any other platform, including a TPU compiled for ahead of
+        time from a CPU host. Both compute the same function and gradients.
 
     Returns:
       ``(y [T, V], final_state [V, K])``: ``y`` in the input dtype, the state in float32

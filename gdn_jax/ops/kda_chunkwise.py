@@ -42,7 +42,7 @@ from jaxtyping import Array, Float, Int
 from gdn_jax.ops import checks
 from gdn_jax.ops.blocks import scan_blocks
 from gdn_jax.ops.channel_decays import channel_decays, channel_scores
-from gdn_jax.ops.chunked import chunk_layout, resolve_schedule, state_step
+from gdn_jax.ops.chunked import chunk_layout, run_schedule, state_step
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
 from gdn_jax.ops.step import core_inputs
 from gdn_jax.ops.triangular import unit_lower_inverse
@@ -118,8 +118,7 @@ def kda_chunked_rule(
     gates ``[T, K]``. Returns ``(y [T, V], finals [N, V, K])``."""
     layout = chunk_layout(q.shape[0], chunk_size, cu_seqlens)
     chunks = tuple(layout.to_chunks(x) for x in (q, k, v, log_alpha, beta))
-    run = SCHEDULES[resolve_schedule(schedule)]
-    ys, finals = run(chunks, initial_states, layout.resets)
+    ys, finals = run_schedule(SCHEDULES, schedule, chunks, initial_states, layout.resets)
     return layout.from_chunks(ys), finals
 
 

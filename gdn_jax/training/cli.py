@@ -9,6 +9,7 @@ interrupted run says how to resume it and exits 130 (SIGINT) or 143 (SIGTERM).
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -65,6 +66,19 @@ def parse_args(argv):
     which.add_argument(
         "--overwrite", action="store_true", help="delete the earlier run in out_dir first"
     )
+    which.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="train nothing: compile the train step for the TPU slice --topology ahead of "
+        "time and print its memory per chip against the chip's HBM (exit 0 if it fits, 1 if "
+        "not); needs libtpu, not a TPU",
+    )
+    parser.add_argument(
+        "--topology",
+        metavar="NAME",
+        help="the TPU slice of --compile-only: <generation>:<chips per axis>, e.g. v5e:2x4 "
+        "(generations v4, v5e, v5p, v6e)",
+    )
     return parser, parser.parse_args(argv)
 
 
@@ -83,6 +97,9 @@ def _main(argv) -> int:
     def fail(message, status=2) -> int:
         print(f"{parser.prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
         return status
+
+    if args.compile_only or args.topology is not None:
+        return _compile_only(args, fail)
 
     # Imported here so that --help and argument errors do not wait for JAX.
     import jax
@@ -145,6 +162,53 @@ def _main(argv) -> int:
         f"{summary['wall_s']:.0f} s; curves in {config.train.out_dir}/curves.png"
     )
     return 0
+
+
+def _compile_only(args, fail) -> int:
+    """``--compile-only --topology NAME``: every check before libtpu starts, then the
+    compile and its table (``compile_only.report``). Writes nothing."""
+    from gdn_jax import tpu_compile
+    from gdn_jax.training.config import load_config
+
+    if not args.compile_only:
+        return fail("--topology is for --compile-only")
+    if args.topology is None:
+        return fail("--compile-only needs --topology, e.g. --topology v5e:2x4")
+    try:
+        topology = tpu_compile.parse_topology(args.topology)
+        config = load_config(resolve_config(args.config), args.overrides)
+    except (ValueError, OSError) as error:
+        return fail(error)
+    if not tpu_compile.libtpu_installed():
+        return fail(tpu_compile.LibtpuMissing())
+    # This host only compiles: its own devices take no part, and libtpu is told it is the
+    # slice's one worker (else it warns that it cannot find out).
+    tpu_compile.quiet_libtpu(topology)
+    import jax
+
+    from gdn_jax.training import compile_only
+    from gdn_jax.training.run_dir import RunError
+
+    if not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")
+    try:
+        devices = tpu_compile.topology_devices(topology.name)
+        memory = compile_only.step_memory(config, topology, devices)
+    except (ValueError, RunError) as error:
+        return fail(error)
+    print(
+        f"train step of {args.config} for TPU {topology.name} ({topology.chips} "
+        f"chips, mesh {_mesh_text(config, devices)})"
+    )
+    print("\n".join(compile_only.report(memory, topology, devices)))
+    return 0 if memory.fits else 1
+
+
+def _mesh_text(config, devices) -> str:
+    from gdn_jax.training.mesh import AXES, mesh_shape
+
+    sizes = mesh_shape(config.train.mesh, len(devices))
+    return " x ".join(f"{axis}={size}" for axis, size in zip(AXES, sizes, strict=True))
 
 
 if __name__ == "__main__":

@@ -253,24 +253,31 @@ def _on_mesh(mesh: Mesh, fn):
     return call
 
 
-def _init_state(config: Config, mesh: Mesh, out_dir: Path) -> RunState:
-    """Model, optimizer, jitted steps and the checkpoint manager, placed on ``mesh``: the
-    batch by ``batch_shardings``, parameters and optimizer state by the layers' partitioning
-    metadata (whole on every device when the mesh has only a data axis)."""
+@dataclass
+class Steps:
+    """The jitted steps of a run on its mesh and the shardings of what they take."""
+
+    train_step: jax.stages.Wrapped  # (TrainState, batch) -> (TrainState, metrics); donates
+    eval_step: jax.stages.Wrapped  # (params, batch) -> (loss, per-example accuracy)
+    state_shardings: TrainState
+    batch_shardings: dict
+
+
+def jit_steps(config: Config, mesh: Mesh, graphdef, params: nnx.State, optimizer) -> Steps:
+    """The train and eval steps of ``config`` jitted for ``mesh``: the batch placed by
+    ``batch_shardings``, parameters and optimizer state by the layers' partitioning metadata
+    (whole on every device when the mesh has only a data axis). ``params`` may be abstract
+    (``nnx.eval_shape``); call the steps with ``mesh`` set (``jax.set_mesh``)."""
     train = config.train
     replicated = NamedSharding(mesh, P())
-    batch_shardings = mesh_lib.batch_shardings(mesh)
-    model = LanguageModel(config.model, rngs=nnx.Rngs(train.seed))
-    graphdef, params = nnx.split(model)
-    optimizer = make_optimizer(train, params)
-    pure = nnx.to_pure_dict(params)
-    state = TrainState(jnp.zeros((), jnp.int32), pure, optimizer.init(pure))
     param_shardings = mesh_lib.param_shardings(mesh, params)
+    opt_state = jax.eval_shape(optimizer.init, nnx.to_pure_dict(params))
     state_shardings = TrainState(
         replicated,
         param_shardings,
-        mesh_lib.opt_state_shardings(mesh, optimizer, state.opt_state, param_shardings),
+        mesh_lib.opt_state_shardings(mesh, optimizer, opt_state, param_shardings),
     )
+    batch_shardings = mesh_lib.batch_shardings(mesh)
     schedule = learning_rate_schedule(train)
     train_step = jax.jit(
         make_train_step(graphdef, optimizer, schedule, logits_at_labels=train.logits_at_labels),
@@ -283,6 +290,19 @@ def _init_state(config: Config, mesh: Mesh, out_dir: Path) -> RunState:
         in_shardings=(state_shardings.params, batch_shardings),
         out_shardings=replicated,  # every process reads the whole per-example accuracy
     )
+    return Steps(train_step, eval_step, state_shardings, batch_shardings)
+
+
+def _init_state(config: Config, mesh: Mesh, out_dir: Path) -> RunState:
+    """Model, optimizer, jitted steps (``jit_steps``) and the checkpoint manager, with the
+    state placed on ``mesh``."""
+    train = config.train
+    model = LanguageModel(config.model, rngs=nnx.Rngs(train.seed))
+    graphdef, params = nnx.split(model)
+    optimizer = make_optimizer(train, params)
+    steps = jit_steps(config, mesh, graphdef, params, optimizer)
+    pure = nnx.to_pure_dict(params)
+    state = TrainState(jnp.zeros((), jnp.int32), pure, optimizer.init(pure))
     checkpoints = ocp.CheckpointManager(
         out_dir / run_dir.CHECKPOINTS,
         options=ocp.CheckpointManagerOptions(max_to_keep=train.keep_checkpoints, create=True),
@@ -293,10 +313,10 @@ def _init_state(config: Config, mesh: Mesh, out_dir: Path) -> RunState:
         out_dir,
         MetricsLog(out_dir / run_dir.METRICS, writes=_is_primary()),
         checkpoints,
-        jax.device_put(state, state_shardings),
-        _on_mesh(mesh, train_step),
-        _on_mesh(mesh, eval_step),
-        batch_shardings,
+        jax.device_put(state, steps.state_shardings),
+        _on_mesh(mesh, steps.train_step),
+        _on_mesh(mesh, steps.eval_step),
+        steps.batch_shardings,
     )
 
 

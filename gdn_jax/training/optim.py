@@ -29,7 +29,7 @@ def weight_decay_mask(params: nnx.State) -> dict:
         node = mask
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = not isinstance(variable, NoWeightDecay) and variable[...].ndim >= 2
+        node[path[-1]] = not isinstance(variable, NoWeightDecay) and variable.get_value().ndim >= 2
     return mask
 
 

@@ -1,0 +1,159 @@
+"""Compiling for TPUs that are not here: libtpu's compiler, ahead of time, on any host.
+
+``jax.experimental.topologies`` describes a TPU slice by name (``"v5e:2x4"``: 8 v5e chips
+in a 2 x 4 grid) as devices that JAX compiles for but cannot run on. ``compile_for`` lowers a
+function with abstract arguments placed on those devices; the compiled program's
+``memory_analysis()`` and optimised HLO (``as_text()``) are the TPU compiler's own, for one
+device of the slice. Its ``cost_analysis()`` times are estimates, not measurements, and its
+FLOPs count each loop body once, whatever the trip count.
+
+Needs libtpu (``INSTALL_COMMAND``), not a TPU. libtpu keeps one process per host off the
+host's TPU chips with a lock file; compiling here touches no chip, so ``topology_devices``
+sets ``ALLOW_MULTIPLE_LIBTPU_LOAD`` (unless set) so that compiles in several processes at
+once (test workers, a compile beside a CPU run) do not shut each other out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
+
+import jax
+
+INSTALL_COMMAND = 'pip install "libtpu==0.0.52"'
+# HBM per chip, in GiB (Google Cloud's TPU pages).
+HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
+# Cloud accelerator types name v4 and v5p slices by TensorCores (two per chip), v5e and v6e
+# by chips: "v4-8" and "v5p-8" hold 4 chips, "v5litepod-8" and "v6e-8" hold 8.
+ACCELERATOR_TYPES = {"v4": ("v4", 2), "v5e": ("v5litepod", 1), "v5p": ("v5p", 2), "v6e": ("v6e", 1)}
+_NAME = re.compile(r"^(?P<generation>v[0-9a-z]+):(?P<shape>[1-9][0-9]*(?:x[1-9][0-9]*){1,2})$")
+
+
+class LibtpuMissing(RuntimeError):
+    """libtpu, the TPU compiler, is not installed."""
+
+    def __init__(self):
+        super().__init__(f"compiling for TPU needs libtpu; install it with: {INSTALL_COMMAND}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """A TPU slice by name: ``generation`` (a key of ``HBM_GIB``) and chips per axis."""
+
+    name: str
+    generation: str
+    shape: tuple[int, ...]
+
+    @property
+    def chips(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def hbm_bytes(self) -> int:
+        """HBM of one chip."""
+        return HBM_GIB[self.generation] * 2**30
+
+    @property
+    def accelerator_type(self) -> str:
+        """The slice's Cloud TPU accelerator type, e.g. ``"v5litepod-8"`` for ``"v5e:2x4"``."""
+        prefix, per_chip = ACCELERATOR_TYPES[self.generation]
+        return f"{prefix}-{self.chips * per_chip}"
+
+
+def parse_topology(name: str) -> Topology:
+    """``"v5e:2x4"`` as a ``Topology``; ``ValueError`` for a name outside ``HBM_GIB``'s
+    generations or not of the form ``<generation>:<chips>x<chips>[x<chips>]``."""
+    match = _NAME.match(name) if isinstance(name, str) else None
+    if match is None or match["generation"] not in HBM_GIB:
+        raise ValueError(
+            f"topology {name!r} must be <generation>:<chips per axis, joined by x> with a "
+            f"generation of {', '.join(HBM_GIB)}, e.g. v5e:2x4"
+        )
+    shape = tuple(int(n) for n in match["shape"].split("x"))
+    return Topology(name, match["generation"], shape)
+
+
+def libtpu_installed() -> bool:
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def topology_devices(name: str) -> list[jax.Device]:
+    """The devices of TPU slice ``name`` (``parse_topology``), to compile for.
+
+    One device per chip, except v4, whose two TensorCores per chip are two devices here.
+
+    Raises:
+      ValueError: ``name`` is malformed, of another generation, or a shape libtpu rejects.
+      LibtpuMissing: libtpu is not installed.
+    """
+    parse_topology(name)
+    if not libtpu_installed():
+        raise LibtpuMissing()
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    except jax.errors.JaxRuntimeError as error:
+        reason = str(error).splitlines()[0].removeprefix("INVALID_ARGUMENT: ")
+        raise ValueError(f"topology {name!r}: {reason}") from None
+
+
+def quiet_libtpu(topology: Topology, environ=os.environ) -> None:
+    """Describe this host to libtpu as the one worker of ``topology``'s slice, unless the
+    environment already does, for a process that only compiles for it.
+
+    Without a TPU, libtpu cannot look up its accelerator type and worker hostnames (Cloud TPU
+    metadata) and prints warnings about both when it starts; what it compiles is the same
+    either way. Call before the first ``topology_devices``; never in a process that runs on
+    TPUs of its own."""
+    environ.setdefault("TPU_ACCELERATOR_TYPE", topology.accelerator_type)
+    environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+
+
+def compile_for(fn: Callable, *args, device: jax.Device | None = None) -> jax.stages.Compiled:
+    """``fn`` (a function, or a ``jax.jit`` of one with its own shardings) compiled for the
+    devices its arguments are placed on.
+
+    ``args`` are pytrees of ``jax.ShapeDtypeStruct``; a leaf without a sharding is placed on
+    ``device`` (``ValueError`` without one: it would compile for this host).
+    """
+
+    def placed(x):
+        if x.sharding is not None:
+            return x
+        if device is None:
+            raise ValueError(f"compile_for: {x} has no sharding, so device must be given")
+        single = jax.sharding.SingleDeviceSharding(device)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=single)
+
+    jitted = fn if isinstance(fn, jax.stages.Wrapped) else jax.jit(fn)
+    lowered = jitted.trace(*jax.tree.map(placed, args)).lower()
+    with _host_flags_hidden():
+        return lowered.compile()
+
+
+@contextlib.contextmanager
+def _host_flags_hidden():
+    """``XLA_FLAGS`` empty while libtpu compiles: they are this host's XLA's, and libtpu's
+    XLA, another version, reads them at its first compile and aborts the process on a flag it
+    does not know (the CPU flags of ``train.py`` and the tests among them). libtpu takes its
+    own flags from ``LIBTPU_INIT_ARGS``."""
+    jax.devices()  # this host's XLA reads XLA_FLAGS once, when its backend starts: now
+    flags = os.environ.pop("XLA_FLAGS", None)
+    try:
+        yield
+    finally:
+        if flags is not None:
+            os.environ["XLA_FLAGS"] = flags
+
+
+def devices_per_chip(devices: Sequence[jax.Device]) -> int:
+    """How many of ``devices`` share a chip (2 for v4's TensorCores, else 1)."""
+    chips = {tuple(d.coords) for d in devices}
+    return len(devices) // len(chips)

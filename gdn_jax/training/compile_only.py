@@ -1,0 +1,151 @@
+"""``gdn-train --compile-only --topology v5e:2x4``: will a config's train step fit a TPU slice?
+
+The model and optimizer are built abstractly (shapes only, nothing allocated), ``train.mesh``
+is laid over the slice's devices, and the train step is compiled ahead of time by libtpu's
+TPU compiler on this host (``gdn_jax.tpu_compile``). The figures are the compiler's, for one
+device: what the step's arguments, outputs and temporaries take, against the chip's HBM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gdn_jax.data.mqar import make_batch, make_mqar
+from gdn_jax.models import LanguageModel
+from gdn_jax.tpu_compile import Topology, compile_for, devices_per_chip
+from gdn_jax.training import mesh as mesh_lib
+from gdn_jax.training.config import Config
+from gdn_jax.training.loop import jit_steps
+from gdn_jax.training.optim import make_optimizer
+from gdn_jax.training.step import TrainState
+
+MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """One device's share of a compiled train step, in bytes, and its FLOPs; ``temp``,
+    ``total`` and ``flops`` are None when the compiler ran out of HBM (``out_of_memory``
+    says by how much)."""
+
+    state: int  # parameters and optimizer state, as sharded (before the compiler's padding)
+    batch: int  # the batch, as sharded
+    hbm: int  # HBM of one device: a chip's, or half of it on v4 (a device per TensorCore)
+    temp: int | None = None  # the compiler's temporaries
+    total: int | None = None  # the compiler's arguments + outputs - donated + temporaries
+    flops: float | None = None  # XLA's count for one device, each loop body counted once
+    out_of_memory: str | None = None  # the compiler's reason
+
+    @property
+    def fits(self) -> bool:
+        return self.total is not None and self.total <= self.hbm
+
+
+def abstract_batch(config: Config) -> dict:
+    """One step's batch as ``jax.ShapeDtypeStruct``s: the shapes of a generated example."""
+    example = make_batch(*make_mqar(config.data, num_examples=1, seed=0))
+    size = config.train.batch_size
+    return {k: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype) for k, x in example.items()}
+
+
+def placed(tree, shardings):
+    """``tree``'s shapes and dtypes with ``shardings`` (a matching tree)."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
+
+
+def train_step_inputs(config: Config, devices):
+    """``(train_step, state, batch, mesh)``: the train step of ``config`` jitted for
+    ``train.mesh`` over ``devices`` and its abstract arguments, placed (the model and
+    optimizer state are built as shapes only). Raises ``RunError`` when the mesh does not fit
+    the devices."""
+    mesh = mesh_lib.check_mesh(config, devices)
+    model = nnx.eval_shape(lambda: LanguageModel(config.model, rngs=nnx.Rngs(config.train.seed)))
+    graphdef, params = nnx.split(model)
+    optimizer = make_optimizer(config.train, params)
+    steps = jit_steps(config, mesh, graphdef, params, optimizer)
+    pure = nnx.to_pure_dict(params)
+    opt_state = jax.eval_shape(optimizer.init, pure)
+    state = placed(
+        TrainState(jax.ShapeDtypeStruct((), jnp.int32), pure, opt_state), steps.state_shardings
+    )
+    batch = placed(abstract_batch(config), steps.batch_shardings)
+    return steps.train_step, state, batch, mesh
+
+
+def compile_train_step(config: Config, devices) -> jax.stages.Compiled:
+    """The train step of ``config`` compiled for ``train.mesh`` over ``devices``."""
+    train_step, state, batch, mesh = train_step_inputs(config, devices)
+    with jax.set_mesh(mesh):  # the layers read its seq axis while they are traced
+        return compile_for(train_step, state, batch)
+
+
+def shard_bytes(tree) -> int:
+    """Bytes of one device's shards of a pytree of sharded ``jax.ShapeDtypeStruct``s."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+    )
+
+
+def step_memory(config: Config, topology: Topology, devices) -> StepMemory:
+    """Compile the train step for ``devices`` (a slice of ``topology``) and read its
+    memory and FLOPs for one device."""
+    train_step, state, batch, mesh = train_step_inputs(config, devices)
+    hbm = topology.hbm_bytes // devices_per_chip(devices)
+    sizes = StepMemory(state=shard_bytes(state), batch=shard_bytes(batch), hbm=hbm)
+    try:
+        with jax.set_mesh(mesh):
+            compiled = compile_for(train_step, state, batch)
+    except jax.errors.JaxRuntimeError as error:
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        message = str(error).splitlines()[0]
+        reason = re.search(r"HBM, (.*?)(?:\. HLO module.*)?$", message)
+        reason = message if reason is None else reason[1]
+        return dataclasses.replace(sizes, out_of_memory=reason)
+    stats = compiled.memory_analysis()
+    total = (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+        + stats.temp_size_in_bytes
+    )
+    flops = compiled.cost_analysis()["flops"]
+    return dataclasses.replace(sizes, temp=stats.temp_size_in_bytes, total=total, flops=flops)
+
+
+def report(memory: StepMemory, topology: Topology, devices) -> list[str]:
+    """The lines ``--compile-only`` prints: the table per device, the FLOPs, the verdict."""
+    per_chip = devices_per_chip(devices)
+    unit = "chip" if per_chip == 1 else "device"
+    who = unit if per_chip == 1 else f"device ({per_chip} per {topology.generation} chip)"
+    hbm = f"{memory.hbm / 2**30:g} GiB"
+    rows = [
+        ("parameters + optimizer state", memory.state),
+        ("batch", memory.batch),
+        ("temp", memory.temp),
+        ("total", memory.total),
+    ]
+    lines = [f"per {who}, MiB (HBM {hbm}):"]
+    for name, size in rows:
+        lines.append(f"  {name:<30}{'-' if size is None else f'{size / MIB:.2f}':>12}")
+    if memory.out_of_memory is not None:
+        lines.append(f"does NOT fit: the TPU compiler ran out of HBM: {memory.out_of_memory}")
+        return lines
+    lines.append(
+        f"compiled FLOPs per step per {unit}: {memory.flops:.3e} (XLA's count, in which a loop "
+        "body counts once)"
+    )
+    verdict = "fits" if memory.fits else "does NOT fit"
+    lines.append(
+        f"{verdict}: {memory.total / MIB:.2f} MiB of {hbm} per {unit} "
+        f"({memory.total / memory.hbm:.1%}) on {topology.name}"
+    )
+    return lines

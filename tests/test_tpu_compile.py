@@ -1,0 +1,117 @@
+"""The op, the layer and the train step compiled for TPUs by libtpu's compiler, on this CPU.
+
+What a test can read of a TPU program without a TPU: that the TPU compiler takes it, its
+memory per chip, and its optimised HLO. The loops must be the schedule's: one state pass in
+the forward and one more in the backward; in ``"hoisted"`` (``"auto"`` on TPU, also when
+traced on a CPU) their bodies hold only state-sized products, never a chunk's ``[C, C]``
+work, which ``"in_scan"`` keeps inside. At these sizes every temporary of the op fits the
+chip's on-chip VMEM, so its HBM temp is 0; a bound that bites needs sizes whose compile
+takes tens of seconds. Each program is compiled once (``tpu_programs``) and read for
+everything it shows.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from hlo import count, dots, has_square
+from tpu_programs import compile_program, devices, op_program
+
+pytest.importorskip("libtpu", reason='compiling for TPU needs libtpu: pip install -e ".[test]"')
+
+from gdn_jax import tpu_compile  # noqa: E402
+from gdn_jax.layers import GatedDeltaNet  # noqa: E402
+from gdn_jax.training import compile_only  # noqa: E402
+from gdn_jax.training.cli import CONFIG_DIR  # noqa: E402
+from gdn_jax.training.config import load_config  # noqa: E402
+
+# v5e, the chip of the issue's figures, and one more generation.
+TOPOLOGIES = ("v5e:2x2", "v6e:2x2")
+# (B, T, H, K, V) with distinct sizes, so that a [C, C] array is nothing else.
+SHAPE, CHUNK = (1, 96, 2, 24, 40), 16
+# Products per loop body: the forward's state pass reads and writes the state (2 per chunk,
+# 3 with the grouped read split), the backward's reverse pass up to 6.
+FORWARD_DOTS, BACKWARD_DOTS = 3, 6
+
+
+def assert_state_sized_loops(program, *, max_dots):
+    for body in program.bodies:
+        assert 1 <= len(dots(body)) <= max_dots, dots(body)
+        assert not has_square(body, CHUNK)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("schedule", ["hoisted", "in_scan"])
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_op_compiles_for_tpu_with_its_schedules_loops(topology, schedule, dtype):
+    forward = op_program(topology, schedule, dtype, SHAPE, CHUNK, grad=False)
+    both = op_program(topology, schedule, dtype, SHAPE, CHUNK, grad=True)
+    assert (forward.whiles, both.whiles) == (1, 2)
+    for program in (forward, both):
+        assert program.memory.temp_size_in_bytes == 0
+    if schedule == "hoisted":
+        assert_state_sized_loops(forward, max_dots=FORWARD_DOTS)
+        assert_state_sized_loops(both, max_dots=BACKWARD_DOTS)
+    else:
+        assert all(has_square(body, CHUNK) for body in (*forward.bodies, *both.bodies))
+
+
+def test_auto_is_hoisted_when_traced_here_and_compiled_for_tpu():
+    """``schedule="auto"`` follows the platform a program is compiled for: the program for a
+    v5e chip is the hoisted one, that for this CPU the in_scan one."""
+    auto = op_program("v5e:2x2", "auto", "bfloat16", SHAPE, CHUNK, grad=True)
+    hoisted = op_program("v5e:2x2", "hoisted", "bfloat16", SHAPE, CHUNK, grad=True)
+    assert count(auto.hlo, "fusion") == count(hoisted.hlo, "fusion")
+    assert [len(dots(b)) for b in auto.bodies] == [len(dots(b)) for b in hoisted.bodies]
+    assert_state_sized_loops(auto, max_dots=BACKWARD_DOTS)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_gated_deltanet_layer_compiles_for_tpu(topology):
+    layer = nnx.eval_shape(
+        lambda: GatedDeltaNet(64, 2, 24, chunk_size=CHUNK, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    )
+    graphdef, params = nnx.split(layer)
+    x = jax.ShapeDtypeStruct((2, SHAPE[1], 64), jnp.bfloat16)
+
+    def loss(params, x):
+        y = nnx.merge(graphdef, params)(x)
+        return jnp.sum(y.astype(jnp.float32))
+
+    program = compile_program(
+        jax.grad(loss, argnums=(0, 1)), params, x, device=devices(topology)[0]
+    )
+    assert program.whiles == 2
+    assert_state_sized_loops(program, max_dots=BACKWARD_DOTS)
+
+
+# The train step of train.py on a small GDN (K = V = 24, two chunks per sequence shard).
+SMALL_RUN = [
+    "model.vocab_size=128", "data.vocab_size=128", "model.d_model=48", "model.mixers=[gdn]",
+    f"model.chunk_size={CHUNK}", "data.seq_len=64", "data.num_kv_pairs=4", "train.batch_size=8",
+]  # fmt: skip
+
+
+@pytest.mark.costly(8)
+@pytest.mark.parametrize(
+    ("topology", "mesh"), [("v5e:2x2", (2, 2, 1)), ("v5e:2x2", (1, 2, 2)), ("v6e:2x2", (2, 1, 2))]
+)
+def test_train_step_compiles_for_a_tpu_mesh(topology, mesh):
+    """data x model x seq over the 4 chips: the step compiles, fits, gathers gradients over
+    the chips, passes state between sequence shards over ``seq``, and its GDN layer has the
+    hoisted loops (``auto`` on TPU)."""
+    data, model, seq = mesh
+    sets = [f"train.mesh.data={data}", f"train.mesh.model={model}", f"train.mesh.seq={seq}"]
+    config = load_config(CONFIG_DIR / "mqar_gdn.yaml", SMALL_RUN + sets)
+    topo = tpu_compile.parse_topology(topology)
+    train_step, state, batch, jax_mesh = compile_only.train_step_inputs(config, devices(topology))
+    with jax.set_mesh(jax_mesh):
+        program = compile_program(train_step, state, batch)
+    memory = program.memory
+    assert program.whiles == 2  # the layer's state pass, forward and backward
+    assert_state_sized_loops(program, max_dots=BACKWARD_DOTS)
+    inputs = compile_only.shard_bytes(state) + compile_only.shard_bytes(batch)
+    assert inputs <= memory.argument_size_in_bytes <= topo.hbm_bytes
+    assert memory.temp_size_in_bytes <= topo.hbm_bytes
+    assert count(program.hlo, "all-reduce") > 0
+    assert (count(program.hlo, "collective-permute") > 0) == (seq > 1)
