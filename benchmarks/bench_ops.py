@@ -1,9 +1,14 @@
-"""Time and memory of the recurrent and chunked gated delta rule.
+"""Time and memory of the recurrent and chunked gated delta rule and Kimi Delta Attention.
 
     python benchmarks/bench_ops.py --baseline 6fca74a            # the table in docs/benchmarks.md
     python benchmarks/bench_ops.py --seq-lens 4096 --chunk-sizes 16 32 64 128
     python benchmarks/bench_ops.py --shape mqar --seq-lens 256 --chunk-sizes 16 32 64 \\
         --baseline 6fca74a --no-recurrent                        # before/after, one run
+    python benchmarks/bench_ops.py --ops gdn kda --seq-lens 4096 --no-recurrent \\
+        --schedules auto                                         # KDA next to Gated DeltaNet
+
+``--ops`` picks the recurrences: ``gdn`` (``gated_delta_rule``, one gate per head and token)
+and ``kda`` (``kda``, one gate per key channel too); the baseline runs the first of them.
 
 ``--schedules`` picks the chunked schedules to time (``in_scan``, ``hoisted``, ``auto``);
 ``--xla-defaults`` leaves out the XLA options of ``gdn_jax.training.xla_flags``.
@@ -62,25 +67,31 @@ def chunked_forward_flops(shape, seq_len, chunk):
     return batch * heads * num_chunks * per_chunk
 
 
-def inputs(shape, seq_len):
+# The batched entry point of each recurrence, and whether its gates are per key channel.
+OPS = {"gdn": ("gated_delta_rule", False), "kda": ("kda", True)}
+
+
+def inputs(shape, seq_len, per_channel):
     batch, heads, key, value = shape
     rng = np.random.default_rng(0)
     q = rng.standard_normal((batch, seq_len, heads, key))
     k = rng.standard_normal((batch, seq_len, heads, key))
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
     v = rng.standard_normal((batch, seq_len, heads, value))
-    log_alpha = rng.uniform(-0.5, -0.01, (batch, seq_len, heads))
+    channels = (key,) if per_channel else ()
+    log_alpha = rng.uniform(-0.5, -0.01, (batch, seq_len, heads, *channels))
     beta = rng.uniform(0.0, 1.0, (batch, seq_len, heads))
     return tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v, log_alpha, beta))
 
 
-def programs(package, impl, chunk, schedule):
+def programs(package, op, impl, chunk, schedule):
     options = dict(impl=impl, chunk_size=chunk)
     if schedule not in (None, "auto"):  # a baseline revision may predate schedules
         options.update(schedule=schedule)
+    entry = getattr(package, OPS[op][0])
 
     def forward(*args):
-        return package.gated_delta_rule(*args, **options)[0]
+        return entry(*args, **options)[0]
 
     def loss(*args):
         return jnp.sum(forward(*args) ** 2)
@@ -95,6 +106,7 @@ def main():
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[64])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--schedules", nargs="+", default=["in_scan", "hoisted"])
+    parser.add_argument("--ops", nargs="+", choices=sorted(OPS), default=["gdn"])
     parser.add_argument("--baseline", help="git revision whose chunked form to time as well")
     parser.add_argument("--no-recurrent", action="store_true", help="skip the recurrent form")
     parser.add_argument(
@@ -121,35 +133,39 @@ def main():
     )
     print(f"# reference: {size}^3 matmul {matmul_ms:.1f} ms = {matmul_gflops:.1f} GFLOP/s\n")
     print(
-        "| impl | C | T | fwd ms | fwd+bwd ms | fwd temp MB | fwd+bwd temp MB | fwd GFLOP/s (% of matmul) |"
+        "| op | impl | C | T | fwd ms | fwd+bwd ms | fwd temp MB | fwd+bwd temp MB | fwd GFLOP/s (% of matmul) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
 
-    runs = [] if args.no_recurrent else [("recurrent", gdn_jax, "recurrent", 64, None)]
+    runs = []
     baseline = import_revision(args.baseline) if args.baseline else None
-    for chunk in args.chunk_sizes:
-        for schedule in args.schedules:
-            if baseline is not None:
-                label = f"chunked@{args.baseline} {schedule}"
-                runs.append((label, baseline, "chunked", chunk, schedule))
-            runs.append((f"chunked {schedule}", gdn_jax, "chunked", chunk, schedule))
+    for op in args.ops:
+        if not args.no_recurrent:
+            runs.append((op, "recurrent", gdn_jax, "recurrent", 64, None))
+        for chunk in args.chunk_sizes:
+            for schedule in args.schedules:
+                if baseline is not None and op == args.ops[0]:
+                    label = f"chunked@{args.baseline} {schedule}"
+                    runs.append((op, label, baseline, "chunked", chunk, schedule))
+                runs.append((op, f"chunked {schedule}", gdn_jax, "chunked", chunk, schedule))
     for seq_len in args.seq_lens:
-        data = inputs(shape, seq_len)
-        for label, package, impl, chunk, schedule in runs:
-            forward, grad = programs(package, impl, chunk, schedule)
-            fwd_mb, grad_mb = temp_mb(forward, data), temp_mb(grad, data)
-            fwd_ms = best_ms(forward, data, args.repeats)
+        data = {op: inputs(shape, seq_len, OPS[op][1]) for op in args.ops}
+        for op, label, package, impl, chunk, schedule in runs:
+            forward, grad = programs(package, op, impl, chunk, schedule)
+            data_op = data[op]
+            fwd_mb, grad_mb = temp_mb(forward, data_op), temp_mb(grad, data_op)
+            fwd_ms = best_ms(forward, data_op, args.repeats)
             if grad_mb / 1024 <= args.max_temp_gb:
-                grad_ms = f"{best_ms(grad, data, max(1, args.repeats - 1)):.1f}"
+                grad_ms = f"{best_ms(grad, data_op, max(1, args.repeats - 1)):.1f}"
             else:
                 grad_ms = f"not run (> {args.max_temp_gb:g} GB)"
             rate = "-"
-            if impl == "chunked":
+            if impl == "chunked" and op == "gdn":  # the flop count is the gated delta rule's
                 gflops = chunked_forward_flops(shape, seq_len, chunk) / fwd_ms / 1e6
                 rate = f"{gflops:.1f} ({100 * gflops / matmul_gflops:.0f}%)"
             label_c = chunk if impl == "chunked" else "-"
             print(
-                f"| {label} | {label_c} | {seq_len} | {fwd_ms:.1f} | {grad_ms} | "
+                f"| {op} | {label} | {label_c} | {seq_len} | {fwd_ms:.1f} | {grad_ms} | "
                 f"{fwd_mb:.1f} | {grad_mb:.1f} | {rate} |",
                 flush=True,
             )

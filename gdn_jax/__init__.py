@@ -15,6 +15,7 @@ from gdn_jax.layers import (
     DeltaNet,
     GatedDeltaNet,
     GatedLinearAttention,
+    KimiDeltaAttention,
     KVCache,
     LinearAttention,
     RecurrentCache,
@@ -28,6 +29,10 @@ from gdn_jax.ops import (
     gated_delta_rule_recurrent,
     gated_delta_step,
     gated_linear_attention,
+    kda,
+    kda_chunked,
+    kda_recurrent,
+    kda_step,
     l2_normalize,
 )
 
@@ -35,6 +40,7 @@ __all__ = [
     "DeltaNet",
     "GatedDeltaNet",
     "GatedLinearAttention",
+    "KimiDeltaAttention",
     "KVCache",
     "LanguageModel",
     "LinearAttention",
@@ -48,5 +54,9 @@ __all__ = [
     "gated_delta_rule_recurrent",
     "gated_delta_step",
     "gated_linear_attention",
+    "kda",
+    "kda_chunked",
+    "kda_recurrent",
+    "kda_step",
     "l2_normalize",
 ]

@@ -6,6 +6,8 @@ Checks, each against one device:
   meshes with 2, 4 and 8 sequence shards and with (data 2, model 2, seq 2): outputs and the
   gradients of the input and of every parameter, with and without packed sequences that
   cross shard boundaries;
+- the Kimi Delta Attention layer on (data 2, model 2, seq 2) the same way, and its compiled
+  forward and backward gathers no q, k or v across heads;
 - five training steps of a small hybrid model (Gated DeltaNet + attention) with
   ``train.mesh = (data 2, model 2, seq 2)``: the same losses;
 - the compiled training step gathers no q, k or v across heads;
@@ -43,7 +45,7 @@ from tolerance import assert_close  # noqa: E402
 
 # The layers under the suite's strict promotion; training (optax's own arithmetic) under
 # JAX's default, as in test_train.py.
-from gdn_jax import GatedDeltaNet  # noqa: E402
+from gdn_jax import GatedDeltaNet, KimiDeltaAttention  # noqa: E402
 from gdn_jax.models import ModelConfig  # noqa: E402
 from gdn_jax.training import mesh as mesh_lib  # noqa: E402
 from gdn_jax.training.config import Config, MeshConfig, TrainConfig  # noqa: E402
@@ -80,9 +82,10 @@ def layer_loss(graphdef, params, x, cu_seqlens):
     return jnp.sum(jnp.sin(y)), y
 
 
-def layer_run(where, x, cu_seqlens=None):
-    """The layer's output and the gradients of x and every parameter, jitted on ``where``."""
-    layer = GatedDeltaNet(16, rngs=nnx.Rngs(0), **LAYER)
+def layer_run(where, x, cu_seqlens=None, layer_class=GatedDeltaNet, hlo=None):
+    """The layer's output and the gradients of x and every parameter, jitted on ``where``;
+    with a list ``hlo``, the compiled program's text is appended to it."""
+    layer = layer_class(16, rngs=nnx.Rngs(0), **LAYER)
     graphdef, params = nnx.split(layer)
     # The output comes out of the same forward that the gradients run through.
     grad = jax.value_and_grad(layer_loss, argnums=(1, 2), has_aux=True)
@@ -100,7 +103,10 @@ def layer_run(where, x, cu_seqlens=None):
         data = "data" if x.shape[0] % where.shape["data"] == 0 and x.shape[0] > 1 else None
         x = jax.device_put(x, NamedSharding(where, P(data, "seq")))
         with jax.numpy_dtype_promotion("strict"):
-            return jax.jit(both)(params, x, cu_seqlens)
+            compiled = jax.jit(both).lower(params, x, cu_seqlens).compile()
+            if hlo is not None:
+                hlo.append(compiled.as_text())
+            return compiled(params, x, cu_seqlens)
 
 
 def compare(actual, expected, what):
@@ -127,6 +133,34 @@ def _():
     expected = layer_run(None, X)
     for shape in [(1, 1, 2), (1, 1, 4), (1, 1, 8), (2, 2, 2)]:
         compare(layer_run(mesh(*shape), X), expected, f"mesh {shape}")
+
+
+def gathers_across_heads(hlo, token_sizes):
+    """The all-gathers ``(shape, axis)`` in ``hlo`` of an array with a token axis (one of
+    ``token_sizes``, picked apart from the other sizes) along another axis: gathering q, k
+    or v across heads. Gathering the token axis is attention fetching K and V along seq, or
+    the partitioner running a layer whole over T, which the design allows."""
+    gathers = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(.*?dimensions=\{(\d+)\}", hlo)
+    across_heads = []
+    for shape, dim in gathers:
+        sizes = [int(n) for n in shape.split(",") if n]
+        tokens = [i for i, n in enumerate(sizes) if n in token_sizes]
+        if tokens and int(dim) not in tokens:
+            across_heads.append((shape, dim))
+    return across_heads, sorted(set(gathers))
+
+
+@check("Kimi Delta Attention by heads on (data 2, model 2, seq 2), no q, k, v gathered")
+def _():
+    expected = layer_run(None, X, layer_class=KimiDeltaAttention)
+    hlo = []
+    actual = layer_run(mesh(2, 2, 2), X, layer_class=KimiDeltaAttention, hlo=hlo)
+    compare(actual, expected, "kda, mesh (2, 2, 2)")
+    # T = 48 and T / seq = 24 tokens; D = 16, H*K = 16, HV*V = 32, state rows V = K = 8.
+    across_heads, gathers = gathers_across_heads(hlo[0], (24, 48))
+    lines = [line.strip()[:200] for line in hlo[0].splitlines() if "all-gather(" in line]
+    assert not across_heads, "all-gathers across heads:\n" + "\n".join(lines)
+    print(f"     all-gathers (shape, axis): {gathers}")
 
 
 @check("layer with packed sequences across shard boundaries")
@@ -208,19 +242,11 @@ def _():
     with jax.set_mesh(where):
         hlo = jax.jit(jax.grad(loss)).lower(pure, batch).compile().as_text()
     # Sizes are picked apart: T = 40 and T / seq = 20 tokens, d_model 48, H*K = 32,
-    # HV*V = 64, state rows V+K = 16. An all-gather of q, k or v across heads would gather a
-    # non-token axis of an array that has a token axis; gathering the token axis is attention
-    # fetching K and V along seq, which the design allows.
-    gathers = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(.*?dimensions=\{(\d+)\}", hlo)
-    across_heads = []
-    for shape, dim in gathers:
-        sizes = [int(n) for n in shape.split(",") if n]
-        tokens = [i for i, n in enumerate(sizes) if n in (20, 40)]
-        if tokens and int(dim) not in tokens:
-            across_heads.append((shape, dim))
+    # HV*V = 64, state rows V+K = 16.
+    across_heads, gathers = gathers_across_heads(hlo, (20, 40))
     lines = [line.strip()[:200] for line in hlo.splitlines() if "all-gather(" in line]
     assert not across_heads, "all-gathers across heads:\n" + "\n".join(lines)
-    print(f"     all-gathers (shape, axis): {sorted(set(gathers))}")
+    print(f"     all-gathers (shape, axis): {gathers}")
 
 
 @check("a checkpoint of one mesh restores on another and the run goes on")

@@ -8,6 +8,8 @@ def gated_delta_reference(q, k, v, log_alpha, beta, *, scale, initial_state=None
     """S_t = a_t S_{t-1} + b_t (v_t - a_t S_{t-1} k_t) k_t^T;  y_t = S_t (scale q_t).
 
     With delta=False the correction is dropped: S_t = a_t S_{t-1} + b_t v_t k_t^T.
+    Gates log_alpha [T, K] (KDA) decay each key channel by its own a_t[c]: a_t S is then
+    S Diag(a_t), column c of S [V, K] times a_t[c].
     """
     q, k, v, log_alpha, beta = (np.asarray(x, np.float64) for x in (q, k, v, log_alpha, beta))
     seq_len, key_dim = q.shape
@@ -36,10 +38,12 @@ def random_inputs(
     log_alpha_range=(-1.0, 0.0),
     beta_range=(0.0, 1.0),
     unit_keys=True,
+    per_channel=False,
 ):
     """q, k [*lead, T, (H,) K], v [*lead, T, (HV,) V], gates [*lead, T, (HV,)] as jnp arrays.
 
-    `heads` is None for the single-head layout or (H, HV) for the batched one.
+    `heads` is None for the single-head layout or (H, HV) for the batched one; with
+    `per_channel` log_alpha has a trailing K axis (KDA's gates).
     """
     rng = np.random.default_rng(seed)
     qk_heads = () if heads is None else (heads[0],)
@@ -49,7 +53,8 @@ def random_inputs(
     if unit_keys:
         k /= np.linalg.norm(k, axis=-1, keepdims=True)
     v = rng.standard_normal((*lead, seq_len, *v_heads, value_dim))
-    log_alpha = rng.uniform(*log_alpha_range, (*lead, seq_len, *v_heads))
+    channels = (key_dim,) if per_channel else ()
+    log_alpha = rng.uniform(*log_alpha_range, (*lead, seq_len, *v_heads, *channels))
     beta = rng.uniform(*beta_range, (*lead, seq_len, *v_heads))
     return tuple(jnp.asarray(x, dtype) for x in (q, k, v, log_alpha, beta))
 

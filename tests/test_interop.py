@@ -84,7 +84,7 @@ def to_torch(x, dtype=torch.float32):
 
 def run_torch(layer, x, **kw):
     with torch.no_grad():
-        return layer(to_torch(x, layer.A_log.dtype), **kw).float().numpy()
+        return layer(to_torch(x, next(layer.parameters()).dtype), **kw).float().numpy()
 
 
 # The layers run under one jit, not op by op: one compilation per shape instead of one per
@@ -240,9 +240,11 @@ def test_checkpoint_saved_by_transformers(tmp_path):
     assert_checkpoint_layers_match(model, tmp_path, prefixes, load_qwen3_next_layer)
 
 
-def assert_checkpoint_layers_match(model, path, prefixes, load):
+def assert_checkpoint_layers_match(model, path, prefixes, load, layer=None):
     """Each linear-attention layer ``load`` reads from the checkpoint at ``path`` maps the
-    input that layer of ``model`` saw to the output it gave."""
+    input that layer of ``model`` saw to the output it gave. ``layer(model, i)`` is the
+    i-th decoder layer's linear attention (default ``model.model.layers[i].linear_attn``)."""
+    layer = layer or (lambda model, i: model.model.layers[i].linear_attn)
     seen = {}
 
     def capture(i):
@@ -252,9 +254,10 @@ def assert_checkpoint_layers_match(model, path, prefixes, load):
         return hook
 
     for i in prefixes:
-        model.model.layers[i].linear_attn.register_forward_hook(capture(i), with_kwargs=True)
+        layer(model, i).register_forward_hook(capture(i), with_kwargs=True)
     with torch.no_grad():
-        model(torch.randint(0, model.config.vocab_size, (2, 50)), use_cache=False)
+        vocab_size = model.config.get_text_config().vocab_size
+        model(torch.randint(0, vocab_size, (2, 50)), use_cache=False)
     for i, prefix in prefixes.items():
         layer = load(read_safetensors(path, prefix), model.config.to_dict())
         x, expected = seen[i]
@@ -476,7 +479,7 @@ def test_unreadable_shards_and_malformed_indexes_are_named(tmp_path):
         (dict(num_hidden_layers="4"), r"num_hidden_layers='4' must be a positive integer"),
         (
             dict(layer_types=["linear-attention", "full_attention"]),
-            r"layer_types names unknown kinds \['linear-attention'\]; known: \('linear_attention', 'full_attention', 'sliding_attention'\)",
+            r"layer_types names unknown kinds \['linear-attention'\]; known: \('linear_attention', 'full_attention', 'sliding_attention', 'indexed_attention'\)",
         ),
     ],
 )

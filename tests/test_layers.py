@@ -14,6 +14,7 @@ from gdn_jax.layers import (
     DeltaNet,
     GatedDeltaNet,
     GatedLinearAttention,
+    KimiDeltaAttention,
     LinearAttention,
     NoWeightDecay,
     SoftmaxAttention,
@@ -21,6 +22,8 @@ from gdn_jax.layers import (
 from gdn_jax.ops import chunked
 
 RECURRENT = [GatedDeltaNet, DeltaNet, GatedLinearAttention, LinearAttention]
+# Every mixer with a recurrent state; KimiDeltaAttention's own tests are in test_kda_layer.py.
+STATEFUL = [*RECURRENT, KimiDeltaAttention]
 HIDDEN = 16
 
 
@@ -166,7 +169,7 @@ def test_gate_parameters_are_initialised_and_excluded_from_decay():
     assert len(set(np.round(dt, 6))) > 1  # drawn, not a constant
 
 
-@pytest.mark.parametrize("cls", RECURRENT + ATTENTION)
+@pytest.mark.parametrize("cls", STATEFUL + ATTENTION)
 def test_padding_does_not_change_real_tokens(cls):
     # Row 0 is left-padded, row 1 right-padded; both hold the same real tokens.
     layer = make(cls)
@@ -198,7 +201,7 @@ def test_nan_padding_stays_out_of_real_tokens_in_the_hoisted_schedule(monkeypatc
     assert_close(y[0, 5:], y[1, 5:], jnp.float32)
 
 
-@pytest.mark.parametrize("cls", RECURRENT + ATTENTION)
+@pytest.mark.parametrize("cls", STATEFUL + ATTENTION)
 def test_packed_sequences_equal_separate_runs(cls):
     layer = make(cls)
     cu = [0, 21, 21, 50]  # an empty sequence between two others
@@ -210,7 +213,7 @@ def test_packed_sequences_equal_separate_runs(cls):
         assert_close(y[:, lo:hi], alone(layer, x[:, lo:hi]), jnp.float32, f"tokens {lo}:{hi}")
 
 
-@pytest.mark.parametrize("cls", RECURRENT + ATTENTION)
+@pytest.mark.parametrize("cls", STATEFUL + ATTENTION)
 def test_prefill_then_steps_equals_parallel_forward(cls):
     layer = make(cls)
     batch, prompt, total = 2, 11, 19

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.test_util import check_grads
 from reference import random_inputs, random_state
 from tolerance import assert_close
 
@@ -22,6 +23,7 @@ from gdn_jax.ops.chunked import (
     state_step_bwd,
 )
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR, ChunkDecays, chunk_decays, chunk_decays_bwd
+from gdn_jax.ops.triangular import unit_lower_inverse
 from gdn_jax.ops.wy import DELTA, LINEAR
 
 F64 = jnp.float64
@@ -160,3 +162,10 @@ def test_chunk_backward(chunk, key_dim, value_dim, rule):
         return {n: (a, e) for n, a, e in zip(names, actual, expected, strict=True)}
 
     check(pairs(q, k, v, log_alpha, beta, start, d_y, d_end))
+
+
+def test_unit_lower_inverse_vjp_is_the_closed_form_of_the_inverse():
+    """Its custom VJP, -X^T dX X^T on the strict lower triangle, against finite differences
+    (the KDA chunked form differentiates through it)."""
+    strict = jnp.tril(cotangent(40, 16, 16), -1) / 4
+    check_grads(jax.jit(unit_lower_inverse), (strict,), order=1, modes=["rev"], eps=1e-6)

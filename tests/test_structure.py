@@ -85,3 +85,22 @@ def test_batched_grouped_heads_keep_the_structure(impl_fn):
     for body in loop_bodies(hlo.compile().as_text()):
         assert 1 <= len(dots(body)) <= 6
         assert not has_chunk_square(body)
+
+
+def test_kda_hoisted_loops_hold_only_state_sized_work():
+    """Kimi Delta Attention's hoisted schedule: autodiff with the forward rematerialised, so
+    the backward runs the state pass again besides its reverse, all state-sized."""
+    q, k, v, la, b = random_inputs(3, SEQ, KEY, VALUE, per_channel=True)
+    state = random_state(4, VALUE, KEY)
+
+    def kda_loss(*args):
+        options = dict(initial_state=args[5], chunk_size=CHUNK, schedule="hoisted")
+        y, s = gdn_jax.kda_chunked(*args[:5], **options)
+        return jnp.sum(y**2) + jnp.sum(s**2)
+
+    grad = jax.jit(jax.grad(kda_loss, argnums=range(6)))
+    bodies = loop_bodies(grad.lower(q, k, v, la, b, state).compile().as_text())
+    assert len(bodies) >= 2
+    for body in bodies:
+        assert 1 <= len(dots(body)) <= 6, dots(body)
+        assert not has_chunk_square(body)

@@ -4,9 +4,10 @@ What a test can read of a TPU program without a TPU: that the TPU compiler takes
 memory per chip, and its optimised HLO. The loops must be the schedule's: one state pass in
 the forward and one more in the backward; in ``"hoisted"`` (``"auto"`` on TPU, also when
 traced on a CPU) their bodies hold only state-sized products, never a chunk's ``[C, C]``
-work, which ``"in_scan"`` keeps inside. At these sizes every temporary fits the chip's
-on-chip VMEM, so the op's HBM temp is 0 (the bound at the size that matters is pinned at the
-issue's shape). Each program is compiled once (``tpu_programs``) and read for everything.
+work, which ``"in_scan"`` keeps inside. At these sizes every temporary of the op fits the
+chip's on-chip VMEM, so its HBM temp is 0; a bound that bites needs sizes whose compile
+takes tens of seconds. Each program is compiled once (``tpu_programs``) and read for
+everything it shows.
 """
 
 import jax
@@ -91,6 +92,7 @@ SMALL_RUN = [
 ]  # fmt: skip
 
 
+@pytest.mark.costly(8)
 @pytest.mark.parametrize(
     ("topology", "mesh"), [("v5e:2x2", (2, 2, 1)), ("v5e:2x2", (1, 2, 2)), ("v6e:2x2", (2, 1, 2))]
 )

@@ -1,96 +1,111 @@
-"""What every transformers Gated DeltaNet family shares, and the spec that says how it differs.
+"""What every transformers linear-attention family shares, and the spec that says how it
+differs: the Gated DeltaNet families (``gdn_family.GatedDeltaNetFamily``) and the Kimi Delta
+Attention ones (``kda_family.KDAFamily``).
 
-Each family's linear-attention layer has fla's parameters under other names, some of them
-fused: a fused PyTorch tensor is fla's tensors concatenated along their first (output) axis,
-either whole one after another (``[q | k | v]``) or, in Qwen3-Next's ``in_proj_qkvz``, per
-key head (``[q_0 | k_0 | v_0 | z_0 | q_1 | ...]``). A ``Family`` is that table plus the few
-config conventions that differ; everything else lives here once:
+Each family's linear-attention layer has a gdn_jax layer's parameters (under PyTorch's names,
+``torch_layout.py``) under other names, some of them fused: a fused PyTorch tensor is the
+layer's tensors concatenated along their first (output) axis, either whole one after another
+(``[q | k | v]``) or, in Qwen3-Next's ``in_proj_qkvz``, per key head
+(``[q_0 | k_0 | v_0 | z_0 | q_1 | ...]``). A ``Family`` is that table plus the few config
+conventions that differ; everything else lives here once:
 
-- the layer's constructor arguments from the config, each count checked;
 - the whole-state-dict check (one ``ValueError`` listing every missing, unexpected or
-  misshapen tensor), against shapes taken from an abstract ``GatedDeltaNet`` build;
-- splitting fused tensors into fla's and joining them back, so ``fla.load_fla_layer`` and
-  ``fla.export_fla_layer`` do the layout work;
+  misshapen tensor), against shapes taken from an abstract build of the layer;
+- the names a checkpoint stores tensors under, where transformers renames or concatenates
+  them on load;
+- splitting fused tensors into the layer's and joining them back, so
+  ``torch_layout.load_torch_layer`` and ``torch_layout.torch_state_dict`` do the layout work;
 - the decoding cache, which is the same in every family: one depthwise convolution over
   ``[q | k | v]`` and a ``[B, HV, K, V]`` state;
 - the linear-attention layers' prefixes from ``layer_types``.
-
-Every family computes the same function as ``GatedDeltaNet``: SiLU after the convolution, q
-and k L2-normalised (eps 1e-6), ``scale = K ** -0.5``, ``beta = sigmoid(b)`` (times 2 with
-``allow_neg_eigval``), ``log_alpha = -exp(A_log) * softplus(a + dt_bias)``, value head
-``i*R + j`` reading key head ``i``, and an RMSNorm gated by ``silu(g)``.
+A subclass reads the layer's constructor arguments from the config and says which layers
+the family can hold.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Mapping
-from typing import no_type_check
+from typing import ClassVar, no_type_check
 
 import jax.numpy as jnp
 import numpy as np
 
-from gdn_jax.interop.fla import export_fla_layer, fla_tensor_shapes, load_fla_layer
 from gdn_jax.interop.tensors import as_numpy_dict, check_tensors
-from gdn_jax.layers.gated_deltanet import GatedDeltaNet
-from gdn_jax.layers.recurrent_mixer import RecurrentCache
+from gdn_jax.interop.torch_layout import load_torch_layer, torch_state_dict, torch_tensor_shapes
+from gdn_jax.layers.recurrent_layer import RecurrentCache
 from gdn_jax.ops import checks
 
 LINEAR = "linear_attention"
 # The other kinds a layer_types list may name; a typo would otherwise drop a layer silently.
-ATTENTION_KINDS = ("full_attention", "sliding_attention")
-COUNT_KEYS = (
-    "hidden_size",
-    "linear_num_key_heads",
-    "linear_num_value_heads",
-    "linear_key_head_dim",
-    "linear_value_head_dim",
-    "linear_conv_kernel_dim",
-)
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "indexed_attention")
 # The fused convolution over [q | k | v] that every family has.
 QKV_CONV = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
 
 
 @dataclasses.dataclass(frozen=True)
-class Family:
-    """How one transformers family lays out ``GatedDeltaNet``'s parameters and config.
+class Family(abc.ABC):
+    """How one transformers family lays out a gdn_jax layer's parameters.
 
     Attributes:
       name: the stem of the public functions (``load_{name}_layer``, ...).
       title: the family's name in messages.
-      tensors: ``{PyTorch name: fla names it concatenates, in order}``, every tensor of the
-        layer's state dict.
+      tensors: ``{PyTorch name: the layer's tensors it concatenates, in order}``, every
+        tensor of the transformers layer's state dict.
       per_key_head: the fused tensors whose parts are interleaved per key head.
-      norm_eps: the output norm's epsilon when the layer fixes it; ``None`` reads
-        ``rms_norm_eps`` from the config.
-      neg_eigval_key: the config field for ``allow_neg_eigval`` (its default ``True``);
-        ``None`` for a family whose beta lies in (0, 1).
       interval_default: without ``layer_types``, every ``full_attention_interval``-th layer
         (this default) is full attention; ``None`` requires ``layer_types``.
       stored_in_parts: ``{PyTorch name: the names a checkpoint stores it under}``, parts
         that transformers' ``conversion_mapping`` concatenates along the first axis on load
         (whatever their sizes: transformers 5.24 saves them back in equal thirds).
+      stored_as: ``{PyTorch name: the name a checkpoint stores it under}``, where
+        transformers' ``conversion_mapping`` renames a tensor on load.
+      unsqueezed: ``{PyTorch name: axes}``, tensors the transformers layer holds with axes of
+        size 1 inserted (``np.expand_dims``) around the gdn_jax layer's shape.
+      module: the layer's name in checkpoints' tensor names (``model.layers.{i}.{module}.``).
+      layers_stem: where the decoder layers lie in a checkpoint; ``None`` means
+        ``model.layers``, or ``model.language_model.layers`` for a multimodal config.
     """
+
+    layer_class: ClassVar[type]  # the gdn_jax layer a family's layers load as
 
     name: str
     title: str
     tensors: Mapping[str, tuple[str, ...]]
     per_key_head: frozenset[str] = frozenset()
-    norm_eps: float | None = None
-    neg_eigval_key: str | None = None
     interval_default: int | None = 4
     stored_in_parts: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    stored_as: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    unsqueezed: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    module: str = "linear_attn"
+    layers_stem: str | None = None
+
+    @abc.abstractmethod
+    def config_kwargs(self, fn: str, config: Mapping) -> dict:
+        """The layer's constructor arguments from the text config, each value checked
+        (errors name ``fn``)."""
+
+    @abc.abstractmethod
+    def check_form(self, fn: str, layer, tensors: Mapping) -> None:
+        """Raise a ``ValueError`` naming ``fn`` unless the family can hold ``layer``, whose
+        PyTorch-named ``tensors`` are given."""
+
+    def config_view(self, fn: str, config: Mapping) -> Mapping:
+        """The text config with the fields the family reads filled in as transformers'
+        config class does on load (from a ``config.json``'s own names); as given here."""
+        return config
 
     @no_type_check  # a public entry point: checks.py names its bad arguments
     def layer_kwargs(self, config) -> dict:
-        """``GatedDeltaNet``'s constructor arguments for this family's linear-attention layers
-        (a mapping with the config's attribute names, the config object itself, or a
+        """The gdn_jax layer's constructor arguments for this family's linear-attention
+        layers (a mapping with the config's attribute names, the config object itself, or a
         multimodal config, whose ``text_config`` is read)."""
         return _layer_kwargs(self, f"{self.name}_layer_kwargs", config)
 
     @no_type_check  # a public entry point: checks.py names its bad arguments
-    def load(self, state_dict, config, *, dtype=None) -> GatedDeltaNet:
-        """A ``GatedDeltaNet`` holding one linear-attention layer's weights.
+    def load(self, state_dict, config, *, dtype=None):
+        """The gdn_jax layer (``layer_class``) holding one linear-attention layer's weights.
 
         Args:
           state_dict: ``{name: array}`` of one layer without prefix, as
@@ -107,23 +122,27 @@ class Family:
         fn = f"load_{self.name}_layer"
         checks.check_floating_dtype(fn, dtype=dtype)
         kwargs = _layer_kwargs(self, fn, config)
-        tensors = _join_stored_parts(self, as_numpy_dict(fn, state_dict))
-        fla_shapes = fla_tensor_shapes(**kwargs)
-        check_tensors(fn, tensors, _fused_shapes(self, fla_shapes))
-        fla = _split(self, tensors, fla_shapes, kwargs["num_heads"])
+        tensors = _from_stored_names(self, as_numpy_dict(fn, state_dict))
+        layer_shapes = torch_tensor_shapes(self.layer_class, **kwargs)
+        check_tensors(fn, tensors, _fused_shapes(self, layer_shapes))
+        parts = _split(self, tensors, layer_shapes, kwargs["num_heads"])
         layer_dtype = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
-        return load_fla_layer(fla, **kwargs, **layer_dtype)
+        return load_torch_layer(fn, self.layer_class, parts, **kwargs, **layer_dtype)
 
     @no_type_check  # a public entry point: checks.py names its bad arguments
-    def export(self, layer: GatedDeltaNet) -> dict[str, np.ndarray]:
-        """``layer``'s parameters as this family's state dict, the inverse of ``load``. The
-        layer must have the family's form: output gate, bias-free short convolutions, and
-        the family's beta range and norm epsilon."""
+    def export(self, layer) -> dict[str, np.ndarray]:
+        """``layer``'s parameters as this family's state dict (the transformers layer's
+        names), the inverse of ``load``. The layer must have the family's form
+        (``check_form``)."""
         fn = f"export_{self.name}_layer"
-        fla = export_fla_layer(layer)
-        _check_family_form(self, fn, layer, fla)
+        if not isinstance(layer, self.layer_class):
+            raise ValueError(
+                f"{fn}: layer must be a {self.layer_class.__name__}, got {type(layer).__name__}"
+            )
+        tensors = torch_state_dict(layer)
+        self.check_form(fn, layer, tensors)
         return {
-            name: _join(self, name, [fla[part] for part in parts], layer.num_heads)
+            name: _join(self, name, [tensors[part] for part in parts], layer.num_heads)
             for name, parts in self.tensors.items()
         }
 
@@ -148,10 +167,11 @@ class Family:
     @no_type_check  # a public entry point: checks.py names its bad arguments
     def layer_prefixes(self, config) -> dict[int, str]:
         """``{layer index: prefix}`` of the linear-attention layers, the prefixes to give
-        ``read_safetensors``: ``model.layers.{i}.linear_attn.``, or
-        ``model.language_model.layers.{i}.linear_attn.`` for a multimodal config. The
-        layers come from ``layer_types`` or, where the family allows a ``config.json``
-        without it, from ``num_hidden_layers`` and ``full_attention_interval``."""
+        ``read_safetensors``: ``model.layers.{i}.{module}.``, or
+        ``model.language_model.layers.{i}.{module}.`` for a multimodal config (or under
+        ``layers_stem``). The layers come from ``layer_types`` or, where the family allows a
+        ``config.json`` without it, from ``num_hidden_layers`` and
+        ``full_attention_interval`` (or the family's own fields, ``config_view``)."""
         return _layer_prefixes(self, f"{self.name}_layer_prefixes", config)
 
 
@@ -173,52 +193,43 @@ def text_config(fn: str, config) -> tuple[Mapping, bool]:
 
 
 def _layer_kwargs(family: Family, fn: str, config) -> dict:
-    config, _ = text_config(fn, config)
-    needed = COUNT_KEYS + (() if family.norm_eps else ("rms_norm_eps",))
-    missing = [key for key in needed if key not in config]
-    if missing:
-        raise ValueError(f"{fn}: config lacks {', '.join(missing)}")
-    for key in ("hidden_act", "output_gate_type"):
-        # The convolution and the output gate of GatedDeltaNet use silu.
+    text, _ = text_config(fn, config)
+    return family.config_kwargs(fn, family.config_view(fn, text))
+
+
+def check_activation(fn: str, config: Mapping, *keys: str) -> None:
+    """The convolution and the output gate of the layers use SiLU: refuse a config whose
+    ``keys`` name another activation (an absent or empty one is SiLU)."""
+    for key in keys:
         act = config.get(key) or "silu"
         if act not in ("silu", "swish"):
             raise ValueError(f"{fn}: config {key}={act!r}; the layer uses silu")
-    checks.check_positive_int(fn, **{f"config {key}": config[key] for key in COUNT_KEYS})
-    norm_eps = family.norm_eps or config["rms_norm_eps"]
-    checks.check_positive_number(fn, rms_norm_eps=norm_eps)
-    neg_eigval = bool(family.neg_eigval_key) and config.get(family.neg_eigval_key, True)
-    if not isinstance(neg_eigval, bool):
-        raise ValueError(f"{fn}: config {family.neg_eigval_key} must be a bool, got {neg_eigval!r}")
-    key_dim, value_dim = config["linear_key_head_dim"], config["linear_value_head_dim"]
-    heads, v_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
-    if value_dim / key_dim * key_dim != value_dim:
-        raise ValueError(
-            f"{fn}: linear_value_head_dim={value_dim} is not an exact float multiple of "
-            f"linear_key_head_dim={key_dim}"
-        )
-    if v_heads % heads:
-        raise ValueError(
-            f"{fn}: config linear_num_value_heads={v_heads} must be a multiple "
-            f"of linear_num_key_heads={heads}"
-        )
-    return dict(
-        hidden_size=config["hidden_size"],
-        num_heads=heads,
-        head_dim=key_dim,
-        num_v_heads=v_heads,
-        expand_v=value_dim / key_dim,
-        use_gate=True,
-        use_short_conv=True,
-        conv_size=config["linear_conv_kernel_dim"],
-        conv_bias=False,
-        allow_neg_eigval=neg_eigval,
-        norm_eps=norm_eps,
-    )
 
 
-def _join_stored_parts(family: Family, tensors: dict) -> dict:
-    """``tensors`` with each complete set of stored parts concatenated as transformers
-    does; an incomplete set is left for ``check_tensors`` to name."""
+def require_keys(fn: str, config: Mapping, keys) -> None:
+    missing = [key for key in keys if key not in config]
+    if missing:
+        raise ValueError(f"{fn}: config lacks {', '.join(missing)}")
+
+
+def check_gated_short_conv(family: Family, fn: str, layer, tensors: Mapping) -> None:
+    """Every family's layer has an output gate and bias-free short convolutions."""
+    if not layer.use_gate or layer.q_conv1d is None or "q_conv1d.bias" in tensors:
+        raise ValueError(
+            f"{fn}: {family.title}'s layer has an output gate and bias-free short "
+            f"convolutions; this layer has use_gate={layer.use_gate}, "
+            f"use_short_conv={layer.q_conv1d is not None}, "
+            f"conv_bias={'q_conv1d.bias' in tensors}"
+        )
+
+
+def _from_stored_names(family: Family, tensors: dict) -> dict:
+    """``tensors`` under the transformers layer's names: each renamed one under its name,
+    each complete set of stored parts concatenated as transformers does. A name given both
+    ways, or an incomplete set, is left for ``check_tensors`` to name."""
+    for name, stored in family.stored_as.items():
+        if name not in tensors and stored in tensors:
+            tensors[name] = tensors.pop(stored)
     for name, parts in family.stored_in_parts.items():
         if name not in tensors and all(part in tensors for part in parts):
             tensors[name] = np.concatenate([tensors.pop(part) for part in parts], axis=0)
@@ -230,48 +241,39 @@ def _groups(family: Family, name: str, heads: int) -> int:
     return heads if name in family.per_key_head else 1
 
 
-def _fused_shapes(family: Family, fla_shapes: Mapping) -> dict[str, tuple[int, ...]]:
+def _fused_shapes(family: Family, layer_shapes: Mapping) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for name, parts in family.tensors.items():
-        first, *rest = fla_shapes[parts[0]]
-        shapes[name] = (first + sum(fla_shapes[p][0] for p in parts[1:]), *rest)
+        first, *rest = layer_shapes[parts[0]]
+        shape = (first + sum(layer_shapes[p][0] for p in parts[1:]), *rest)
+        if name in family.unsqueezed:
+            shape = np.expand_dims(np.empty(shape), family.unsqueezed[name]).shape
+        shapes[name] = shape
     return shapes
 
 
-def _split(family: Family, tensors: Mapping, fla_shapes: Mapping, heads: int) -> dict:
+def _split(family: Family, tensors: Mapping, layer_shapes: Mapping, heads: int) -> dict:
     out = {}
     for name, parts in family.tensors.items():
         groups = _groups(family, name, heads)
         tensor = tensors[name]
+        if name in family.unsqueezed:
+            tensor = np.squeeze(tensor, family.unsqueezed[name])
         blocks = tensor.reshape(groups, -1, *tensor.shape[1:])
-        rows = [fla_shapes[part][0] // groups for part in parts]
+        rows = [layer_shapes[part][0] // groups for part in parts]
         pieces = np.split(blocks, np.cumsum(rows)[:-1], axis=1)
         for part, piece in zip(parts, pieces, strict=True):
-            out[part] = piece.reshape(fla_shapes[part])
+            out[part] = piece.reshape(layer_shapes[part])
     return out
 
 
 def _join(family: Family, name: str, pieces: list[np.ndarray], heads: int) -> np.ndarray:
     groups = _groups(family, name, heads)
     blocks = [p.reshape(groups, -1, *p.shape[1:]) for p in pieces]
-    joined = np.concatenate(blocks, axis=1)
-    return np.ascontiguousarray(joined.reshape(-1, *pieces[0].shape[1:]))
-
-
-def _check_family_form(family: Family, fn: str, layer: GatedDeltaNet, fla: Mapping) -> None:
-    if not layer.use_gate or layer.q_conv1d is None or "q_conv1d.bias" in fla:
-        raise ValueError(
-            f"{fn}: {family.title}'s layer has an output gate and bias-free short "
-            f"convolutions; this layer has use_gate={layer.use_gate}, "
-            f"use_short_conv={layer.q_conv1d is not None}, conv_bias={'q_conv1d.bias' in fla}"
-        )
-    if layer.allow_neg_eigval and not family.neg_eigval_key:
-        raise ValueError(f"{fn}: {family.title}'s beta lies in (0, 1); allow_neg_eigval=True")
-    if family.norm_eps and layer.o_norm.epsilon != family.norm_eps:
-        raise ValueError(
-            f"{fn}: {family.title}'s output norm has eps {family.norm_eps}; this layer's has "
-            f"norm_eps={layer.o_norm.epsilon}"
-        )
+    joined = np.concatenate(blocks, axis=1).reshape(-1, *pieces[0].shape[1:])
+    if name in family.unsqueezed:
+        joined = np.expand_dims(joined, family.unsqueezed[name])
+    return np.ascontiguousarray(joined)
 
 
 def _cache_to_gdn(fn: str, conv_state, recurrent_state) -> RecurrentCache:
@@ -340,7 +342,7 @@ def _layer_types(family: Family, fn: str, config: Mapping) -> list:
 
 
 def _layer_prefixes(family: Family, fn: str, config) -> dict[int, str]:
-    config, multimodal = text_config(fn, config)
-    stem = "model.language_model.layers" if multimodal else "model.layers"
-    types = _layer_types(family, fn, config)
-    return {i: f"{stem}.{i}.linear_attn." for i, kind in enumerate(types) if kind == LINEAR}
+    text, multimodal = text_config(fn, config)
+    stem = family.layers_stem or ("model.language_model.layers" if multimodal else "model.layers")
+    types = _layer_types(family, fn, family.config_view(fn, text))
+    return {i: f"{stem}.{i}.{family.module}." for i, kind in enumerate(types) if kind == LINEAR}

@@ -1,87 +1,20 @@
 """flash-linear-attention's ``GatedDeltaNet`` state dict <-> gdn_jax's ``GatedDeltaNet``.
 
-The two layers have the same parameters under nearly the same names; only the layouts
-differ. PyTorch's ``nn.Linear`` stores ``[out, in]`` where ``nnx.Linear`` stores
-``[in, out]``; a depthwise ``nn.Conv1d`` stores ``[D, 1, W]`` where ``ShortConvolution``
-stores ``[W, D]`` (tap ``W-1`` reads the current token in both); the output norm's weight is
-``o_norm.weight`` in PyTorch and ``o_norm.scale`` in Flax.
+The two layers have the same parameters under the same names; only the layouts differ
+(``torch_layout.py``): PyTorch's ``nn.Linear`` stores ``[out, in]`` where ``nnx.Linear``
+stores ``[in, out]``, a depthwise ``nn.Conv1d`` ``[D, 1, W]`` where ``ShortConvolution``
+stores ``[W, D]``, and the output norm's weight is ``o_norm.weight`` in PyTorch and
+``o_norm.scale`` in Flax.
 """
 
 from __future__ import annotations
 
 from typing import no_type_check
 
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from gdn_jax.interop.tensors import as_numpy_dict, check_tensors
+from gdn_jax.interop.torch_layout import load_torch_layer, torch_state_dict
 from gdn_jax.layers.gated_deltanet import GatedDeltaNet
-from gdn_jax.ops import checks
-
-# How one parameter lies in PyTorch, by the last part of its Flax path.
-LINEAR, CONV, SAME = "linear", "conv", "same"
-
-
-def _torch_name_and_layout(path: tuple[str, ...]) -> tuple[str, str]:
-    *module, leaf = path
-    if leaf == "kernel":
-        return ".".join([*module, "weight"]), LINEAR
-    if leaf == "weight" and module and module[-1].endswith("conv1d"):
-        return ".".join(path), CONV
-    if leaf == "scale":
-        return ".".join([*module, "weight"]), SAME
-    return ".".join(path), SAME
-
-
-def _torch_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    if layout == LINEAR:
-        return shape[::-1]
-    if layout == CONV:
-        return (shape[1], 1, shape[0])
-    return tuple(shape)
-
-
-def _to_torch(layout: str, x: np.ndarray) -> np.ndarray:
-    if layout == LINEAR:
-        return np.ascontiguousarray(x.T)
-    if layout == CONV:
-        return np.ascontiguousarray(x.T[:, None, :])
-    return x
-
-
-def _from_torch(layout: str, x: np.ndarray) -> np.ndarray:
-    if layout == LINEAR:
-        return x.T
-    if layout == CONV:
-        return x[:, 0, :].T
-    return x
-
-
-def _torch_names(layer: GatedDeltaNet) -> dict[str, tuple[tuple[str, ...], str, tuple]]:
-    """``{torch name: (flax path, layout, flax shape)}`` for every parameter of ``layer``."""
-    names = {}
-    for path, variable in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
-        path = tuple(str(p) for p in path)
-        name, layout = _torch_name_and_layout(path)
-        names[name] = (path, layout, tuple(variable.get_value().shape))
-    return names
-
-
-def _torch_shapes(names: dict) -> dict[str, tuple[int, ...]]:
-    return {name: _torch_shape(layout, shape) for name, (_, layout, shape) in names.items()}
-
-
-def fla_tensor_shapes(**layer_kwargs) -> dict[str, tuple[int, ...]]:
-    """``{name: PyTorch shape}`` of the flash-linear-attention state dict that a
-    ``GatedDeltaNet(**layer_kwargs)`` holds, from an abstract build (nothing allocated)."""
-    layer = nnx.eval_shape(lambda: GatedDeltaNet(**layer_kwargs, rngs=nnx.Rngs(0)))
-    return _torch_shapes(_torch_names(layer))
-
-
-def _check_exportable(fn: str, layer) -> None:
-    if not isinstance(layer, GatedDeltaNet):
-        raise ValueError(f"{fn}: layer must be a GatedDeltaNet, got {type(layer).__name__}")
 
 
 @no_type_check  # a public entry point: checks.py names its bad arguments
@@ -103,41 +36,15 @@ def load_fla_layer(state_dict, **layer_kwargs) -> GatedDeltaNet:
       ValueError: a missing, unexpected or wrongly shaped tensor, named with both shapes,
         before anything is built.
     """
-    fn = "load_fla_layer"
-    if "rngs" in layer_kwargs:
-        raise ValueError(f"{fn}: rngs is not taken; every parameter comes from state_dict")
-    tensors = as_numpy_dict(fn, state_dict)
-    param_dtype = layer_kwargs.pop("param_dtype", None)
-    dtype = layer_kwargs.pop("dtype", None)
-    checks.check_floating_dtype(fn, dtype=dtype, param_dtype=param_dtype)
-
-    def build(compute, stored):
-        return GatedDeltaNet(**layer_kwargs, dtype=compute, param_dtype=stored, rngs=nnx.Rngs(0))
-
-    names = _torch_names(nnx.eval_shape(lambda: build(jnp.float32, jnp.float32)))
-    check_tensors(fn, tensors, _torch_shapes(names))
-
-    stored = jnp.dtype(param_dtype or tensors["q_proj.weight"].dtype)
-    layer = nnx.eval_shape(lambda: build(jnp.dtype(dtype or stored), stored))
-    graphdef, state = nnx.split(layer)
-    values = {}
-    for name, (path, layout, _) in names.items():
-        value = jnp.asarray(_from_torch(layout, tensors[name]), dtype=param_dtype)
-        node = values
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = value
-    nnx.replace_by_pure_dict(state, values)
-    return nnx.merge(graphdef, state)
+    return load_torch_layer("load_fla_layer", GatedDeltaNet, state_dict, **layer_kwargs)
 
 
 @no_type_check  # a public entry point: checks.py names its bad arguments
 def export_fla_layer(layer: GatedDeltaNet) -> dict[str, np.ndarray]:
     """``layer``'s parameters as a flash-linear-attention ``GatedDeltaNet`` state dict
     (``{name: np.ndarray}``, each in its parameter dtype), the inverse of ``load_fla_layer``."""
-    _check_exportable("export_fla_layer", layer)
-    out = {}
-    for path, variable in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
-        name, layout = _torch_name_and_layout(tuple(str(p) for p in path))
-        out[name] = _to_torch(layout, np.asarray(variable.get_value()))
-    return out
+    if not isinstance(layer, GatedDeltaNet):
+        raise ValueError(
+            f"export_fla_layer: layer must be a GatedDeltaNet, got {type(layer).__name__}"
+        )
+    return torch_state_dict(layer)

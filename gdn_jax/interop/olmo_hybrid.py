@@ -10,13 +10,14 @@ carries their values. Checkpoints store the convolution as fla's three
 ``{q,k,v}_conv1d.weight``, which loading concatenates as transformers does.
 """
 
-from gdn_jax.interop.family import QKV_CONV, Family
+from gdn_jax.interop.family import QKV_CONV
+from gdn_jax.interop.gdn_family import GatedDeltaNetFamily
 
 SAME_NAMES = ("A_log", "dt_bias", "o_norm.weight", "o_proj.weight") + tuple(
     f"{x}_proj.weight" for x in "qkvabg"
 )
 
-OLMO_HYBRID = Family(
+OLMO_HYBRID = GatedDeltaNetFamily(
     name="olmo_hybrid",
     title="OLMo-Hybrid",
     tensors={"conv1d.weight": QKV_CONV, **{name: (name,) for name in SAME_NAMES}},

@@ -11,9 +11,10 @@ their ``*_text`` configs). Unlike Qwen3-Next it stacks rather than interleaves:
   ``o_proj``'s. Beta lies in (0, 1).
 """
 
-from gdn_jax.interop.family import QKV_CONV, Family
+from gdn_jax.interop.family import QKV_CONV
+from gdn_jax.interop.gdn_family import GatedDeltaNetFamily
 
-QWEN3_5 = Family(
+QWEN3_5 = GatedDeltaNetFamily(
     name="qwen3_5",
     title="Qwen3.5",
     tensors={

@@ -12,9 +12,10 @@ Qwen3-Next fuses what flash-linear-attention keeps apart (``family.py`` does the
   ``out_proj.weight`` is ``o_proj``'s. Beta lies in (0, 1).
 """
 
-from gdn_jax.interop.family import QKV_CONV, Family
+from gdn_jax.interop.family import QKV_CONV
+from gdn_jax.interop.gdn_family import GatedDeltaNetFamily
 
-QWEN3_NEXT = Family(
+QWEN3_NEXT = GatedDeltaNetFamily(
     name="qwen3_next",
     title="Qwen3-Next",
     tensors={

@@ -3,16 +3,19 @@
 from gdn_jax.layers.attention import KVCache, SoftmaxAttention
 from gdn_jax.layers.baselines import DeltaNet, GatedLinearAttention, LinearAttention
 from gdn_jax.layers.gated_deltanet import GatedDeltaNet
+from gdn_jax.layers.kda import KimiDeltaAttention
 from gdn_jax.layers.mixer import TokenMixer
 from gdn_jax.layers.mlp import SwiGLU
 from gdn_jax.layers.params import NoWeightDecay
-from gdn_jax.layers.recurrent_mixer import RecurrentCache, RecurrentMixer
+from gdn_jax.layers.recurrent_layer import RecurrentCache
+from gdn_jax.layers.recurrent_mixer import RecurrentMixer
 
 __all__ = [
     "DeltaNet",
     "GatedDeltaNet",
     "GatedLinearAttention",
     "KVCache",
+    "KimiDeltaAttention",
     "LinearAttention",
     "NoWeightDecay",
     "RecurrentCache",

@@ -37,10 +37,10 @@ class NoWeightDecay(nnx.Param):
     ``nnx.OfType(NoWeightDecay)`` or ``isinstance``."""
 
 
-def a_log_init(key, shape, dtype=jnp.float32):
-    """``A_log = log(A)``, ``A ~ U(0, 16)``: per-head decay rates spread over an order of
-    magnitude (Gated DeltaNet's and Mamba-2's initialisation)."""
-    a = jax.random.uniform(key, shape, jnp.float32, minval=0.0, maxval=16.0)
+def a_log_init(key, shape, dtype=jnp.float32, *, minval=0.0):
+    """``A_log = log(A)``, ``A ~ U(minval, 16)``: per-head decay rates spread over an order
+    of magnitude (Gated DeltaNet's and Mamba-2's initialisation; KDA draws from U(1, 16))."""
+    a = jax.random.uniform(key, shape, jnp.float32, minval=minval, maxval=16.0)
     # U(0, 16) can return exactly 0; the floor keeps log finite without visibly moving the law.
     return jnp.log(jnp.maximum(a, 1e-4)).astype(dtype)
 

@@ -5,20 +5,18 @@ Wiring only: projections, short convolutions, gates and the gated output norm ar
 The parameter names, shapes and initialisation follow flash-linear-attention's
 ``GatedDeltaNet``, so parameter counts match for one config. Two switches, ``decay`` and
 ``delta``, say which parts of the recurrence a mixer has; ``GatedDeltaNet`` has both, the
-baselines in ``baselines.py`` drop one or both.
+baselines in ``baselines.py`` drop one or both. What does not depend on the rule (the
+decoding methods, the cache, the path to q, k and v) is ``recurrent_layer.RecurrentLayer``'s.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple, no_type_check
+from typing import no_type_check
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float
 
-from gdn_jax.layers.conv import ShortConvolution, convolve_qkv
 from gdn_jax.layers.params import (
     COLUMNS,
     PER_HEAD,
@@ -30,6 +28,13 @@ from gdn_jax.layers.params import (
     dt_bias_init,
     param,
 )
+from gdn_jax.layers.recurrent_layer import (
+    RecurrentCache,
+    RecurrentLayer,
+    check_head_shapes,
+    seq_parallel_mesh,
+    short_convolutions,
+)
 from gdn_jax.ops import checks, gated_delta_rule, gated_linear_attention
 from gdn_jax.ops.sequence_parallel import (
     gated_delta_rule_seq_parallel,
@@ -37,30 +42,8 @@ from gdn_jax.ops.sequence_parallel import (
 )
 
 
-def seq_parallel_mesh():
-    """The mesh in context when it splits T (a ``SEQ_AXIS`` of more than one device), else
-    None."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or SEQ_AXIS not in mesh.axis_names or mesh.shape[SEQ_AXIS] == 1:
-        return None
-    return mesh
-
-
-class RecurrentCache(NamedTuple):
-    """Decoding state of one recurrent layer (a pytree).
-
-    Attributes:
-      conv: the last ``conv_size - 1`` inputs of the q, k and v convolutions, each
-        ``[B, W-1, channels]``; ``None`` without short convolutions.
-      state: the memory ``[B, HV, V, K]`` in float32.
-    """
-
-    conv: tuple[Array, Array, Array] | None
-    state: Float[Array, "B HV V K"]
-
-
 @no_type_check  # checks.py names bad arguments and inputs
-class RecurrentMixer(nnx.Module):
+class RecurrentMixer(RecurrentLayer):
     """Recurrent token mixer: ``x [B, T, hidden_size] -> [B, T, hidden_size]``.
 
     In order: bias-free q, k, v projections; causal depthwise convolution with SiLU on each;
@@ -108,25 +91,15 @@ class RecurrentMixer(nnx.Module):
             "build GatedDeltaNet, DeltaNet, GatedLinearAttention or LinearAttention, which "
             "say whether the mixer has a decay gate and a delta correction",
         )
-        checks.check_positive_int(
+        head_v_dim = check_head_shapes(
             name,
             hidden_size=hidden_size,
             num_heads=num_heads,
             head_dim=head_dim,
             num_v_heads=num_v_heads,
+            expand_v=expand_v,
             conv_size=conv_size,
-        )
-        checks.check_positive_number(name, expand_v=expand_v, norm_eps=norm_eps)
-        head_v_dim = head_dim * expand_v
-        checks.require(
-            name,
-            float(head_v_dim).is_integer(),
-            f"head_dim * expand_v = {head_dim} * {expand_v} must be a positive integer",
-        )
-        checks.require(
-            name,
-            num_v_heads % num_heads == 0,
-            f"num_v_heads={num_v_heads} must be a multiple of num_heads={num_heads}",
+            norm_eps=norm_eps,
         )
         checks.check_impl(name, impl)
         checks.check_chunk_size(name, chunk_size)
@@ -139,7 +112,7 @@ class RecurrentMixer(nnx.Module):
 
         self.hidden_size = hidden_size
         self.num_heads, self.num_v_heads, self.head_dim = num_heads, num_v_heads, head_dim
-        self.head_v_dim = int(head_v_dim)
+        self.head_v_dim = head_v_dim
         self.key_dim, self.value_dim = num_heads * head_dim, num_v_heads * self.head_v_dim
         self.allow_neg_eigval, self.use_gate = allow_neg_eigval, use_gate
         self.chunk_size, self.impl, self.conv_size = chunk_size, impl, conv_size
@@ -158,17 +131,15 @@ class RecurrentMixer(nnx.Module):
             self.A_log = param(a_log, PER_HEAD, NoWeightDecay)
             self.dt_bias = param(dt_bias, PER_HEAD, NoWeightDecay)
         if use_short_conv:
-            conv = functools.partial(
-                ShortConvolution,
+            self.q_conv1d, self.k_conv1d, self.v_conv1d = short_convolutions(
+                self.key_dim,
+                self.value_dim,
                 conv_size=conv_size,
-                use_bias=conv_bias,
+                conv_bias=conv_bias,
                 dtype=dtype,
                 param_dtype=param_dtype,
                 rngs=rngs,
             )
-            self.q_conv1d = conv(self.key_dim)
-            self.k_conv1d = conv(self.key_dim)
-            self.v_conv1d = conv(self.value_dim)
         else:
             self.q_conv1d = self.k_conv1d = self.v_conv1d = None
         self.g_proj = linear(hidden_size, self.value_dim, COLUMNS) if use_gate else None
@@ -177,78 +148,14 @@ class RecurrentMixer(nnx.Module):
         )
         self.o_proj = linear(self.value_dim, hidden_size, ROWS)
 
-    def __call__(self, x, *, mask=None, cu_seqlens=None):
-        """Mix ``x [B, T, D]``.
-
-        Args:
-          x: ``[B, T, hidden_size]``.
-          mask: optional ``[B, T]`` 0/1 padding mask. Padded tokens neither write to the state
-            nor reach the convolution (they enter it as zeros, whatever they hold, NaN and inf
-            included), so padding at either end of a sequence leaves the other tokens'
-            outputs as they are without it.
-          cu_seqlens: optional ``[N+1]`` offsets of sequences packed along T (``B == 1``); the
-            state and the convolutions restart at each sequence.
-        """
-        y, _ = self._mix(x, mask=mask, cu_seqlens=cu_seqlens, cache=None, impl=self.impl)
-        return y
-
-    def init_cache(self, batch_size: int, max_len: int | None = None) -> RecurrentCache:
-        """An empty cache. The recurrent state has one size whatever the length, so any
-        ``max_len`` (checked when given) decodes on without limit."""
-        checks.check_positive_int(type(self).__name__, batch_size=batch_size)
-        if max_len is not None:
-            checks.check_positive_int(type(self).__name__, max_len=max_len)
-        conv = None
-        if self.q_conv1d is not None:
-            width = self.conv_size - 1
-            conv = tuple(
-                jnp.zeros((batch_size, width, d), self.q_proj.dtype)
-                for d in (self.key_dim, self.key_dim, self.value_dim)
-            )
-        state = jnp.zeros((batch_size, self.num_v_heads, self.head_v_dim, self.head_dim))
-        return RecurrentCache(conv, state.astype(jnp.float32))
-
-    def prefill(self, x, cache=None, *, mask=None):
-        """Run a prompt ``x [B, T, D]`` (left-padded with ``mask``) from ``cache`` (empty when
-        ``None``) and return ``(y, cache)`` for decoding on."""
-        cache = self.init_cache(x.shape[0]) if cache is None else cache
-        return self._mix(x, mask=mask, cu_seqlens=None, cache=cache, impl=self.impl)
-
-    def step(self, x, cache):
-        """One token per sequence, ``x [B, 1, D]``: ``(y [B, 1, D], cache)``, token by token."""
-        return self._mix(x, mask=None, cu_seqlens=None, cache=cache, impl="recurrent")
-
     def _mix(self, x, *, mask, cu_seqlens, cache, impl):
-        name = type(self).__name__
-        checks.check_hidden(name, x, self.hidden_size)
-        batch, seq_len, _ = x.shape
-        if mask is not None:
-            checks.check_mask(name, mask, batch, seq_len)
-        if cache is not None:
-            empty = jax.eval_shape(lambda: self.init_cache(batch))
-            checks.check_cache(name, cache, empty)
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        # Padding is selected away, not multiplied by 0: a NaN or inf there times 0 is NaN,
-        # which the convolution and the state would carry into the real tokens.
-        real = None if mask is None else mask.astype(bool)[..., None]
-        if real is not None:
-            q, k, v = (jnp.where(real, z, 0) for z in (q, k, v))
         # A mesh in context (jax.set_mesh) with a "seq" axis splits T: the convolution takes
         # its halo and the rule its start state from the previous shard.
         seq_mesh = seq_parallel_mesh() if impl == "chunked" and cache is None else None
-        conv_cache = None
-        if self.q_conv1d is not None:
-            (q, k, v), conv_cache = convolve_qkv(
-                (self.q_conv1d, self.k_conv1d, self.v_conv1d),
-                (q, k, v),
-                histories=None if cache is None else cache.conv,
-                cu_seqlens=cu_seqlens,
-                seq_mesh=seq_mesh,
-            )
-        q = q.reshape(batch, seq_len, self.num_heads, self.head_dim)
-        k = k.reshape(batch, seq_len, self.num_heads, self.head_dim)
-        v = v.reshape(batch, seq_len, self.num_v_heads, self.head_v_dim)
-
+        q, k, v, real, conv_cache = self._qkv(
+            x, mask=mask, cu_seqlens=cu_seqlens, cache=cache, seq_mesh=seq_mesh
+        )
+        batch, seq_len, _ = x.shape
         gate_shape = (batch, seq_len, self.num_v_heads)
         if self.delta:
             beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))

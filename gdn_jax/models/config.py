@@ -9,9 +9,10 @@ import jax.numpy as jnp
 
 from gdn_jax.ops.checks import Impl
 
+# "kda" is Kimi Delta Attention, the delta rule with one decay per key channel.
 # "attention_conv" is attention with the recurrent mixers' short convolutions on q, k and v:
 # the control that separates what the convolution contributes to recall from the mixer.
-Mixer = Literal["gdn", "deltanet", "gated_linear", "linear", "attention", "attention_conv"]
+Mixer = Literal["gdn", "deltanet", "gated_linear", "linear", "kda", "attention", "attention_conv"]
 MIXERS: tuple[str, ...] = get_args(Mixer)
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -36,7 +37,7 @@ class ModelConfig:
     expand_v: float = 1.0
     # Recurrent mixers: value heads HV, a multiple of num_heads; None means num_heads.
     num_v_heads: int | None = None
-    # Recurrent mixers: gate the output norm with silu(g_proj(x)).
+    # Recurrent mixers: gate the output norm with silu(g_proj(x)) (kda: with its sigmoid gate).
     use_gate: bool = True
     # Recurrent mixers: causal depthwise convolution on q, k, v.
     use_short_conv: bool = True

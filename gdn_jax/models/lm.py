@@ -9,6 +9,7 @@ from gdn_jax.layers import (
     DeltaNet,
     GatedDeltaNet,
     GatedLinearAttention,
+    KimiDeltaAttention,
     LinearAttention,
     SoftmaxAttention,
     SwiGLU,
@@ -44,21 +45,32 @@ def build_mixer(config: ModelConfig, name: Mixer, *, rngs: nnx.Rngs) -> TokenMix
             conv_size=config.conv_size,
             **common,
         )
-    layer = RECURRENT_MIXERS[name]
-    return layer(
-        config.d_model,
-        config.num_heads,
-        config.key_head_dim,
+    recurrent = dict(
         expand_v=config.expand_v,
         num_v_heads=config.num_v_heads,
         use_gate=config.use_gate,
         use_short_conv=config.use_short_conv,
         conv_size=config.conv_size,
-        allow_neg_eigval=config.allow_neg_eigval and layer.delta,  # model-wide, where it applies
         norm_eps=config.norm_eps,
         chunk_size=config.chunk_size,
         impl=config.impl,
         **common,
+    )
+    if name == "kda":
+        return KimiDeltaAttention(
+            config.d_model,
+            config.num_heads,
+            config.key_head_dim,
+            allow_neg_eigval=config.allow_neg_eigval,
+            **recurrent,
+        )
+    layer = RECURRENT_MIXERS[name]
+    return layer(
+        config.d_model,
+        config.num_heads,
+        config.key_head_dim,
+        allow_neg_eigval=config.allow_neg_eigval and layer.delta,  # model-wide, where it applies
+        **recurrent,
     )
 
 

@@ -1,9 +1,12 @@
-"""Pure JAX functions for the gated delta rule; see ``gdn_jax`` for the dimension legend."""
+"""Pure JAX functions for the gated delta rule and Kimi Delta Attention (KDA, its per-channel
+gated form); see ``gdn_jax`` for the dimension legend."""
 
-from gdn_jax.ops.api import gated_delta_rule, gated_linear_attention
+from gdn_jax.ops.api import gated_delta_rule, gated_linear_attention, kda
 from gdn_jax.ops.chunked import gated_delta_rule_chunked
+from gdn_jax.ops.kda_chunkwise import kda_chunked
+from gdn_jax.ops.kda_token import kda_step
 from gdn_jax.ops.normalize import l2_normalize
-from gdn_jax.ops.recurrent import gated_delta_rule_recurrent
+from gdn_jax.ops.recurrent import gated_delta_rule_recurrent, kda_recurrent
 from gdn_jax.ops.sequence_parallel import (
     gated_delta_rule_seq_parallel,
     gated_linear_attention_seq_parallel,
@@ -21,5 +24,9 @@ __all__ = [
     "gated_linear_attention",
     "gated_linear_attention_seq_parallel",
     "halo_from_previous",
+    "kda",
+    "kda_chunked",
+    "kda_recurrent",
+    "kda_step",
     "l2_normalize",
 ]

@@ -17,9 +17,10 @@ from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.chunked import chunked_rule
+from gdn_jax.ops.kda_chunkwise import kda_chunked_rule
 from gdn_jax.ops.normalize import l2_normalize
 from gdn_jax.ops.recurrent import recurrent_rule
-from gdn_jax.ops.step import compute_dtype, default_scale, linear_token_step, token_step
+from gdn_jax.ops.step import compute_dtype, linear_token_step, scaled_outputs, token_step
 from gdn_jax.ops.wy import DELTA, LINEAR, WriteRule
 
 
@@ -33,6 +34,29 @@ class Rule(NamedTuple):
 
 DELTA_RULE = Rule(token_step, DELTA)  # S' = alpha S + beta (v - alpha S k) k^T
 LINEAR_RULE = Rule(linear_token_step, LINEAR)  # S' = alpha S + beta v k^T
+
+
+class Forms(NamedTuple):
+    """The one-head functions of a recurrence, with ``chunked.chunked_rule``'s contract
+    (``(q, k, v, log_alpha, beta, initial_states, *, cu_seqlens) -> (y, finals)``, the
+    chunked one also taking ``chunk_size`` and ``schedule``), and whether its gates are one
+    per key channel, ``[.., K]``."""
+
+    recurrent: Callable
+    chunked: Callable
+    per_channel: bool
+
+
+def rule_forms(rule: Rule) -> Forms:
+    """The recurrent and chunked forms of a per-head-gated ``rule``."""
+    recurrent = functools.partial(recurrent_rule, step=rule.token)
+    return Forms(recurrent, functools.partial(chunked_rule, rule=rule.chunk), per_channel=False)
+
+
+# S' = S Diag(alpha) + beta (v - S Diag(alpha) k) k^T: token_step broadcasts [K] gates.
+KDA_FORMS = Forms(
+    functools.partial(recurrent_rule, step=token_step), kda_chunked_rule, per_channel=True
+)
 
 
 @no_type_check  # a public entry point: checks.py names its bad arguments
@@ -79,7 +103,7 @@ def gated_delta_rule(
     """
     options = dict(scale=scale, initial_state=initial_state, impl=impl, chunk_size=chunk_size)
     options.update(schedule=schedule, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
-    return _batched("gated_delta_rule", DELTA_RULE, q, k, v, log_alpha, beta, **options)
+    return _batched("gated_delta_rule", rule_forms(DELTA_RULE), q, k, v, log_alpha, beta, **options)
 
 
 @no_type_check  # a public entry point: checks.py names its bad arguments
@@ -107,7 +131,58 @@ def gated_linear_attention(
     """
     options = dict(scale=scale, initial_state=initial_state, impl=impl, chunk_size=chunk_size)
     options.update(schedule=schedule, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
-    return _batched("gated_linear_attention", LINEAR_RULE, q, k, v, log_alpha, beta, **options)
+    return _batched(
+        "gated_linear_attention", rule_forms(LINEAR_RULE), q, k, v, log_alpha, beta, **options
+    )
+
+
+@no_type_check  # a public entry point: checks.py names its bad arguments
+def kda(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T HV V"],
+    log_alpha: Float[Array, "B T HV K"],
+    beta: Float[Array, "B T HV"],
+    *,
+    scale: float | None = None,
+    initial_state: Float[Array, "B HV V K"] | None = None,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: Int[Array, " N+1"] | None = None,
+    impl: checks.Impl = "chunked",
+    chunk_size: int = 64,
+    schedule: checks.Schedule = "auto",
+) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV V K"]]:
+    """Kimi Delta Attention (KDA) over a batch of sequences and heads.
+
+    Per value head and sequence: ``S_t = S_{t-1} Diag(alpha_t) + beta_t (v_t - S_{t-1}
+    Diag(alpha_t) k_t) k_t^T``, ``y_t = S_t (scale q_t)``, ``alpha_t = exp(log_alpha_t)`` with
+    one gate per key channel, states ``[V, K]``. With equal channels it is
+    ``gated_delta_rule``, whose arguments and results it shares but for ``log_alpha``.
+
+    Args:
+      q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; one floating dtype for all three.
+        ``HV`` is a multiple of ``H``: value head ``i`` reads query/key head ``i // (HV // H)``.
+      log_alpha: ``[B, T, HV, K]`` log-space decays (``<= 0``; ``-inf`` resets a channel).
+      beta: ``[B, T, HV]`` activated writing strengths.
+      scale: query scale; ``None`` means ``K ** -0.5``.
+      initial_state: ``[B, HV, V, K]``, or ``[N, HV, V, K]`` with ``cu_seqlens``; ``None`` is
+        zeros. flash-linear-attention's states are ``[.., K, V]``: pass ``swapaxes(-1, -2)``.
+      use_qk_l2norm: L2-normalise q and k over ``K`` (eps 1e-6) inside the op.
+      cu_seqlens: ``[N+1]`` int offsets of ``N`` sequences packed along ``T`` (needs
+        ``B == 1``), as in ``gated_delta_rule``.
+      impl: ``"chunked"`` (train with this; ``kda_chunked``) or ``"recurrent"`` (the
+        token-by-token reference, ``kda_recurrent``).
+      chunk_size: 16, 32, 64 or 128 (chunked only).
+      schedule: ``"auto"``, ``"hoisted"`` or ``"in_scan"`` (chunked only), as in
+        ``gated_delta_rule_chunked``.
+
+    Returns:
+      ``(o [B, T, HV, V], final_state)``: ``o`` in the input dtype; ``final_state`` float32
+      (float64 for float64 input), ``[B, HV, V, K]`` or ``[N, HV, V, K]`` with ``cu_seqlens``.
+    """
+    options = dict(scale=scale, initial_state=initial_state, impl=impl, chunk_size=chunk_size)
+    options.update(schedule=schedule, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
+    return _batched("kda", KDA_FORMS, q, k, v, log_alpha, beta, **options)
 
 
 def prepare_batched(q, k, v, log_alpha, beta, initial_state, *, use_qk_l2norm, cu_seqlens):
@@ -141,7 +216,9 @@ def over_batch_and_heads(one_head, q, k, v, log_alpha, beta, initial_states, cu_
     # instead of materialising R copies.
     group = v_heads // heads
     v = v.reshape(batch, seq_len, heads, group, value_dim)
-    log_alpha, beta = (x.reshape(batch, seq_len, heads, group) for x in (log_alpha, beta))
+    # Per-channel gates (KDA) keep their trailing K axis.
+    log_alpha = log_alpha.reshape(batch, seq_len, heads, group, *log_alpha.shape[3:])
+    beta = beta.reshape(batch, seq_len, heads, group)
     states = initial_states.reshape(num_states, heads, group, value_dim, key_dim)
     if cu_seqlens is None:
         # Each (batch, head) is one sequence with one initial state: [V, K] -> [1, V, K].
@@ -165,7 +242,7 @@ def over_batch_and_heads(one_head, q, k, v, log_alpha, beta, initial_states, cu_
 
 def _batched(
     fn,
-    rule,
+    forms,
     q,
     k,
     v,
@@ -180,10 +257,13 @@ def _batched(
     cu_seqlens,
     use_qk_l2norm,
 ):
-    """Shared body of ``gated_delta_rule`` and ``gated_linear_attention``: a shape check,
-    the prepared inputs, then ``rule`` in the form ``impl`` over batch and heads, and the
-    outputs scaled: ``S (scale q) = scale (S q)``."""
-    checks.check_batched(fn, q, k, v, log_alpha, beta, initial_state, cu_seqlens)
+    """Shared body of ``gated_delta_rule``, ``gated_linear_attention`` and ``kda``: a shape
+    check, the prepared inputs, then the one-head form ``impl`` of ``forms`` over batch and
+    heads, and the outputs scaled: ``S (scale q) = scale (S q)``."""
+    per_channel = forms.per_channel
+    checks.check_batched(
+        fn, q, k, v, log_alpha, beta, initial_state, cu_seqlens, per_channel=per_channel
+    )
     checks.check_scale(fn, scale)
     checks.check_impl(fn, impl)
     if impl == "chunked":
@@ -199,12 +279,9 @@ def _batched(
         use_qk_l2norm=use_qk_l2norm,
         cu_seqlens=cu_seqlens,
     )
-    scale = default_scale(q.shape[-1]) if scale is None else scale
     if impl == "chunked":
-        one_head = functools.partial(
-            chunked_rule, chunk_size=chunk_size, rule=rule.chunk, schedule=schedule
-        )
+        one_head = functools.partial(forms.chunked, chunk_size=chunk_size, schedule=schedule)
     else:
-        one_head = functools.partial(recurrent_rule, step=rule.token)
+        one_head = forms.recurrent
     out, final = over_batch_and_heads(one_head, *inputs, cu_seqlens)
-    return (scale * out).astype(v.dtype), final
+    return scaled_outputs(out, q.shape[-1], scale, v.dtype), final

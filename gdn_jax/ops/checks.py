@@ -228,8 +228,23 @@ def check_schedule(fn: str, schedule) -> None:
         raise ValueError(f"{fn}: schedule={schedule!r} must be one of {SUPPORTED_SCHEDULES}")
 
 
-def check_single_head(fn: str, q, k, v, log_alpha, beta, initial_state) -> None:
-    """Shapes of the one-head, one-sequence contract: q, k [T, K], v [T, V], gates [T]."""
+def check_log_alpha(fn: str, log_alpha, dims: dict[str, int], key_dim: int, per_channel: bool):
+    """``log_alpha`` holds one gate per position of ``dims`` (names to sizes, e.g. ``{"T":
+    100}``), and with ``per_channel`` one per key channel too (KDA's ``[..., K]``)."""
+    names, shape = list(dims), tuple(dims.values())
+    if per_channel:
+        names, shape = [*names, "K"], (*shape, key_dim)
+    layout = f"[{', '.join(names)}]" if names else "a scalar"
+    if per_channel:
+        layout += " (one gate per key channel)"
+    check_shape(fn, "log_alpha", log_alpha, shape, layout)
+
+
+def check_single_head(
+    fn: str, q, k, v, log_alpha, beta, initial_state, *, per_channel: bool = False
+) -> None:
+    """Shapes of the one-head, one-sequence contract: q, k [T, K], v [T, V], beta [T],
+    log_alpha [T], or [T, K] with ``per_channel`` (KDA)."""
     check_arrays(fn, q=q, k=k, v=v, log_alpha=log_alpha, beta=beta, initial_state=initial_state)
     check_floating(fn, q=q, k=k, v=v, log_alpha=log_alpha, beta=beta, initial_state=initial_state)
     check_same_dtype(fn, q=q, k=k, v=v)
@@ -242,7 +257,7 @@ def check_single_head(fn: str, q, k, v, log_alpha, beta, initial_state) -> None:
     value_dim = v.shape[1]
     check_shape(fn, "k", k, (seq_len, key_dim), "[T, K] like q")
     check_shape(fn, "v", v, (seq_len, value_dim), "[T, V] with T of q")
-    check_shape(fn, "log_alpha", log_alpha, (seq_len,), "[T]")
+    check_log_alpha(fn, log_alpha, {"T": seq_len}, key_dim, per_channel)
     check_shape(fn, "beta", beta, (seq_len,), "[T]")
     if initial_state is not None:
         check_shape(fn, "initial_state", initial_state, (value_dim, key_dim), "[V, K]")
@@ -271,10 +286,13 @@ def check_cu_seqlens(fn: str, cu_seqlens, seq_len: int) -> None:
         )
 
 
-def check_batched(fn: str, q, k, v, log_alpha, beta, initial_state, cu_seqlens) -> None:
+def check_batched(
+    fn: str, q, k, v, log_alpha, beta, initial_state, cu_seqlens, *, per_channel: bool = False
+) -> None:
     """The batched, multi-head contract: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` with HV a
-    multiple of H, gates ``[B, T, HV]``, ``initial_state [B, HV, V, K]`` (``[N, HV, V, K]``
-    with packed ``cu_seqlens``, which need ``B == 1``)."""
+    multiple of H, beta ``[B, T, HV]``, log_alpha ``[B, T, HV]`` (``[B, T, HV, K]`` with
+    ``per_channel``, KDA), ``initial_state [B, HV, V, K]`` (``[N, HV, V, K]`` with packed
+    ``cu_seqlens``, which need ``B == 1``)."""
     arrays = dict(q=q, k=k, v=v, log_alpha=log_alpha, beta=beta, initial_state=initial_state)
     check_arrays(fn, **arrays)
     check_floating(fn, **arrays)
@@ -287,7 +305,8 @@ def check_batched(fn: str, q, k, v, log_alpha, beta, initial_state, cu_seqlens) 
     v_heads, value_dim = v.shape[2], v.shape[3]
     check_shape(fn, "k", k, q.shape, "[B, T, H, K] like q")
     check_shape(fn, "v", v, (batch, seq_len, v_heads, value_dim), "[B, T, HV, V]")
-    check_shape(fn, "log_alpha", log_alpha, (batch, seq_len, v_heads), "[B, T, HV]")
+    gate_dims = {"B": batch, "T": seq_len, "HV": v_heads}
+    check_log_alpha(fn, log_alpha, gate_dims, key_dim, per_channel)
     check_shape(fn, "beta", beta, (batch, seq_len, v_heads), "[B, T, HV]")
     require(
         fn,

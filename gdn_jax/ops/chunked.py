@@ -46,7 +46,8 @@ t's chunk and the other sequences of a packed batch are never touched
 from __future__ import annotations
 
 import functools
-from typing import no_type_check
+from collections.abc import Callable
+from typing import NamedTuple, no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +56,7 @@ from jaxtyping import Array, Float, Int
 from gdn_jax.ops import checks
 from gdn_jax.ops.blocks import scan_blocks, scan_blocks_backward
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR, ChunkDecays, chunk_decays, chunk_decays_bwd
-from gdn_jax.ops.step import core_inputs, default_scale
+from gdn_jax.ops.step import core_inputs, scaled_outputs
 from gdn_jax.ops.varlen import pack_layout
 from gdn_jax.ops.wy import DELTA, WriteRule
 
@@ -73,9 +74,12 @@ def in_dtypes(dtypes, arrays):
     return tuple(x.astype(d) for x, d in zip(arrays, dtypes, strict=True))
 
 
-def decayed(x: Float[Array, "C K"], decay: Float[Array, " C"]) -> Float[Array, "C K"]:
-    """``diag(decay) x`` in the decay's (the compute) dtype, from ``x`` in its own."""
-    return x.astype(decay.dtype) * decay[:, None]
+def decayed(
+    x: Float[Array, "C K"], decay: Float[Array, " C"] | Float[Array, "C K"]
+) -> Float[Array, "C K"]:
+    """``x`` in its own dtype times its decays in theirs (the compute dtype): one per row,
+    ``diag(decay) x``, or one per entry, KDA's per-channel decays."""
+    return x.astype(decay.dtype) * (decay[:, None] if decay.ndim == 1 else decay)
 
 
 def state_step(
@@ -84,9 +88,9 @@ def state_step(
     u: Float[Array, "C V"],
     k: Float[Array, "C K"],
     q: Float[Array, "C K"],
-    from_start: Float[Array, " C"],
-    to_end: Float[Array, " C"],
-    whole: Float[Array, ""],
+    from_start: Float[Array, " C"] | Float[Array, "C K"],
+    to_end: Float[Array, " C"] | Float[Array, "C K"],
+    whole: Float[Array, ""] | Float[Array, " K"],
 ):
     """One chunk of the state pass, with every product that touches the state.
 
@@ -94,15 +98,18 @@ def state_step(
     exp(g_C)) -> (S' [V, K], (U [C, V] or (), diag(exp(g)) Q S^T [C, V]))``. The keys and
     queries (in their input dtype) are cast and decayed here, where the products read them:
     batched over all chunks they would be two more token-sized arrays. ``w`` and the queries
-    read the state in one product.
+    read the state in one product. Per-channel decays (KDA, ``kda_chunkwise.py``), ``[C, K]``
+    and ``exp(g_C) [K]``, decay the keys and queries channel by channel and the state as
+    ``S Diag(exp(g_C))``.
     """
     k_to_end, q_from_start = decayed(k, to_end), decayed(q, from_start)
+    faded = jnp.atleast_1d(whole)[None, :] * state  # [1, 1] or [1, K] against [V, K]
     if w is None:
-        return whole * state + u.T @ k_to_end, ((), q_from_start @ state.T)
+        return faded + u.T @ k_to_end, ((), q_from_start @ state.T)
     chunk = w.shape[0]
     reads = jnp.concatenate([w, q_from_start]) @ state.T
     corrections = u - reads[:chunk]
-    return whole * state + corrections.T @ k_to_end, (corrections, reads[chunk:])
+    return faded + corrections.T @ k_to_end, (corrections, reads[chunk:])
 
 
 def state_step_bwd(d_end, start, w, u, k, q, from_start, to_end, whole, d_u_intra, d_y):
@@ -312,22 +319,19 @@ chunked_core.defvjp(_chunked_core_fwd, _chunked_core_bwd)
 AUTO_SCHEDULES = {"cpu": "in_scan", "default": "hoisted"}
 
 
-def scheduled_core(rule, schedule, *arrays):
-    """``chunked_core(rule, schedule, *arrays)``, with ``"auto"`` resolved by the platform
-    the program is lowered for, not the host that traces it (``AUTO_SCHEDULES``): traced on
-    a CPU and compiled for a TPU, it is hoisted.
+def run_schedule(schedules: dict[str, Callable], schedule: checks.Schedule, *args):
+    """``schedules[schedule](*args)``, with ``"auto"`` resolved by the platform the program
+    is lowered for, not the host that traces it (``AUTO_SCHEDULES``): traced on a CPU and
+    compiled for a TPU, it is ``"hoisted"``.
 
-    Each schedule's custom VJP sits whole inside its branch of ``jax.lax.platform_dependent``,
-    so forward and backward follow one choice. Both branches are traced; a lowering for one
-    platform keeps only that platform's.
+    A schedule's forward and backward sit whole inside its branch of
+    ``jax.lax.platform_dependent``, so both follow one choice. Both branches are traced; a
+    lowering for one platform keeps only that platform's.
     """
     if schedule != "auto":
-        return chunked_core(rule, schedule, *arrays)
-    branches = {
-        platform: functools.partial(chunked_core, rule, choice)
-        for platform, choice in AUTO_SCHEDULES.items()
-    }
-    return jax.lax.platform_dependent(*arrays, **branches)
+        return schedules[schedule](*args)
+    branches = {platform: schedules[choice] for platform, choice in AUTO_SCHEDULES.items()}
+    return jax.lax.platform_dependent(*args, **branches)
 
 
 def chunked_rule(
@@ -348,38 +352,48 @@ def chunked_rule(
 
     The gates and states are in the compute dtype, q, k and v in it or narrower, and ``q``
     is not scaled (the callers scale ``y``): q, k ``[T, K]``, v ``[T, V]``, gates ``[T]``,
-    ``initial_states [N, V, K]``. Without ``cu_seqlens`` the tail is padded
-    with inert tokens (zero q, k, v and beta, log_alpha 0: no decay, no write); with it each
-    packed sequence starts on a chunk boundary (``varlen.pack_layout``).
-    Returns ``(y [T, V], finals [N, V, K])``.
+    ``initial_states [N, V, K]``. The layout is ``chunk_layout``'s. Returns ``(y [T, V],
+    finals [N, V, K])``.
     """
-    seq_len = q.shape[0]
     log_alpha = jnp.maximum(log_alpha, LOG_ALPHA_FLOOR)
-    layout = None if cu_seqlens is None else pack_layout(cu_seqlens, seq_len, chunk_size)
-    if layout is None:
-        num_chunks = -(-seq_len // chunk_size)
-        pad = num_chunks * chunk_size - seq_len
+    layout = chunk_layout(q.shape[0], chunk_size, cu_seqlens)
+    chunks = (layout.to_chunks(x) for x in (q, k, v, log_alpha, beta))
+    cores = {name: functools.partial(chunked_core, rule, name) for name in SCHEDULES}
+    ys, finals = run_schedule(cores, schedule, *chunks, initial_states, layout.resets)
+    return layout.from_chunks(ys), finals
 
-        def to_chunks(x):
-            x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-            return x.reshape(num_chunks, chunk_size, *x.shape[1:])
 
-        def from_chunks(y):
-            return y.reshape(num_chunks * chunk_size, -1)[:seq_len]
+class ChunkLayout(NamedTuple):
+    """Tokens ``[T, ...]`` to chunks ``[NC, C, ...]`` and outputs ``[NC, C, V]`` back to
+    ``[T, V]``, with the resets of ``blocks.scan_blocks`` (None for one sequence)."""
 
-        resets = None
-    else:
+    to_chunks: Callable
+    from_chunks: Callable
+    resets: tuple | None
 
-        def to_chunks(x):
-            return layout.scatter(x).reshape(-1, chunk_size, *x.shape[1:])
 
-        def from_chunks(y):
-            return layout.gather(y.reshape(-1, y.shape[-1]))
+def chunk_layout(seq_len: int, chunk_size: int, cu_seqlens=None) -> ChunkLayout:
+    """The chunks of one sequence, its tail padded with inert tokens (zero inputs, so zero
+    q, k, v, beta and log_alpha: no decay, no write), or of packed ``cu_seqlens``, each
+    sequence starting on a chunk boundary (``varlen.pack_layout``)."""
+    if cu_seqlens is not None:
+        layout = pack_layout(cu_seqlens, seq_len, chunk_size)
+        return ChunkLayout(
+            lambda x: layout.scatter(x).reshape(-1, chunk_size, *x.shape[1:]),
+            lambda y: layout.gather(y.reshape(-1, y.shape[-1])),
+            layout.resets,
+        )
+    num_chunks = -(-seq_len // chunk_size)
+    pad = num_chunks * chunk_size - seq_len
 
-        resets = layout.resets
-    chunks = (to_chunks(x) for x in (q, k, v, log_alpha, beta))
-    ys, finals = scheduled_core(rule, schedule, *chunks, initial_states, resets)
-    return from_chunks(ys), finals
+    def to_chunks(x):
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape(num_chunks, chunk_size, *x.shape[1:])
+
+    def from_chunks(y):
+        return y.reshape(num_chunks * chunk_size, -1)[:seq_len]
+
+    return ChunkLayout(to_chunks, from_chunks, None)
 
 
 @no_type_check  # a public entry point: checks.py names its bad arguments
@@ -427,5 +441,4 @@ def gated_delta_rule_chunked(
     checks.check_schedule(fn, schedule)
     inputs = core_inputs(q, k, v, log_alpha, beta, initial_state)
     y, finals = chunked_rule(*inputs, chunk_size=chunk_size, schedule=schedule)
-    scale = default_scale(q.shape[-1]) if scale is None else scale
-    return (scale * y).astype(v.dtype), finals[0]
+    return scaled_outputs(y, q.shape[-1], scale, v.dtype), finals[0]

@@ -1,4 +1,5 @@
-"""The gated delta rule token by token: ``gated_delta_step`` under ``jax.lax.scan``.
+"""The gated delta rule token by token: ``gated_delta_step`` under ``jax.lax.scan``; and
+Kimi Delta Attention's the same way, whose gates are ``[T, K]`` (``kda_token.py``).
 
 This is the readable reference form. Its forward is cheap, but reverse-mode autodiff keeps
 one ``[V, K]`` state per token (``T * V * K`` floats per head), so train with the chunked form.
@@ -12,7 +13,7 @@ from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.blocks import scan_blocks
-from gdn_jax.ops.step import core_inputs, default_scale, token_step
+from gdn_jax.ops.step import core_inputs, scaled_outputs, token_step
 from gdn_jax.ops.varlen import pack_layout
 
 
@@ -20,7 +21,7 @@ def recurrent_core(
     q: Float[Array, "T K"],
     k: Float[Array, "T K"],
     v: Float[Array, "T V"],
-    log_alpha: Float[Array, " T"],
+    log_alpha: Float[Array, " T"] | Float[Array, "T K"],
     beta: Float[Array, " T"],
     initial_states: Float[Array, "N V K"],
     resets=None,
@@ -36,7 +37,7 @@ def recurrent_rule(
     q: Float[Array, "T K"],
     k: Float[Array, "T K"],
     v: Float[Array, "T V"],
-    log_alpha: Float[Array, " T"],
+    log_alpha: Float[Array, " T"] | Float[Array, "T K"],
     beta: Float[Array, " T"],
     initial_states: Float[Array, "N V K"],
     *,
@@ -46,7 +47,8 @@ def recurrent_rule(
     """Run ``recurrent_core`` with ``step`` over the tokens, resetting the state where packed
     ``cu_seqlens`` start a sequence; the recurrent twin of ``chunked.chunked_rule``, with the
     same arguments and results (a block is one token, so the layout keeps every token in
-    place, and its gather zeroes the tokens past a traced last offset)."""
+    place, and its gather zeroes the tokens past a traced last offset). Gates ``[T, K]``
+    with ``step=token_step`` run KDA."""
     if cu_seqlens is None:
         return recurrent_core(q, k, v, log_alpha, beta, initial_states, None, step)
     layout = pack_layout(cu_seqlens, q.shape[0], 1)
@@ -86,5 +88,39 @@ def gated_delta_rule_recurrent(
     checks.check_single_head(fn, q, k, v, log_alpha, beta, initial_state)
     checks.check_scale(fn, scale)
     y, finals = recurrent_rule(*core_inputs(q, k, v, log_alpha, beta, initial_state))
-    scale = default_scale(q.shape[-1]) if scale is None else scale
-    return (scale * y).astype(v.dtype), finals[0]
+    return scaled_outputs(y, q.shape[-1], scale, v.dtype), finals[0]
+
+
+@no_type_check  # a public entry point: checks.py names its bad arguments
+def kda_recurrent(
+    q: Float[Array, "T K"],
+    k: Float[Array, "T K"],
+    v: Float[Array, "T V"],
+    log_alpha: Float[Array, "T K"],
+    beta: Float[Array, " T"],
+    *,
+    scale: float | None = None,
+    initial_state: Float[Array, "V K"] | None = None,
+) -> tuple[Float[Array, "T V"], Float[Array, "V K"]]:
+    """Kimi Delta Attention for one head and one sequence, one token at a time.
+
+    For ``t = 1..T``: ``S_t = S_{t-1} Diag(alpha_t) + beta_t (v_t - S_{t-1} Diag(alpha_t) k_t)
+    k_t^T`` and ``y_t = S_t (scale q_t)``, with ``alpha_t = exp(log_alpha_t)`` per key channel
+    and ``S_0 = initial_state`` (zeros when ``None``).
+
+    Args:
+      q, k: ``[T, K]``; v: ``[T, V]``; all three in one floating dtype.
+      log_alpha: ``[T, K]`` decay gates in log space (``<= 0``), one per key channel.
+      beta: ``[T]`` writing strengths, already activated.
+      scale: query scale; ``None`` means ``K ** -0.5``.
+      initial_state: ``[V, K]`` or ``None``.
+
+    Returns:
+      ``(y [T, V], final_state [V, K])``: ``y`` in the input dtype, the state in float32
+      (float64 for float64 input).
+    """
+    fn = "kda_recurrent"
+    checks.check_single_head(fn, q, k, v, log_alpha, beta, initial_state, per_channel=True)
+    checks.check_scale(fn, scale)
+    y, finals = recurrent_rule(*core_inputs(q, k, v, log_alpha, beta, initial_state))
+    return scaled_outputs(y, q.shape[-1], scale, v.dtype), finals[0]

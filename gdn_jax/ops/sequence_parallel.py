@@ -56,7 +56,7 @@ from gdn_jax.ops.api import (
     prepare_batched,
 )
 from gdn_jax.ops.chunked import chunked_rule
-from gdn_jax.ops.step import default_scale
+from gdn_jax.ops.step import scaled_outputs
 from gdn_jax.ops.wy import DELTA, WriteRule
 
 
@@ -354,5 +354,4 @@ def _seq_parallel(
         axis_names={axis_name},
     )
     out, final = run(*inputs[:5], *replicated)
-    scale = default_scale(q.shape[-1]) if scale is None else scale
-    return (scale * out).astype(v.dtype), final
+    return scaled_outputs(out, q.shape[-1], scale, v.dtype), final

@@ -15,6 +15,14 @@ def default_scale(key_dim: int) -> float:
     return key_dim**-0.5
 
 
+def scaled_outputs(y, key_dim: int, scale: float | None, dtype):
+    """The outputs ``y`` of unscaled queries, scaled and in ``dtype``: every form reads the
+    state with ``q`` as given and scales after, ``S (scale q) = scale (S q)``; ``scale=None``
+    means ``default_scale(key_dim)``."""
+    scale = default_scale(key_dim) if scale is None else scale
+    return (scale * y).astype(dtype)
+
+
 def compute_dtype(*arrays) -> jnp.dtype:
     """float32, or float64 when any input array is float64: the state never drops below
     float32. Python numbers (scalar gates) are weakly typed and do not decide it."""
@@ -44,7 +52,7 @@ def token_step(
     q: Float[Array, " K"],
     k: Float[Array, " K"],
     v: Float[Array, " V"],
-    log_alpha: Float[Array, ""],
+    log_alpha: Float[Array, ""] | Float[Array, " K"],
     beta: Float[Array, ""],
 ) -> tuple[Float[Array, "V K"], Float[Array, " V"]]:
     """The update on arrays already in the compute dtype, ``q`` already scaled.
@@ -53,8 +61,12 @@ def token_step(
         D = alpha S;  S' = D + beta (v - D k) k^T;  y = S' q.
     The error form costs two matrix-vector products and one outer product; the factored
     form ``S (alpha (I - beta k k^T)) + beta v k^T`` would cost a matrix-matrix product.
+
+    A gate per key channel, ``log_alpha [K]``, broadcasts along the state's rows: then
+    ``D = S Diag(alpha)``, Kimi Delta Attention's decay (``kda_token.py``).
     """
-    decayed = jnp.exp(log_alpha) * state
+    # [1, 1] for a head's gate, [1, K] for per-channel gates: either scales S's columns.
+    decayed = jnp.atleast_1d(jnp.exp(log_alpha))[None, :] * state
     error = v - decayed @ k
     new_state = decayed + beta * jnp.outer(error, k)
     return new_state, new_state @ q

@@ -1,0 +1,241 @@
+"""Kimi Delta Attention (Kimi Linear, arXiv 2510.26692, Sec. 3): the delta rule with one
+decay per key channel,
+``S_t = S_{t-1} Diag(alpha_t) (I - beta_t k_t k_t^T) + beta_t v_t k_t^T``.
+
+Wiring only, around ``gdn_jax.kda``. The parameter names and shapes follow
+flash-linear-attention's ``KimiDeltaAttention`` (its ``f_proj`` and ``g_proj`` pairs are
+``f_a_proj``, ``f_b_proj`` and ``g_a_proj``, ``g_b_proj`` here), so parameter counts match
+for one config; options cover the layers of transformers' Kimi-Linear, Bailing-hybrid and
+GLM-5 Next, which drop the output gate's bias, make both gates full rank (Bailing) or bound
+the forget gate below (Bailing, GLM-5 Next).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import no_type_check
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+from gdn_jax.layers.params import (
+    COLUMNS,
+    PER_HEAD,
+    ROWS,
+    NoWeightDecay,
+    a_log_init,
+    bias_free_linear,
+    dt_bias_init,
+    param,
+    partitioned,
+)
+from gdn_jax.layers.recurrent_layer import (
+    RecurrentCache,
+    RecurrentLayer,
+    check_head_shapes,
+    short_convolutions,
+)
+from gdn_jax.ops import checks, kda
+
+
+def kda_log_decay(
+    gate: Float[Array, "B T HV K"],
+    A_log: Float[Array, " HV"],
+    dt_bias: Float[Array, "HV K"],
+    lower_bound: float | None,
+) -> Float[Array, "B T HV K"]:
+    """The per-channel log-decay from the forget gate's projection ``f``, in float32.
+
+    Without a bound, ``log_alpha = -exp(A_log) * softplus(f + dt_bias)`` (Gated DeltaNet's
+    gate, per channel), which reaches ``-inf``. With ``lower_bound = L < 0``,
+    ``log_alpha = L * sigmoid(exp(A_log) * (f + dt_bias))``, in ``(L, 0)``: each step keeps
+    at least ``exp(L)`` of every channel (flash-linear-attention's ``lower_bound``).
+    """
+    f = gate.astype(jnp.float32) + dt_bias.astype(jnp.float32)[None, None]
+    rate = jnp.exp(A_log.astype(jnp.float32))[None, None, :, None]
+    if lower_bound is None:
+        return -rate * jax.nn.softplus(f)
+    return lower_bound * jax.nn.sigmoid(rate * f)
+
+
+@no_type_check  # checks.py names bad arguments and inputs
+class KimiDeltaAttention(RecurrentLayer):
+    """Kimi Delta Attention token mixer, ``x [B, T, hidden_size] -> [B, T, hidden_size]``.
+
+    In order: bias-free q, k, v projections; causal depthwise convolution with SiLU on each;
+    q, k L2-normalised (inside the op); ``beta = sigmoid(b_proj(x))`` per value head (times 2
+    with ``allow_neg_eigval``); the forget gate ``f = f_b_proj(f_a_proj(x))`` (rank
+    ``head_v_dim``; ``f_proj(x)`` without ``low_rank_gates``), one value per value head and
+    key channel, into ``kda_log_decay`` with ``A_log`` per value head and ``dt_bias`` per
+    channel; the rule with ``scale = head_dim ** -0.5``; a per-head RMSNorm gated by
+    ``sigmoid(g_b_proj(g_a_proj(x)))`` (``g_b_proj`` with a bias when
+    ``output_gate_bias``; ``g_proj(x)`` without ``low_rank_gates``; plain RMSNorm without
+    ``use_gate``, where ``output_gate_bias`` has nothing to add to); bias-free ``o_proj``. The gates read the layer input, not the convolution
+    output.
+
+    Initialisation as flash-linear-attention's: ``A_log = log U(1, 16)`` (zeros with a
+    ``gate_lower_bound``, where ``exp(A_log)`` scales the sigmoid's input), ``dt_bias`` the
+    inverse softplus of a log-uniform ``dt`` in ``[1e-3, 0.1]``, the output gate's bias zero.
+
+    A mesh ``model`` axis splits it by heads like ``GatedDeltaNet`` (the low-rank ``f_a_proj``
+    and ``g_a_proj`` are whole on every device). A mesh ``seq`` axis is left to XLA's
+    partitioner: unlike ``GatedDeltaNet``, this layer passes no state or halo between
+    sequence shards itself.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        *,
+        expand_v: float = 1.0,
+        num_v_heads: int | None = None,
+        use_gate: bool = True,
+        low_rank_gates: bool = True,
+        output_gate_bias: bool = True,
+        gate_lower_bound: float | None = None,
+        use_short_conv: bool = True,
+        conv_size: int = 4,
+        conv_bias: bool = False,
+        allow_neg_eigval: bool = False,
+        norm_eps: float = 1e-5,
+        chunk_size: int = 64,
+        impl: checks.Impl = "chunked",
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        kernel_init=None,
+        rngs: nnx.Rngs,
+    ):
+        num_v_heads = num_heads if num_v_heads is None else num_v_heads
+        name = type(self).__name__
+        head_v_dim = check_head_shapes(
+            name,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            num_v_heads=num_v_heads,
+            expand_v=expand_v,
+            conv_size=conv_size,
+            norm_eps=norm_eps,
+        )
+        checks.check_impl(name, impl)
+        checks.check_chunk_size(name, chunk_size)
+        if gate_lower_bound is not None:
+            checks.require(
+                name,
+                checks.is_python_number(gate_lower_bound) and -float("inf") < gate_lower_bound < 0,
+                f"gate_lower_bound={gate_lower_bound!r} must be a finite negative number or None",
+            )
+
+        self.hidden_size = hidden_size
+        self.num_heads, self.num_v_heads, self.head_dim = num_heads, num_v_heads, head_dim
+        self.head_v_dim = head_v_dim
+        self.key_dim, self.value_dim = num_heads * head_dim, num_v_heads * head_v_dim
+        self.gate_dim = num_v_heads * head_dim  # one decay per value head and key channel
+        self.allow_neg_eigval, self.use_gate = allow_neg_eigval, use_gate
+        self.low_rank_gates = low_rank_gates
+        self.gate_lower_bound = None if gate_lower_bound is None else float(gate_lower_bound)
+        self.chunk_size, self.impl, self.conv_size = chunk_size, impl, conv_size
+
+        linear = bias_free_linear(
+            dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
+        )
+        self.q_proj = linear(hidden_size, self.key_dim, COLUMNS)
+        self.k_proj = linear(hidden_size, self.key_dim, COLUMNS)
+        self.v_proj = linear(hidden_size, self.value_dim, COLUMNS)
+        if use_short_conv:
+            self.q_conv1d, self.k_conv1d, self.v_conv1d = short_convolutions(
+                self.key_dim,
+                self.value_dim,
+                conv_size=conv_size,
+                conv_bias=conv_bias,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                rngs=rngs,
+            )
+        else:
+            self.q_conv1d = self.k_conv1d = self.v_conv1d = None
+        # The low-rank factors' inner features are no heads: whole on every device.
+        rank = head_v_dim
+        self.f_a_proj = linear(hidden_size, rank) if low_rank_gates else None
+        self.f_b_proj = linear(rank, self.gate_dim, COLUMNS) if low_rank_gates else None
+        self.f_proj = None if low_rank_gates else linear(hidden_size, self.gate_dim, COLUMNS)
+        self.b_proj = linear(hidden_size, num_v_heads, COLUMNS)
+        if gate_lower_bound is None:
+            a_log = a_log_init(rngs.params(), (num_v_heads,), param_dtype, minval=1.0)
+        else:
+            a_log = jnp.zeros((num_v_heads,), param_dtype)
+        dt_bias = dt_bias_init(rngs.params(), (self.gate_dim,), param_dtype)
+        self.A_log = param(a_log, PER_HEAD, NoWeightDecay)
+        self.dt_bias = param(dt_bias, PER_HEAD, NoWeightDecay)
+
+        # Each assigned once: NNX fixes an attribute's data/static status at first assignment.
+        low_rank_output = use_gate and low_rank_gates
+        self.g_a_proj = linear(hidden_size, rank) if low_rank_output else None
+        gate_out = functools.partial(
+            self._gate_out,
+            use_bias=output_gate_bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=kernel_init,
+            rngs=rngs,
+        )
+        self.g_b_proj = gate_out(rank) if low_rank_output else None
+        self.g_proj = gate_out(hidden_size) if use_gate and not low_rank_gates else None
+        self.o_norm = nnx.RMSNorm(
+            head_v_dim, epsilon=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
+        self.o_proj = linear(self.value_dim, hidden_size, ROWS)
+
+    def _gate_out(self, in_features, *, use_bias, dtype, param_dtype, kernel_init, rngs):
+        """The output gate's projection into the value heads, with a zero bias when asked."""
+        kernel_init = kernel_init or nnx.initializers.lecun_normal()
+        return nnx.Linear(
+            in_features,
+            self.value_dim,
+            use_bias=use_bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=partitioned(kernel_init, COLUMNS),
+            bias_init=partitioned(nnx.initializers.zeros, PER_HEAD),
+            rngs=rngs,
+        )
+
+    def _mix(self, x, *, mask, cu_seqlens, cache, impl):
+        q, k, v, real, conv_cache = self._qkv(
+            x, mask=mask, cu_seqlens=cu_seqlens, cache=cache, seq_mesh=None
+        )
+        batch, seq_len, _ = x.shape
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+        beta = 2.0 * beta if self.allow_neg_eigval else beta
+        gate = self.f_proj(x) if self.f_proj is not None else self.f_b_proj(self.f_a_proj(x))
+        log_alpha = kda_log_decay(
+            gate.reshape(batch, seq_len, self.num_v_heads, self.head_dim),
+            self.A_log[...],
+            self.dt_bias[...].reshape(self.num_v_heads, self.head_dim),
+            self.gate_lower_bound,
+        )
+        if real is not None:
+            beta, log_alpha = jnp.where(real, beta, 0), jnp.where(real[..., None], log_alpha, 0)
+
+        o, state = kda(
+            q,
+            k,
+            v,
+            log_alpha,
+            beta,
+            initial_state=None if cache is None else cache.state,
+            use_qk_l2norm=True,
+            cu_seqlens=cu_seqlens,
+            impl=impl,
+            chunk_size=self.chunk_size,
+        )
+        o = self.o_norm(o)
+        if self.use_gate:
+            g = self.g_proj(x) if self.g_proj is not None else self.g_b_proj(self.g_a_proj(x))
+            o = o * jax.nn.sigmoid(g).reshape(o.shape)
+        y = self.o_proj(o.reshape(batch, seq_len, self.value_dim))
+        return y, RecurrentCache(conv_cache, state)

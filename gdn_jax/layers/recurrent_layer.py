@@ -1,0 +1,175 @@
+"""What every recurrent token mixer over short-convolved q, k, v shares, whatever its rule.
+
+``RecurrentLayer`` holds the ``TokenMixer`` methods, the decoding cache and the path from the
+layer input to the rule's q, k and v (projections, padding, short convolutions, heads).
+``RecurrentMixer`` (Gated DeltaNet and its baselines) and ``KimiDeltaAttention`` are its
+subclasses; each builds its own parameters and implements ``_mix`` with its gates, its rule
+and its output.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, no_type_check
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+from gdn_jax.layers.conv import ShortConvolution, convolve_qkv
+from gdn_jax.layers.params import SEQ_AXIS
+from gdn_jax.ops import checks
+
+
+def seq_parallel_mesh():
+    """The mesh in context when it splits T (a ``SEQ_AXIS`` of more than one device), else
+    None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or SEQ_AXIS not in mesh.axis_names or mesh.shape[SEQ_AXIS] == 1:
+        return None
+    return mesh
+
+
+class RecurrentCache(NamedTuple):
+    """Decoding state of one recurrent layer (a pytree).
+
+    Attributes:
+      conv: the last ``conv_size - 1`` inputs of the q, k and v convolutions, each
+        ``[B, W-1, channels]``; ``None`` without short convolutions.
+      state: the memory ``[B, HV, V, K]`` in float32.
+    """
+
+    conv: tuple[Array, Array, Array] | None
+    state: Float[Array, "B HV V K"]
+
+
+def check_head_shapes(
+    name, *, hidden_size, num_heads, head_dim, num_v_heads, expand_v, conv_size, norm_eps
+) -> int:
+    """Check the head layout every recurrent layer takes; return ``head_v_dim``."""
+    checks.check_positive_int(
+        name,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        num_v_heads=num_v_heads,
+        conv_size=conv_size,
+    )
+    checks.check_positive_number(name, expand_v=expand_v, norm_eps=norm_eps)
+    head_v_dim = head_dim * expand_v
+    checks.require(
+        name,
+        float(head_v_dim).is_integer(),
+        f"head_dim * expand_v = {head_dim} * {expand_v} must be a positive integer",
+    )
+    checks.require(
+        name,
+        num_v_heads % num_heads == 0,
+        f"num_v_heads={num_v_heads} must be a multiple of num_heads={num_heads}",
+    )
+    return int(head_v_dim)
+
+
+def short_convolutions(key_dim, value_dim, *, conv_size, conv_bias, dtype, param_dtype, rngs):
+    """The q, k and v ``ShortConvolution``s, in that order."""
+    conv = functools.partial(
+        ShortConvolution,
+        conv_size=conv_size,
+        use_bias=conv_bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        rngs=rngs,
+    )
+    return conv(key_dim), conv(key_dim), conv(value_dim)
+
+
+@no_type_check  # checks.py names bad arguments and inputs
+class RecurrentLayer(nnx.Module):
+    """The ``TokenMixer`` methods of a recurrent mixer: ``x [B, T, hidden_size] -> [B, T,
+    hidden_size]``, with a ``RecurrentCache`` for decoding.
+
+    A subclass sets ``hidden_size``, ``num_heads``, ``num_v_heads``, ``head_dim``,
+    ``head_v_dim``, ``key_dim = num_heads * head_dim``, ``value_dim = num_v_heads *
+    head_v_dim``, ``conv_size`` and ``impl``; builds the bias-free ``q_proj``, ``k_proj``,
+    ``v_proj`` and, with short convolutions, ``q_conv1d``, ``k_conv1d``, ``v_conv1d`` (else
+    None); and implements ``_mix(x, *, mask, cu_seqlens, cache, impl) -> (y, cache)``, which
+    gets q, k and v from ``_qkv``.
+    """
+
+    def __call__(self, x, *, mask=None, cu_seqlens=None):
+        """Mix ``x [B, T, D]``.
+
+        Args:
+          x: ``[B, T, hidden_size]``.
+          mask: optional ``[B, T]`` 0/1 padding mask. Padded tokens neither write to the state
+            nor reach the convolution (they enter it as zeros, whatever they hold, NaN and inf
+            included), so padding at either end of a sequence leaves the other tokens'
+            outputs as they are without it.
+          cu_seqlens: optional ``[N+1]`` offsets of sequences packed along T (``B == 1``); the
+            state and the convolutions restart at each sequence.
+        """
+        y, _ = self._mix(x, mask=mask, cu_seqlens=cu_seqlens, cache=None, impl=self.impl)
+        return y
+
+    def init_cache(self, batch_size: int, max_len: int | None = None) -> RecurrentCache:
+        """An empty cache. The recurrent state has one size whatever the length, so any
+        ``max_len`` (checked when given) decodes on without limit."""
+        checks.check_positive_int(type(self).__name__, batch_size=batch_size)
+        if max_len is not None:
+            checks.check_positive_int(type(self).__name__, max_len=max_len)
+        conv = None
+        if self.q_conv1d is not None:
+            width = self.conv_size - 1
+            conv = tuple(
+                jnp.zeros((batch_size, width, d), self.q_proj.dtype)
+                for d in (self.key_dim, self.key_dim, self.value_dim)
+            )
+        state = jnp.zeros((batch_size, self.num_v_heads, self.head_v_dim, self.head_dim))
+        return RecurrentCache(conv, state.astype(jnp.float32))
+
+    def prefill(self, x, cache=None, *, mask=None):
+        """Run a prompt ``x [B, T, D]`` (left-padded with ``mask``) from ``cache`` (empty when
+        ``None``) and return ``(y, cache)`` for decoding on."""
+        cache = self.init_cache(x.shape[0]) if cache is None else cache
+        return self._mix(x, mask=mask, cu_seqlens=None, cache=cache, impl=self.impl)
+
+    def step(self, x, cache):
+        """One token per sequence, ``x [B, 1, D]``: ``(y [B, 1, D], cache)``, token by token."""
+        return self._mix(x, mask=None, cu_seqlens=None, cache=cache, impl="recurrent")
+
+    def _qkv(self, x, *, mask, cu_seqlens, cache, seq_mesh):
+        """The rule's inputs from ``x [B, T, D]``, after checking ``x``, ``mask`` and ``cache``.
+
+        Returns ``(q [B, T, H, K], k [B, T, H, K], v [B, T, HV, V], real, conv_cache)``:
+        ``real`` is the mask as ``[B, T, 1]`` booleans (None without one), ``conv_cache`` the
+        convolution histories to decode on (None without short convolutions). With
+        ``seq_mesh`` the convolutions split T over its ``SEQ_AXIS``.
+        """
+        name = type(self).__name__
+        checks.check_hidden(name, x, self.hidden_size)
+        batch, seq_len, _ = x.shape
+        if mask is not None:
+            checks.check_mask(name, mask, batch, seq_len)
+        if cache is not None:
+            empty = jax.eval_shape(lambda: self.init_cache(batch))
+            checks.check_cache(name, cache, empty)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        # Padding is selected away, not multiplied by 0: a NaN or inf there times 0 is NaN,
+        # which the convolution and the state would carry into the real tokens.
+        real = None if mask is None else mask.astype(bool)[..., None]
+        if real is not None:
+            q, k, v = (jnp.where(real, z, 0) for z in (q, k, v))
+        conv_cache = None
+        if self.q_conv1d is not None:
+            (q, k, v), conv_cache = convolve_qkv(
+                (self.q_conv1d, self.k_conv1d, self.v_conv1d),
+                (q, k, v),
+                histories=None if cache is None else cache.conv,
+                cu_seqlens=cu_seqlens,
+                seq_mesh=seq_mesh,
+            )
+        q = q.reshape(batch, seq_len, self.num_heads, self.head_dim)
+        k = k.reshape(batch, seq_len, self.num_heads, self.head_dim)
+        v = v.reshape(batch, seq_len, self.num_v_heads, self.head_v_dim)
+        return q, k, v, real, conv_cache

@@ -1,0 +1,347 @@
+"""Kimi Delta Attention (per-channel gates): the step, the recurrent and chunked forms and the
+batched entry point against the float64 loop, each other and the gated delta rule."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+from reference import gated_delta_reference, random_inputs, random_state
+from tolerance import assert_close
+
+import gdn_jax
+from gdn_jax.ops.channel_decays import channel_decays, channel_scores
+
+HEADS, V_HEADS, KEY, VALUE = 2, 4, 12, 10
+NAMES = ("q", "k", "v", "log_alpha", "beta", "initial_state")
+
+kda = jax.jit(
+    gdn_jax.kda, static_argnames=("impl", "chunk_size", "schedule", "use_qk_l2norm", "scale")
+)
+kda_recurrent = jax.jit(gdn_jax.kda_recurrent, static_argnames="scale")
+kda_chunked = jax.jit(gdn_jax.kda_chunked, static_argnames=("scale", "chunk_size", "schedule"))
+
+
+def batched_inputs(seed, seq_len, batch=1, **kw):
+    return random_inputs(
+        seed, seq_len, KEY, VALUE, lead=(batch,), heads=(HEADS, V_HEADS), per_channel=True, **kw
+    )
+
+
+def loop_per_head(q, k, v, la, b, state, n, i):
+    """The float64 loop for sequence ``n`` and value head ``i`` of the batched layout."""
+    h = i // (V_HEADS // HEADS)
+    return gated_delta_reference(
+        q[n, :, h], k[n, :, h], v[n, :, i], la[n, :, i], b[n, :, i], scale=KEY**-0.5,
+        initial_state=None if state is None else state[n, i],
+    )  # fmt: skip
+
+
+@functools.cache
+def outputs_and_grads(form, **options):
+    """One jitted program per form: ``(y, final, grads of every input)`` for fixed random
+    cotangents of ``y`` and the final state, so values and gradients compile together."""
+    fn = {"recurrent": gdn_jax.kda_recurrent, "chunked": gdn_jax.kda_chunked}[form]
+
+    def run(q, k, v, la, b, state, ct_y, ct_s):
+        def loss(*args):
+            y, s = fn(*args[:5], initial_state=args[5], **options)
+            return jnp.sum(y * ct_y) + jnp.sum(s * ct_s), (y, s)
+
+        grads, (y, s) = jax.grad(loss, argnums=range(6), has_aux=True)(q, k, v, la, b, state)
+        return y, s, grads
+
+    return jax.jit(run)
+
+
+def single_head_args(seed, seq_len, key_dim, value_dim, dtype=jnp.float32, **kw):
+    inputs = random_inputs(seed, seq_len, key_dim, value_dim, dtype=dtype, per_channel=True, **kw)
+    state = random_state(seed + 1, value_dim, key_dim, dtype=dtype)
+    cotangents = (
+        random_state(seed + 2, seq_len, value_dim, dtype=dtype),
+        random_state(seed + 3, value_dim, key_dim, dtype=dtype),
+    )
+    return (*inputs, state, *cotangents)
+
+
+def assert_forms_agree(args, dtype, chunked_options, label=""):
+    expected = outputs_and_grads("recurrent")(*args)
+    actual = outputs_and_grads("chunked", **chunked_options)(*args)
+    assert_close(actual[0], expected[0], dtype, f"{label} y")
+    assert_close(actual[1], expected[1], dtype, f"{label} final state")
+    for name, a, e in zip(NAMES, actual[2], expected[2], strict=True):
+        assert np.isfinite(a).all(), f"{label} d{name}"
+        assert_close(a, e, dtype, f"{label} d{name}")
+
+
+# --- the step and the recurrent form against the float64 loop --------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_step_and_recurrent_match_the_float64_loop(dtype):
+    q, k, v, la, b = random_inputs(0, 40, KEY, VALUE, dtype=dtype, per_channel=True)
+    state = random_state(1, VALUE, KEY, dtype=dtype)
+    y_ref, s_ref = gated_delta_reference(q, k, v, la, b, scale=0.3, initial_state=state)
+    y, s = kda_recurrent(q, k, v, la, b, scale=0.3, initial_state=state)
+    assert y.dtype == dtype and s.dtype == dtype
+    assert_close(y, y_ref, dtype)
+    assert_close(s, s_ref, dtype)
+    s1, y1 = gdn_jax.kda_step(state, q[0], k[0], v[0], la[0], b[0], scale=0.3)
+    y1_ref, s1_ref = gated_delta_reference(
+        q[:1], k[:1], v[:1], la[:1], b[:1], scale=0.3, initial_state=state
+    )
+    assert_close(y1, y1_ref[0], dtype)
+    assert_close(s1, s1_ref, dtype)
+
+
+def test_channels_decay_separately():
+    # One token, no write: column c of the state is scaled by exp(log_alpha[c]) alone.
+    state = random_state(2, 3, 4, dtype=jnp.float64)
+    la = jnp.log(jnp.asarray([1.0, 0.5, 0.25, 0.0], jnp.float64))
+    zeros = jnp.zeros(4, jnp.float64)
+    new, _ = gdn_jax.kda_step(state, zeros, zeros, jnp.zeros(3, jnp.float64), la, 0.0)
+    np.testing.assert_allclose(new, np.asarray(state) * [1.0, 0.5, 0.25, 0.0], rtol=1e-15)
+
+
+# --- the chunked form against the recurrent one ------------------------------------------------
+
+
+def test_channel_decays_and_scores_are_exact_segment_sums():
+    """A chunk's decays and decayed scores in float32, with a -1e4 reset in one channel and
+    -0.01 steps after it, against float64 sums: differences of running sums would lose those
+    steps, and a split exp(G_t) exp(-G_i) would overflow."""
+    rng = np.random.default_rng(3)
+    g = rng.uniform(-1.0, 0.0, (64, 5))
+    g[20, 1], g[21:, 1] = -1e4, -0.01
+    x, k = rng.standard_normal((2, 64, 5)), rng.standard_normal((64, 5))
+    decays = jax.jit(channel_decays)(jnp.asarray(g, jnp.float32))
+    cum = np.cumsum(g, 0)
+    assert_close(decays.from_start, np.exp(cum), jnp.float32)
+    assert_close(decays.to_end, np.exp(cum[-1] - cum), jnp.float32)
+    assert_close(decays.whole, np.exp(cum[-1]), jnp.float32)
+    t, i = np.arange(64)[:, None], np.arange(64)[None, :]
+    segment = np.where((i <= t)[..., None], cum[:, None] - cum[None, :], -np.inf)
+    after = (i <= t) & (i >= 21)
+    segment[..., 1] = np.where(after, -0.01 * (t - i), segment[..., 1])  # not rounded sums
+    expected = np.einsum("ptk,ik,tik->pti", x, k, np.exp(segment))
+    scores = jax.jit(channel_scores)(
+        jnp.asarray(x, jnp.float32), jnp.asarray(k, jnp.float32), decays
+    )
+    assert_close(scores, expected, jnp.float32)
+
+
+CHUNKED_CASES = [
+    # (T, K, V, chunk_size, schedule): T not a multiple of C; the default and the largest
+    # chunks (the smallest is in the batched tests); K and V odd sizes; both schedules.
+    (130, 16, 24, 64, "in_scan"),
+    (150, 20, 12, 128, "hoisted"),
+]
+
+
+@pytest.mark.parametrize(("seq_len", "key_dim", "value_dim", "chunk", "schedule"), CHUNKED_CASES)
+def test_chunked_equals_recurrent_values_and_gradients(
+    seq_len, key_dim, value_dim, chunk, schedule
+):
+    args = single_head_args(seq_len, seq_len, key_dim, value_dim)
+    options = dict(chunk_size=chunk, schedule=schedule)
+    assert_forms_agree(args, jnp.float32, options, f"T={seq_len} C={chunk} {schedule}")
+
+
+def test_chunked_equals_recurrent_in_float64():
+    """The acceptance check: exact to float64 tolerance on values and every gradient, with
+    strong decays and a padded tail."""
+    args = single_head_args(40, 300, 8, 6, dtype=jnp.float64, log_alpha_range=(-3.0, 0.0))
+    assert_forms_agree(args, jnp.float64, dict(chunk_size=64, schedule="in_scan"))
+
+
+def test_chunked_finite_differences_float64():
+    q, k, v, la, b = random_inputs(50, 37, 4, 3, dtype=jnp.float64, per_channel=True)
+    state = random_state(51, 3, 4, dtype=jnp.float64)
+    run = jax.jit(lambda *a: gdn_jax.kda_chunked(*a[:5], initial_state=a[5], chunk_size=32))
+    check_grads(run, (q, k, v, la, b, state), order=1, modes=["rev"], eps=1e-6)
+
+
+GATE_EDGES = ["no decay", "channels reset", "mixed"]
+
+
+def edge_gates(edge, la):
+    seq_len, key_dim = la.shape
+    if edge == "no decay":
+        return jnp.zeros_like(la)
+    if edge == "channels reset":  # -inf in a few (token, channel) places, others random
+        return la.at[jnp.asarray([0, 17, 40, 41, 99]), jnp.asarray([0, 3, 3, 5, 1])].set(-jnp.inf)
+    # Mixed: channel 0 never decays, channel 1 always resets, channel 2 resets every 16
+    # tokens and decays by -0.01 between, the rest random.
+    t = jnp.arange(seq_len)
+    return (
+        la.at[:, 0].set(0.0)
+        .at[:, 1].set(-jnp.inf)
+        .at[:, 2].set(jnp.where(t % 16 == 3, -1e4, -0.01))
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("edge", GATE_EDGES)
+def test_gate_edges_are_finite_and_exact(edge):
+    # The shapes and options of a case above: the same compiled programs.
+    q, k, v, la, b, state, ct_y, ct_s = single_head_args(60, 130, 16, 24)
+    la = edge_gates(edge, la)
+    b = b.at[::5].set(0.0).at[1::5].set(2.0)  # no write and reflection too
+    args = (q, k, v, la, b, state, ct_y, ct_s)
+    y_ref, s_ref = gated_delta_reference(q, k, v, la, b, scale=16**-0.5, initial_state=state)
+    y, s, _ = outputs_and_grads("chunked", chunk_size=64, schedule="in_scan")(*args)
+    assert np.isfinite(y).all() and np.isfinite(s).all()
+    assert_close(y, y_ref, jnp.float32, edge)
+    assert_close(s, s_ref, jnp.float32, edge)
+    assert_forms_agree(args, jnp.float32, dict(chunk_size=64, schedule="in_scan"), edge)
+
+
+def test_extent_of_a_nan_at_one_token():
+    """The documented extent (kda_chunkwise.py): a NaN at token t in q reaches y_t alone, in
+    k, v, log_alpha or beta the outputs from the start of t's chunk on."""
+    inputs = random_inputs(20, 40, 4, 3, per_channel=True)
+    t, chunk_start = 20, 16
+    for i, name in enumerate(["q", "k", "v", "log_alpha", "beta"]):
+        poisoned = list(inputs)
+        poisoned[i] = poisoned[i].at[t].set(jnp.nan)
+        y, _ = kda_chunked(*poisoned, chunk_size=16)
+        nan_rows = np.flatnonzero(~np.isfinite(np.asarray(y)).all(1))
+        expected = [t] if name == "q" else list(range(chunk_start, 40))
+        assert nan_rows.tolist() == expected, name
+
+
+def test_residuals_are_the_inputs_and_one_state_per_chunk():
+    """What the backward keeps grows with T by the inputs and one [V, K] state per chunk
+    (two lengths, so the constant masks the recomputation needs cancel out)."""
+    key_dim, value_dim, chunk = 8, 8, 64
+
+    def saved_and_inputs(seq_len, schedule):
+        q, k, v, la, b, state, *_ = single_head_args(70, seq_len, key_dim, value_dim)
+        args = (q, k, v, la, b, state)
+
+        def run(*a):
+            options = dict(initial_state=a[5], chunk_size=chunk, schedule=schedule)
+            return gdn_jax.kda_chunked(*a[:5], **options)
+
+        # Shapes only: the pullback's leaves are what the backward keeps.
+        vjp_fn = jax.eval_shape(lambda *a: jax.vjp(run, *a)[1], *args)
+        saved = sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(vjp_fn))
+        return saved, sum(x.size for x in args)
+
+    for schedule in ("in_scan", "hoisted"):
+        (saved_1, inputs_1), (saved_2, inputs_2) = (
+            saved_and_inputs(seq_len, schedule) for seq_len in (256, 512)
+        )
+        states = (256 // chunk) * value_dim * key_dim
+        assert saved_2 - saved_1 <= inputs_2 - inputs_1 + states, schedule
+
+
+# --- the batched entry point -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["chunked", "recurrent"])
+def test_batched_grouped_heads_match_the_loop_per_head(impl):
+    q, k, v, la, b = batched_inputs(3, 33, batch=2)
+    state = random_state(4, 2, V_HEADS, VALUE, KEY)
+    out, final = kda(q, k, v, la, b, initial_state=state, impl=impl, chunk_size=16)
+    assert out.shape == (2, 33, V_HEADS, VALUE) and final.shape == (2, V_HEADS, VALUE, KEY)
+    for n in range(2):
+        for i in range(V_HEADS):
+            y, s = loop_per_head(q, k, v, la, b, state, n, i)
+            assert_close(out[n, :, i], y, jnp.float32, f"sequence {n}, value head {i}")
+            assert_close(final[n, i], s, jnp.float32, f"sequence {n}, value head {i}")
+
+
+gdn = jax.jit(gdn_jax.gated_delta_rule, static_argnames=("impl", "chunk_size"))
+
+
+@pytest.mark.parametrize("impl", ["chunked", "recurrent"])
+def test_equal_channels_are_the_gated_delta_rule(impl):
+    q, k, v, la, b = random_inputs(5, 45, KEY, VALUE, lead=(1,), heads=(HEADS, V_HEADS))
+    state = random_state(6, 1, V_HEADS, VALUE, KEY)
+    la_channels = jnp.broadcast_to(la[..., None], (*la.shape, KEY))
+    out, final = kda(q, k, v, la_channels, b, initial_state=state, impl=impl, chunk_size=32)
+    out_gdn, final_gdn = gdn(q, k, v, la, b, initial_state=state, impl=impl, chunk_size=32)
+    assert_close(out, out_gdn, jnp.float32)
+    assert_close(final, final_gdn, jnp.float32)
+
+
+def test_packed_sequences_equal_separate_runs():
+    cu = [0, 5, 5, 70, 100]  # an empty sequence, and sequences across chunk boundaries
+    cu_seqlens = jnp.asarray(cu, jnp.int32)
+    q, k, v, la, b = batched_inputs(7, 100)
+    state = random_state(8, len(cu) - 1, V_HEADS, VALUE, KEY)
+    ct_out = random_state(9, 1, 100, V_HEADS, VALUE)
+
+    @functools.partial(jax.jit, static_argnames="impl")
+    def run(*args, impl):
+        def loss(*args):
+            options = dict(initial_state=args[5], chunk_size=16, cu_seqlens=cu_seqlens)
+            o, f = gdn_jax.kda(*args[:5], impl=impl, **options)
+            return jnp.sum(o * ct_out) + jnp.sum(f**2), (o, f)
+
+        return jax.grad(loss, argnums=range(6), has_aux=True)(*args)
+
+    grads, (out, final) = run(q, k, v, la, b, state, impl="chunked")
+    for n, (lo, hi) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        piece = tuple(x[:, lo:hi] for x in (q, k, v, la, b))
+        for i in range(V_HEADS):
+            if hi == lo:  # an empty sequence returns its initial state
+                assert_close(final[n, i], state[n, i], jnp.float32, f"sequence {n}")
+                continue
+            y, s = loop_per_head(*piece, state[n : n + 1], 0, i)
+            assert_close(out[0, lo:hi, i], y, jnp.float32, f"sequence {n}, head {i}")
+            assert_close(final[n, i], s, jnp.float32, f"sequence {n}, head {i}")
+    # Gradients: the packed chunked form against the packed recurrent one, whose resets
+    # blocks.scan_blocks shares with it but whose per-token steps share nothing.
+    grads_recurrent, _ = run(q, k, v, la, b, state, impl="recurrent")
+    for name, a, e in zip(NAMES, grads, grads_recurrent, strict=True):
+        assert_close(a, e, jnp.float32, f"packed d{name}")
+
+
+def test_bfloat16_inputs_keep_a_float32_state():
+    inputs = batched_inputs(10, 45)
+    state = random_state(11, 1, V_HEADS, VALUE, KEY)
+    low = tuple(x.astype(jnp.bfloat16) for x in inputs)
+    run = functools.partial(kda, initial_state=state, impl="chunked", chunk_size=32)
+    out, final = run(*low)
+    assert out.dtype == jnp.bfloat16 and final.dtype == jnp.float32
+    # The same op on the bf16 values held in float32 (the program of the test above).
+    out_ref, final_ref = run(*(x.astype(jnp.float32) for x in low))
+    assert_close(out, out_ref, jnp.bfloat16)
+    assert_close(final, final_ref, jnp.float32)
+
+
+def test_long_sequence_is_finite_and_matches_recurrent():
+    """The acceptance length, T = 16384, at small dims in one forward of each form."""
+    q, k, v, la, b = random_inputs(13, 16384, 8, 8, per_channel=True, log_alpha_range=(-0.1, 0))
+    y_chk, s_chk = kda_chunked(q, k, v, la, b, chunk_size=64)
+    assert np.isfinite(y_chk).all() and np.isfinite(s_chk).all()
+    y_rec, s_rec = kda_recurrent(q, k, v, la, b)
+    assert_close(y_chk, y_rec, jnp.float32)
+    assert_close(s_chk, s_rec, jnp.float32)
+
+
+# --- bad inputs --------------------------------------------------------------------------------
+
+
+def test_a_per_head_log_alpha_is_refused_naming_the_argument():
+    q, k, v, la, b = random_inputs(14, 8, KEY, VALUE, lead=(1,), heads=(HEADS, V_HEADS))
+    with pytest.raises(
+        ValueError,
+        match=r"kda: log_alpha must have shape \[B, T, HV, K\] \(one gate per key channel\) = "
+        r"\(1, 8, 4, 12\), got \(1, 8, 4\)",
+    ):
+        gdn_jax.kda(q, k, v, la, b)
+    q1, k1, v1, la1, b1 = random_inputs(14, 8, KEY, VALUE)
+    for fn in (gdn_jax.kda_recurrent, gdn_jax.kda_chunked):
+        with pytest.raises(ValueError, match=rf"{fn.__name__}: log_alpha must have shape \[T, K\]"):
+            fn(q1, k1, v1, la1, b1)
+    with pytest.raises(ValueError, match=r"kda_step: log_alpha must have shape \[K\]"):
+        gdn_jax.kda_step(jnp.zeros((VALUE, KEY)), q1[0], k1[0], v1[0], la1[0], b1[0])
+    per_channel = batched_inputs(14, 8)
+    with pytest.raises(ValueError, match=r"kda: chunk_size=48 must be one of"):
+        gdn_jax.kda(*per_channel, chunk_size=48)
+    with pytest.raises(ValueError, match=r"kda: impl='fast' must be one of"):
+        gdn_jax.kda(*per_channel, impl="fast")
