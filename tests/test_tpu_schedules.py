@@ -2,8 +2,10 @@
 this CPU (``tpu_programs``): the issue's B=2, T=8192, H=16, K=V=128, C=64 with bfloat16 q, k
 and v, the forward and the gradient of every input.
 
-The forward is one while loop (the state pass) and forward+backward two (and the reverse
-pass). Each loop body holds only the state-sized products of a chunk and their elementwise
+Forward+backward is two while loops: the forward's state pass and the reverse pass (the
+forward alone, one loop, is compiled at a small size in ``test_tpu_compile.py``; at this size
+it costs 15 s of CPU and adds nothing the forward+backward program does not show, since that
+program holds the forward's loop). Each loop body holds only the state-sized products of a chunk and their elementwise
 work: no ``[C, C]`` array, two products in the forward pass (the reads ``[w; Q] S^T`` and
 the update) and four in the reverse one, and a handful of fusions (slices of the chunk's
 inputs, the decayed keys and queries, the products with their epilogues: measured 8 in the
@@ -34,15 +36,15 @@ def fusions_per_body(hlo):
     return [sum(" fusion(" in line for line in blocks[name]) for name in BODY.findall(hlo)]
 
 
-@pytest.mark.costly(45)
+@pytest.mark.costly(20)
 def test_hoisted_schedule_is_lean_on_tpu_v5e():
-    forward = op_program("v5e:2x2", "hoisted", "bfloat16", SHAPE, CHUNK, grad=False)
     both = op_program("v5e:2x2", "hoisted", "bfloat16", SHAPE, CHUNK, grad=True)
-    assert (forward.whiles, both.whiles) == (1, 2)
+    assert both.whiles == 2
     assert both.memory.temp_size_in_bytes <= TEMP_BOUND, both.memory.temp_size_in_bytes / 2**20
-    for program, max_dots in ((forward, 2), (both, 4)):
-        for body in program.bodies:
-            assert 1 <= len(dots(body)) <= max_dots, dots(body)
-            assert not has_square(body, CHUNK)
-        fusions = fusions_per_body(program.hlo)
-        assert all(1 <= n <= MAX_FUSIONS for n in fusions), fusions
+    # The forward pass's body holds two products (the reads [w; Q] S^T and the update), the
+    # reverse pass's at most four.
+    assert sorted(len(dots(body)) for body in both.bodies) == [2, 4], [dots(b) for b in both.bodies]
+    for body in both.bodies:
+        assert not has_square(body, CHUNK)
+    fusions = fusions_per_body(both.hlo)
+    assert all(1 <= n <= MAX_FUSIONS for n in fusions), fusions
