@@ -23,6 +23,7 @@ from gdn_jax.interop import (  # noqa: E402
     export_qwen3_next_layer,
     gdn_cache_to_qwen3_next,
     load_fla_layer,
+    load_layer,
     load_qwen3_next_layer,
     qwen3_next_cache_to_gdn,
     qwen3_next_layer_prefixes,
@@ -168,6 +169,30 @@ def assert_decoding_matches(layer, caches, tokens, expected):
         for t in range(tokens.shape[1]):
             y, c = step(layer, jnp.asarray(tokens[:, t : t + 1]), c)
             assert_relative_rms(y, expected[t + 1], jnp.float32, f"decode step {t}")
+
+
+def assert_family_decoding_matches(family, reference, config):
+    """A loaded layer's prefill and cache match transformers', its cache converts both ways
+    bit-exactly, and decoding six tokens from either cache matches transformers'."""
+    layer = load_layer(numpy_state(reference), config.to_dict())
+    prompt, tokens = hidden(4, 2, 45), hidden(5, 2, 6)
+
+    expected, torch_conv, torch_state = transformers_decoding(reference, prompt, tokens)
+
+    y, gdn_cache = prefill(layer, jnp.asarray(prompt))
+    assert_relative_rms(y, expected[0], jnp.float32, "prefill")
+    conv, state = family.gdn_cache_to(gdn_cache)
+    # The oldest column of transformers' conv state is never read again; gdn_jax keeps W-1.
+    assert_relative_rms(conv[..., 1:], torch_conv[..., 1:], jnp.float32, "conv cache")
+    assert_relative_rms(state, torch_state, jnp.float32, "recurrent state")
+    # transformers' cache -> gdn_jax -> transformers is bit-exact (but for that column).
+    conv_back, state_back = family.gdn_cache_to(family.cache_to_gdn(torch_conv, torch_state))
+    np.testing.assert_array_equal(conv_back[..., 1:], torch_conv[..., 1:])
+    np.testing.assert_array_equal(state_back, torch_state)
+
+    assert_decoding_matches(
+        layer, (gdn_cache, family.cache_to_gdn(torch_conv, torch_state)), tokens, expected
+    )
 
 
 def test_prefill_cache_and_decoding_equal_transformers():

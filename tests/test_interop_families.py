@@ -15,7 +15,7 @@ from test_interop import (
     REAL_HEADS,
     TESTER,
     assert_checkpoint_layers_match,
-    assert_decoding_matches,
+    assert_family_decoding_matches,
     assert_left_padding_matches,
     assert_packed_matches,
     assert_round_trip_exact,
@@ -24,9 +24,7 @@ from test_interop import (
     gdn_layer,
     hidden,
     numpy_state,
-    prefill,
     run_torch,
-    transformers_decoding,
 )
 from tolerance import assert_relative_rms
 from transformers.models.olmo_hybrid.modeling_olmo_hybrid import OlmoHybridGatedDeltaNet
@@ -167,25 +165,7 @@ def test_unpacked_batch_and_left_padding_equal_transformers(name):
 def test_prefill_cache_and_decoding_equal_transformers(name):
     family = FAMILIES[name]
     reference, config = family_layer(name, seed=2)
-    layer = load_layer(numpy_state(reference), config.to_dict())
-    prompt, tokens = hidden(4, 2, 45), hidden(5, 2, 6)
-
-    expected, torch_conv, torch_state = transformers_decoding(reference, prompt, tokens)
-
-    y, gdn_cache = prefill(layer, jnp.asarray(prompt))
-    assert_relative_rms(y, expected[0], jnp.float32, "prefill")
-    conv, state = family.gdn_cache_to(gdn_cache)
-    # The oldest column of transformers' conv state is never read again; gdn_jax keeps W-1.
-    assert_relative_rms(conv[..., 1:], torch_conv[..., 1:], jnp.float32, "conv cache")
-    assert_relative_rms(state, torch_state, jnp.float32, "recurrent state")
-    # transformers' cache -> gdn_jax -> transformers is bit-exact (but for that column).
-    conv_back, state_back = family.gdn_cache_to(family.cache_to_gdn(torch_conv, torch_state))
-    np.testing.assert_array_equal(conv_back[..., 1:], torch_conv[..., 1:])
-    np.testing.assert_array_equal(state_back, torch_state)
-
-    assert_decoding_matches(
-        layer, (gdn_cache, family.cache_to_gdn(torch_conv, torch_state)), tokens, expected
-    )
+    assert_family_decoding_matches(family, reference, config)
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "olmo_hybrid", "qwen3_next"])

@@ -12,16 +12,14 @@ import transformers
 from flax import nnx
 from test_interop import (
     assert_checkpoint_layers_match,
-    assert_decoding_matches,
+    assert_family_decoding_matches,
     assert_packed_matches,
     assert_round_trip_exact,
     assert_same_params,
     forward,
     hidden,
     numpy_state,
-    prefill,
     run_torch,
-    transformers_decoding,
 )
 from test_interop_families import LENGTHS, packed
 from tolerance import assert_relative_rms
@@ -124,25 +122,7 @@ def test_prefill_cache_and_decoding_equal_transformers():
     name = "kimi_linear"
     family = FAMILIES[name]
     reference, config = family_layer(name, seed=2)
-    layer = load_layer(numpy_state(reference), config.to_dict())
-    prompt, tokens = hidden(4, 2, 45), hidden(5, 2, 6)
-
-    expected, torch_conv, torch_state = transformers_decoding(reference, prompt, tokens)
-
-    y, gdn_cache = prefill(layer, jnp.asarray(prompt))
-    assert_relative_rms(y, expected[0], jnp.float32, "prefill")
-    conv, state = family.gdn_cache_to(gdn_cache)
-    # The oldest column of transformers' conv state is never read again; gdn_jax keeps W-1.
-    assert_relative_rms(conv[..., 1:], torch_conv[..., 1:], jnp.float32, "conv cache")
-    assert_relative_rms(state, torch_state, jnp.float32, "recurrent state")
-    # transformers' cache -> gdn_jax -> transformers is bit-exact (but for that column).
-    conv_back, state_back = family.gdn_cache_to(family.cache_to_gdn(torch_conv, torch_state))
-    np.testing.assert_array_equal(conv_back[..., 1:], torch_conv[..., 1:])
-    np.testing.assert_array_equal(state_back, torch_state)
-
-    assert_decoding_matches(
-        layer, (gdn_cache, family.cache_to_gdn(torch_conv, torch_state)), tokens, expected
-    )
+    assert_family_decoding_matches(family, reference, config)
 
 
 # Bailing-hybrid's attention layers share num_attention_heads with its KDA layers.
