@@ -134,8 +134,15 @@ def compile_for(fn: Callable, *args, device: jax.Device | None = None) -> jax.st
 
     jitted = fn if isinstance(fn, jax.stages.Wrapped) else jax.jit(fn)
     lowered = jitted.trace(*jax.tree.map(placed, args)).lower()
-    with _host_flags_hidden():
-        return lowered.compile()
+    # A compile-only TPU client cannot load an executable back: with the persistent
+    # compilation cache on, a second compile of the same program reads its entry and fails.
+    cache_was_on = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        with _host_flags_hidden():
+            return lowered.compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache_was_on)
 
 
 @contextlib.contextmanager

@@ -115,3 +115,25 @@ def test_train_step_compiles_for_a_tpu_mesh(topology, mesh):
     assert memory.temp_size_in_bytes <= topo.hbm_bytes
     assert count(program.hlo, "all-reduce") > 0
     assert (count(program.hlo, "collective-permute") > 0) == (seq > 1)
+
+
+def test_a_program_compiles_twice_with_the_persistent_cache_on():
+    """The persistent compilation cache (the run's, conftest.py) holds what one compile
+    wrote; a compile-only TPU client cannot load it back, so ``compile_for`` keeps TPU
+    compiles out of it."""
+    device = devices("v5e:2x2")[0]
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    options = {
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": -1,
+    }
+    saved = {name: getattr(jax.config, name) for name in options}
+    try:
+        for name, value in options.items():
+            jax.config.update(name, value)
+        for _ in range(2):
+            compiled = tpu_compile.compile_for(lambda x: jnp.sin(x) @ x.T, x, device=device)
+            assert compiled.memory_analysis() is not None
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
