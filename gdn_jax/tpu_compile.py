@@ -135,14 +135,17 @@ def compile_for(fn: Callable, *args, device: jax.Device | None = None) -> jax.st
     jitted = fn if isinstance(fn, jax.stages.Wrapped) else jax.jit(fn)
     lowered = jitted.trace(*jax.tree.map(placed, args)).lower()
     # A compile-only TPU client cannot load an executable back: with the persistent
-    # compilation cache on, a second compile of the same program reads its entry and fails.
-    cache_was_on = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
+    # compilation cache on, a second compile of the same program would read the entry the
+    # first wrote and fail. Whether the cache is used is fixed when a process first
+    # compiles, so the entry is kept from being written: no compile takes this long.
+    threshold = "jax_persistent_cache_min_compile_time_secs"
+    saved = getattr(jax.config, threshold)
+    jax.config.update(threshold, 1e9)
     try:
         with _host_flags_hidden():
             return lowered.compile()
     finally:
-        jax.config.update("jax_enable_compilation_cache", cache_was_on)
+        jax.config.update(threshold, saved)
 
 
 @contextlib.contextmanager

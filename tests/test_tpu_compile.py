@@ -131,6 +131,9 @@ def test_a_program_compiles_twice_with_the_persistent_cache_on():
     try:
         for name, value in options.items():
             jax.config.update(name, value)
+        # Whether the cache is used is settled by a process's first compile: make it this
+        # host's, as in any session that ran something before it plans a TPU job.
+        jax.jit(jnp.cos)(jnp.ones(3)).block_until_ready()
         for _ in range(2):
             compiled = tpu_compile.compile_for(lambda x: jnp.sin(x) @ x.T, x, device=device)
             assert compiled.memory_analysis() is not None
