@@ -240,6 +240,24 @@ def check_log_alpha(fn: str, log_alpha, dims: dict[str, int], key_dim: int, per_
     check_shape(fn, "log_alpha", log_alpha, shape, layout)
 
 
+def check_step(fn: str, state, q, k, v, log_alpha, beta, *, per_channel: bool = False) -> None:
+    """Shapes of the one-token contract: state [V, K], q, k [K], v [V], beta a scalar, and
+    log_alpha a scalar (an array or a Python number), or [K] with ``per_channel`` (KDA)."""
+    arrays = dict(state=state, q=q, k=k, v=v)
+    check_arrays(fn, **arrays, **(dict(log_alpha=log_alpha) if per_channel else {}))
+    check_floating(fn, **arrays, log_alpha=log_alpha, beta=beta)
+    check_same_dtype(fn, q=q, k=k, v=v)
+    check_rank(fn, "q", q, 1, "[K]")
+    check_rank(fn, "v", v, 1, "[V]")
+    check_features(fn, "q", q, "K", "[K]")
+    check_features(fn, "v", v, "V", "[V]")
+    (key_dim,), (value_dim,) = q.shape, v.shape
+    check_shape(fn, "k", k, (key_dim,), "[K] like q")
+    check_shape(fn, "state", state, (value_dim, key_dim), "[V, K]")
+    check_log_alpha(fn, log_alpha, {}, key_dim, per_channel)
+    check_shape(fn, "beta", beta, (), "a scalar")
+
+
 def check_single_head(
     fn: str, q, k, v, log_alpha, beta, initial_state, *, per_channel: bool = False
 ) -> None:

@@ -50,19 +50,9 @@ def kda_step(
       the dtype of ``v``.
     """
     fn = "kda_step"
-    checks.check_arrays(fn, state=state, q=q, k=k, v=v, log_alpha=log_alpha)
+    checks.check_step(fn, state, q, k, v, log_alpha, beta, per_channel=True)
     checks.check_scale(fn, scale)
-    checks.check_floating(fn, state=state, q=q, k=k, v=v, log_alpha=log_alpha, beta=beta)
-    checks.check_same_dtype(fn, q=q, k=k, v=v)
-    checks.check_rank(fn, "q", q, 1, "[K]")
-    checks.check_rank(fn, "v", v, 1, "[V]")
-    checks.check_features(fn, "q", q, "K", "[K]")
-    checks.check_features(fn, "v", v, "V", "[V]")
-    (key_dim,), (value_dim,) = q.shape, v.shape
-    checks.check_shape(fn, "k", k, (key_dim,), "[K] like q")
-    checks.check_shape(fn, "state", state, (value_dim, key_dim), "[V, K]")
-    checks.check_log_alpha(fn, log_alpha, {}, key_dim, per_channel=True)
-    checks.check_shape(fn, "beta", beta, (), "a scalar")
+    key_dim = q.shape[0]
     scale = default_scale(key_dim) if scale is None else scale
     compute = compute_dtype(state, q, log_alpha, beta)
     new_state, y = token_step(

@@ -117,19 +117,9 @@ def gated_delta_step(
       the dtype of ``v``.
     """
     fn = "gated_delta_step"
-    checks.check_arrays(fn, state=state, q=q, k=k, v=v)
+    checks.check_step(fn, state, q, k, v, log_alpha, beta)
     checks.check_scale(fn, scale)
-    checks.check_floating(fn, state=state, q=q, k=k, v=v, log_alpha=log_alpha, beta=beta)
-    checks.check_same_dtype(fn, q=q, k=k, v=v)
-    checks.check_rank(fn, "q", q, 1, "[K]")
-    checks.check_rank(fn, "v", v, 1, "[V]")
-    checks.check_features(fn, "q", q, "K", "[K]")
-    checks.check_features(fn, "v", v, "V", "[V]")
-    (key_dim,), (value_dim,) = q.shape, v.shape
-    checks.check_shape(fn, "k", k, (key_dim,), "[K] like q")
-    checks.check_shape(fn, "state", state, (value_dim, key_dim), "[V, K]")
-    checks.check_shape(fn, "log_alpha", log_alpha, (), "a scalar")
-    checks.check_shape(fn, "beta", beta, (), "a scalar")
+    key_dim = q.shape[0]
     scale = default_scale(key_dim) if scale is None else scale
     compute = compute_dtype(state, q, log_alpha, beta)
     new_state, y = token_step(
