@@ -13,11 +13,9 @@ from __future__ import annotations
 
 from typing import no_type_check
 
-import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from gdn_jax.ops import checks
-from gdn_jax.ops.step import compute_dtype, default_scale, token_step
+from gdn_jax.ops.step import checked_step
 
 
 @no_type_check  # a public entry point: checks.py names its bad arguments
@@ -49,18 +47,4 @@ def kda_step(
       ``(new_state, y)``: the state in float32 (float64 for float64 input) and ``y [V]`` in
       the dtype of ``v``.
     """
-    fn = "kda_step"
-    checks.check_step(fn, state, q, k, v, log_alpha, beta, per_channel=True)
-    checks.check_scale(fn, scale)
-    key_dim = q.shape[0]
-    scale = default_scale(key_dim) if scale is None else scale
-    compute = compute_dtype(state, q, log_alpha, beta)
-    new_state, y = token_step(
-        state.astype(compute),
-        q.astype(compute) * scale,
-        k.astype(compute),
-        v.astype(compute),
-        log_alpha.astype(compute),
-        jnp.asarray(beta, compute),
-    )
-    return new_state, y.astype(v.dtype)
+    return checked_step("kda_step", state, q, k, v, log_alpha, beta, scale=scale, per_channel=True)

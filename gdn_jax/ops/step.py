@@ -116,11 +116,16 @@ def gated_delta_step(
       ``(new_state, y)``: the state in float32 (float64 for float64 input) and ``y [V]`` in
       the dtype of ``v``.
     """
-    fn = "gated_delta_step"
-    checks.check_step(fn, state, q, k, v, log_alpha, beta)
+    return checked_step("gated_delta_step", state, q, k, v, log_alpha, beta, scale=scale)
+
+
+def checked_step(fn, state, q, k, v, log_alpha, beta, *, scale, per_channel=False):
+    """``token_step`` behind the one-token checks, for the public steps: inputs cast to the
+    compute dtype, ``q`` scaled, ``y`` returned in the dtype of ``v``. ``per_channel`` takes
+    a ``[K]`` gate (KDA) instead of a scalar."""
+    checks.check_step(fn, state, q, k, v, log_alpha, beta, per_channel=per_channel)
     checks.check_scale(fn, scale)
-    key_dim = q.shape[0]
-    scale = default_scale(key_dim) if scale is None else scale
+    scale = default_scale(q.shape[0]) if scale is None else scale
     compute = compute_dtype(state, q, log_alpha, beta)
     new_state, y = token_step(
         state.astype(compute),
