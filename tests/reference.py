@@ -61,3 +61,23 @@ def random_inputs(
 
 def random_state(seed, *shape, dtype=jnp.float32):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def grouped_heads_reference(q, k, v, log_alpha, beta, *, scale, delta=True):
+    """``gated_delta_reference`` per value head of one sequence: q, k ``[T, H, K]``, v ``[T,
+    HV, V]``, gates ``[T, HV]`` (or ``[T, HV, K]``); value head ``h`` reads key head ``h //
+    (HV // H)``. Returns ``[T, HV, V]``."""
+    group = v.shape[1] // q.shape[1]
+    heads = [
+        gated_delta_reference(
+            q[:, h // group],
+            k[:, h // group],
+            v[:, h],
+            log_alpha[:, h],
+            beta[:, h],
+            scale=scale,
+            delta=delta,
+        )[0]
+        for h in range(v.shape[1])
+    ]
+    return np.stack(heads, axis=1)

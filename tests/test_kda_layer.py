@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import transformers
 from flax import nnx
-from reference import gated_delta_reference
+from reference import grouped_heads_reference
 from test_layers import HIDDEN, inputs
 from tolerance import assert_close
 from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridDeltaAttention
@@ -70,21 +70,7 @@ def reference_layer(layer, x):
     rate = np.exp(value(layer.A_log))[:, None]
     bound = layer.gate_lower_bound
     log_alpha = -rate * np.log1p(np.exp(f)) if bound is None else bound * sigmoid(rate * f)
-    group = v_heads // heads
-    o = np.stack(
-        [
-            gated_delta_reference(
-                q[:, h // group],
-                k[:, h // group],
-                v[:, h],
-                log_alpha[:, h],
-                beta[:, h],
-                scale=key_dim**-0.5,
-            )[0]
-            for h in range(v_heads)
-        ],
-        axis=1,
-    )
+    o = grouped_heads_reference(q, k, v, log_alpha, beta, scale=key_dim**-0.5)
     o = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + 1e-5) * value(layer.o_norm.scale)
     o = o * sigmoid(g).reshape(o.shape)
     return o.reshape(seq_len, -1) @ value(layer.o_proj.kernel)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from reference import gated_delta_reference
+from reference import grouped_heads_reference
 from tolerance import assert_close
 
 from gdn_jax.layers import (
@@ -74,21 +74,8 @@ def reference_layer(layer, x):
     if layer.decay:
         gate = x @ kernel(layer.a_proj) + np.asarray(layer.dt_bias[...], np.float64)
         log_alpha = -np.exp(np.asarray(layer.A_log[...], np.float64)) * np.log1p(np.exp(gate))
-    group = layer.num_v_heads // layer.num_heads
-    o = np.stack(
-        [
-            gated_delta_reference(
-                q[:, h // group],
-                k[:, h // group],
-                v[:, h],
-                log_alpha[:, h],
-                beta[:, h],
-                scale=layer.head_dim**-0.5,
-                delta=layer.delta,
-            )[0]
-            for h in range(layer.num_v_heads)
-        ],
-        axis=1,
+    o = grouped_heads_reference(
+        q, k, v, log_alpha, beta, scale=layer.head_dim**-0.5, delta=layer.delta
     )
     o = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + 1e-5) * np.asarray(layer.o_norm.scale[...])
     o = o * silu(x @ kernel(layer.g_proj)).reshape(o.shape)
