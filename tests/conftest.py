@@ -13,8 +13,8 @@ Compiling is most of this suite's time (the arrays are tiny), so:
   program) and the one finished tiny training run that the tests which only read a run
   share (``finished_run``).
 - The tests marked ``costly`` (subprocesses, multi-device runs) go first, longest first,
-  and xdist hands out two tests at a time, so the long ones start at once on different
-  workers instead of queueing behind each other at the end.
+  so that none is left to run alone at the end; xdist's worksteal scheduling (pyproject.toml)
+  keeps neighbouring tests, which share compiled programs, on one worker.
 Each value here is read from the environment first, so a run started by another (an xdist
 worker, a subprocess test) inherits the first process's choices.
 """
@@ -49,12 +49,15 @@ from jaxtyping import install_import_hook  # noqa: E402
 # jaxtyping binds the dimension letters across a call's arguments and beartype checks them.
 install_import_hook("gdn_jax", "beartype.beartype")
 
-from gdn_jax.training.xla_flags import add_flags  # noqa: E402  (after the hook: checked too)
+from gdn_jax.training.xla_flags import add_cpu_flags, add_flags  # noqa: E402  (checked too)
 
-# Flags that only make XLA:CPU compile faster; a value the caller gave is kept. Importing
-# gdn_jax starts no backend, so they still take effect here.
+# Flags that only make XLA:CPU compile faster, and those train.py sets for itself, so that a
+# run of the command in this process computes what it computes in a fresh interpreter, to
+# the bit. A value the caller gave is kept. Importing gdn_jax starts no backend, so they
+# still take effect here.
 COMPILE_FAST = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false"}
 add_flags(COMPILE_FAST)
+add_cpu_flags()
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_dtype_promotion", "strict")

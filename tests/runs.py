@@ -18,8 +18,9 @@ TINY = [
     "train.eval_examples=16", "train.checkpoint_every=4", "train.progress=false",
 ]  # fmt: skip
 
-# The command with a callback that sends a signal to itself after a given step, so that an
-# interrupt (or a SIGKILL) lands at a known step.
+# The command with a callback that sends a signal to itself after a given step, so that a
+# SIGKILL, which ends the process it hits, lands at a known step (test_cli.py sends SIGINT and
+# SIGTERM to its own process, whose loop turns them into a stop).
 INTERRUPTED = textwrap.dedent(
     """
     import os, signal, sys

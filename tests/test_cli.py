@@ -1,10 +1,11 @@
 """The training command as a user meets it: nothing a user made is lost or mixed.
 
 Each test drives the command with a tiny config and checks the exit status, the one-line
-message (never a traceback) and the files left behind. Refusals happen before anything
-compiles, so they run the command in this process (the ``command`` fixture) on fake run
-directories (``fake_run``); a subprocess is kept for what needs a fresh interpreter: a real
-signal, a device count, the script's own name.
+message (never a traceback) and the files left behind. The command runs in this process
+(the ``command`` fixture), as ``python train.py`` would run it: refusals on fake run
+directories (``fake_run``), trainings, resumes and signals (sent to this process while the
+loop holds them) on real ones. A subprocess is kept for what needs a fresh interpreter: a
+device count, the script's own name.
 """
 
 import fcntl
@@ -34,12 +35,15 @@ def one_line_error(result, pattern, status=2):
 @pytest.fixture
 def command(monkeypatch, capsys):
     """The command on the tiny config into ``out_dir``, run in this process like
-    ``runs.train`` runs it in a subprocess, with the same result fields: for the cases that
-    need no fresh interpreter, where a subprocess would cost an interpreter start and a JAX
-    import and test nothing more."""
+    ``runs.train`` runs it in a subprocess, with the same result fields and numbers (the
+    session's float64 mode is off, as in a fresh interpreter): for the cases that need no
+    fresh interpreter, where a subprocess would cost an interpreter start, a JAX import and a
+    trace of the train step, and test nothing more. ``signal=(signum, step)`` sends
+    ``signum`` to this process after that step, as a user's Ctrl-C or a scheduler's SIGTERM
+    arrives."""
     import jax
 
-    from gdn_jax.training import cli
+    from gdn_jax.training import cli, loop
 
     monkeypatch.setattr(sys, "argv", ["train.py"])
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main appends to it
@@ -50,10 +54,22 @@ def command(monkeypatch, capsys):
         if not os.environ[name]:
             monkeypatch.delenv(name)
 
-    def run(out_dir, *extra, sets=()):
+    def run(out_dir, *extra, sets=(), signal=None):
         argv = command_args(out_dir, *extra, sets=sets)
-        with jax.numpy_dtype_promotion("standard"):  # optax mixes float and int32 in Adam
+        if signal is not None:
+            signum, at_step = signal
+
+            def send(step, metrics):
+                if step == at_step:
+                    os.kill(os.getpid(), signum)
+
+            original = loop.run
+            monkeypatch.setattr(loop, "run", lambda *a, **k: original(*a, callbacks=[send], **k))
+        # optax mixes float and int32 in Adam
+        with jax.enable_x64(False), jax.numpy_dtype_promotion("standard"):
             status = cli.main(argv)
+        if signal is not None:
+            monkeypatch.setattr(loop, "run", original)
         out, err = capsys.readouterr()
         return subprocess.CompletedProcess(["train.py", *argv], status, out, err)
 
@@ -170,25 +186,22 @@ def test_resume_with_nothing_to_resume_and_of_a_finished_run(tmp_path, command):
     assert snapshot(tmp_path / "done") == before
 
 
-@pytest.mark.costly(11)
-def test_a_live_run_keeps_a_second_writer_out_and_a_stale_lock_is_taken_over(
-    tmp_path, subprocess_env
-):
+def test_a_live_run_keeps_a_second_writer_out_and_a_stale_lock_is_taken_over(tmp_path, command):
     out = tmp_path / "run"
     out.mkdir()
-    with (out / ".lock").open("w") as held:  # a live run: this process holds the lock
+    with (out / ".lock").open("w") as held:  # a live run: a lock of another open file
         fcntl.flock(held, fcntl.LOCK_EX)
         held.write("4242\n")
         held.flush()
-        one_line_error(train(subprocess_env, out), r"in use by a live run \(pid 4242\)")
+        one_line_error(command(out), r"in use by a live run \(pid 4242\)")
     # The lock file outlived its holder, as after a SIGKILL: the next run takes it over.
-    result = train(subprocess_env, out)
+    result = command(out)
     assert result.returncode == 0, result.stderr
     assert "took over the stale lock" in result.stderr
     assert not (out / ".lock").exists()
 
     before = snapshot(out)
-    result = train(subprocess_env, out, "--overwrite", sets=["train.steps=6"])
+    result = command(out, "--overwrite", sets=["train.steps=6"])
     assert result.returncode == 0, result.stderr
     assert "--overwrite: deleted config.yaml, metrics.jsonl, curves.png, summary.json, " in (
         result.stderr
@@ -196,13 +209,9 @@ def test_a_live_run_keeps_a_second_writer_out_and_a_stale_lock_is_taken_over(
     assert max(r["step"] for r in logged(out)) == 6 and snapshot(out) != before
 
 
-@pytest.mark.costly(14)
-def test_interrupt_and_a_broken_checkpoint_resume_bit_for_bit(
-    tmp_path, subprocess_env, finished_run
-):
+def test_interrupt_and_a_broken_checkpoint_resume_bit_for_bit(tmp_path, command, finished_run):
     # SIGINT after step 6: a checkpoint at step 6, the plot, one line telling how to resume.
-    args = [str(int(signal.SIGINT)), "6"]
-    interrupted = train(subprocess_env, tmp_path / "run", prefix=("-c", INTERRUPTED, *args))
+    interrupted = command(tmp_path / "run", signal=(signal.SIGINT, 6))
     assert interrupted.returncode == 130, interrupted.stderr
     assert "Traceback" not in interrupted.stderr
     (message,) = interrupted.stderr.strip().splitlines()
@@ -210,11 +219,12 @@ def test_interrupt_and_a_broken_checkpoint_resume_bit_for_bit(
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["4", "6"]
     assert (tmp_path / "run" / "curves.png").exists()
 
-    # A copy whose latest checkpoint is damaged falls back to step 4.
+    # A copy whose latest checkpoint is damaged falls back to step 4. Both end as the run
+    # that was never stopped (trained in a fresh interpreter) ended, to the bit.
     shutil.copytree(tmp_path / "run", tmp_path / "broken")
     (tmp_path / "broken" / "checkpoints" / "6" / "default" / "_METADATA").write_text("")
     for name in ("run", "broken"):
-        resumed = train(subprocess_env, tmp_path / name, "--resume")
+        resumed = command(tmp_path / name, "--resume")
         assert resumed.returncode == 0, resumed.stderr
         assert logged(tmp_path / name) == logged(finished_run), name
     warnings = [line for line in resumed.stderr.splitlines() if line.startswith("warning:")]
@@ -225,7 +235,7 @@ def test_interrupt_and_a_broken_checkpoint_resume_bit_for_bit(
     for step in ("8", "12"):
         (tmp_path / "broken" / "checkpoints" / step / "default" / "_METADATA").write_text("")
     (tmp_path / "broken" / "summary.json").unlink()  # as if the run had been interrupted
-    result = train(subprocess_env, tmp_path / "broken", "--resume")
+    result = command(tmp_path / "broken", "--resume")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     *warnings, error = result.stderr.strip().splitlines()
     assert [w.split(" does not")[0] for w in warnings] == [
@@ -235,9 +245,23 @@ def test_interrupt_and_a_broken_checkpoint_resume_bit_for_bit(
     assert error.startswith("train.py: error: --resume: no checkpoint in ") and "restores" in error
 
 
-def test_sigterm_saves_and_exits_143(tmp_path, subprocess_env):
-    args = [str(int(signal.SIGTERM)), "2"]
-    result = train(subprocess_env, tmp_path / "run", prefix=("-c", INTERRUPTED, *args))
+def test_killed_run_resumes_bit_for_bit(tmp_path, subprocess_env, command, finished_run):
+    # SIGKILL after step 10: no clean-up at all, so the run is a process of its own.
+    out = tmp_path / "run"
+    killed = train(subprocess_env, out, prefix=("-c", INTERRUPTED, str(int(signal.SIGKILL)), "10"))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = command(out, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    # The loop waits for each save, so step 8's checkpoint was complete before the kill.
+    assert summary["start_step"] == 8 and summary["final_step"] == 12
+    assert logged(out) == logged(finished_run)
+    straight = json.loads((finished_run / "summary.json").read_text())
+    assert summary["eval_accuracy"] == straight["eval_accuracy"]
+
+
+def test_sigterm_saves_and_exits_143(tmp_path, command):
+    result = command(tmp_path / "run", signal=(signal.SIGTERM, 2))
     assert result.returncode == 143, result.stderr
     assert "stopped by SIGTERM at step 2" in result.stderr
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["2"]

@@ -1,7 +1,6 @@
 """train.py and the training loop: configs, loss paths, resume, NaN stop, data parallelism."""
 
 import json
-import signal
 import subprocess
 import sys
 
@@ -10,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from runs import INTERRUPTED, REPO, TINY, logged, train, train_losses
+from runs import REPO, TINY
 from tolerance import assert_close
 
 from gdn_jax.data.mqar import MQARConfig, make_batch, make_mqar
@@ -135,23 +134,6 @@ def test_short_run_learns_writes_its_outputs_and_a_rerun_replaces_them(tmp_path)
     assert max(r["step"] for r in records) == 6
 
 
-@pytest.mark.costly(7)
-def test_killed_run_resumes_bit_for_bit(tmp_path, subprocess_env, finished_run):
-    # SIGKILL after step 10: no clean-up at all. Each run is the command in a fresh
-    # interpreter, outside conftest's float64 mode, like the finished run it is compared with.
-    out = tmp_path / "run"
-    killed = train(subprocess_env, out, prefix=("-c", INTERRUPTED, str(int(signal.SIGKILL)), "10"))
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    resumed = train(subprocess_env, out, "--resume")
-    assert resumed.returncode == 0, resumed.stderr
-    summary = json.loads((out / "summary.json").read_text())
-    # The loop waits for each save, so step 8's checkpoint was complete before the kill.
-    assert summary["start_step"] == 8 and summary["final_step"] == 12
-    assert logged(out) == logged(finished_run)
-    straight = json.loads((finished_run / "summary.json").read_text())
-    assert summary["eval_accuracy"] == straight["eval_accuracy"]
-
-
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     config = tiny(
         tmp_path, "train.learning_rate=1e30", "train.warmup_steps=0", "train.grad_clip=1e30"
@@ -166,16 +148,6 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(np.isfinite(r["loss"]) for r in records)
     assert not steps or steps[-1] <= records[-1]["step"]
-
-
-@pytest.mark.costly(7)
-def test_data_parallel_over_four_cpu_devices_matches_one(tmp_path, subprocess_env, finished_run):
-    flags = f"{subprocess_env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
-    result = train(subprocess_env, tmp_path / "run", XLA_FLAGS=flags)
-    assert result.returncode == 0, result.stderr
-    assert "devices: 4 x cpu" in result.stdout, result.stdout
-    # Same batches, same init: only the order of the cross-device reductions differs.
-    assert_close(train_losses(tmp_path / "run"), train_losses(finished_run), jnp.float32)
 
 
 def test_train_config_defaults_are_valid():
