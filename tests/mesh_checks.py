@@ -3,9 +3,9 @@ test_mesh.py in its own process (the device count is fixed when JAX starts).
 
 Checks, each against one device:
 - the Gated DeltaNet layer (grouped value heads, short convolutions with their halo) on
-  meshes with 2, 4 and 8 sequence shards and with (data 2, model 2, seq 2): outputs and the
-  gradients of the input and of every parameter, with and without packed sequences that
-  cross shard boundaries;
+  (data 2, model 2, seq 2), and with packed sequences that cross shard boundaries on
+  (model 2, seq 4): outputs and the gradients of the input and of every parameter (the
+  op and the halo on 8 shards are sequence_parallel_checks.py's);
 - the Kimi Delta Attention layer on (data 2, model 2, seq 2) the same way, and its compiled
   forward and backward gathers no q, k or v across heads;
 - five training steps of a small hybrid model (Gated DeltaNet + attention) with
@@ -125,14 +125,12 @@ def compare(actual, expected, what):
 rng = np.random.default_rng(0)
 X = jnp.asarray(rng.standard_normal((2, 48, 16)), jnp.float32)
 X_PACKED = X[:1]
-CU = jnp.asarray([0, 5, 20, 37, 48], jnp.int32)  # sequences crossing 2-, 4- and 8-way bounds
+CU = jnp.asarray([0, 5, 20, 37, 48], jnp.int32)  # sequences crossing the 4-way bounds 12, 24, 36
 
 
-@check("layer on 2, 4, 8 sequence shards and (data 2, model 2, seq 2)")
+@check("layer on (data 2, model 2, seq 2)")
 def _():
-    expected = layer_run(None, X)
-    for shape in [(1, 1, 2), (1, 1, 4), (1, 1, 8), (2, 2, 2)]:
-        compare(layer_run(mesh(*shape), X), expected, f"mesh {shape}")
+    compare(layer_run(mesh(2, 2, 2), X), layer_run(None, X), "mesh (2, 2, 2)")
 
 
 def gathers_across_heads(hlo, token_sizes):
@@ -166,8 +164,7 @@ def _():
 @check("layer with packed sequences across shard boundaries")
 def _():
     expected = layer_run(None, X_PACKED, CU)
-    for shape in [(1, 1, 2), (1, 1, 4), (1, 2, 4)]:
-        compare(layer_run(mesh(*shape), X_PACKED, CU), expected, f"packed, mesh {shape}")
+    compare(layer_run(mesh(1, 2, 4), X_PACKED, CU), expected, "packed, mesh (1, 2, 4)")
 
 
 def make_config(out_dir, steps, mesh_config):

@@ -3,9 +3,9 @@
 The device count is fixed when JAX starts, so these run in their own process. The checks
 compare ``gated_delta_rule_seq_parallel`` on 2, 4 and 8 shards with the one-device
 ``gdn_jax.gated_delta_rule`` (chunked): outputs, final states and the gradient of every
-input, in float32 with the tolerance table (and once in float64 to 1e-9), with and without
-an initial state and with packed sequences across shard boundaries. Also: the linear rule,
-a two-axis mesh, the sizes of the arrays that cross devices, ``halo_from_previous`` and the
+input, with the tolerance table, with and without an initial state, and with packed
+sequences across shard boundaries in float32 and float64. Also: the linear rule, a two-axis
+mesh, the sizes of the arrays that cross devices, ``halo_from_previous`` and the
 divisibility error. Prints one line per check and exits with status 1 if any failed.
 
     python tests/sequence_parallel_checks.py   # sets its own XLA_FLAGS
@@ -160,7 +160,7 @@ def compare(shards, inputs, state, weights, cu_seqlens=None, linear=False, **opt
 
 
 # Without an initial state only the zeros made before the shard_map differ: one shard count.
-for shards, with_state in ((2, True), (4, True), (8, True), (4, False)):
+for shards, with_state in ((2, False), (8, True)):
     inputs, state, weights = random_inputs(shards, B, B)
     state = state if with_state else None
 
@@ -169,20 +169,18 @@ for shards, with_state in ((2, True), (4, True), (8, True), (4, False)):
         compare(shards, inputs, state, weights)
 
 
-for shards in (2, 4, 8):
+# Packed sequences with an initial state each: in float32 on 2 shards, and on 8 shards (the
+# most boundaries) in float64 to 1e-9, where a lost term cannot hide in rounding.
+for shards, dtype in ((2, F32), (8, jnp.float64)):
     inputs, state, weights = random_inputs(10 + shards, 1, len(PACKED["crossing"]) - 1)
+    inputs, state, weights = jax.tree.map(
+        functools.partial(jnp.asarray, dtype=dtype), (inputs, state, weights)
+    )
     for label, offsets in PACKED.items():
 
-        @check(f"{shards} shards, packed sequences: {label}", shards, offsets)
+        @check(f"{shards} shards, packed sequences: {label}, {jnp.dtype(dtype)}", shards, offsets)
         def _(shards, offsets, inputs=inputs, state=state, weights=weights):
             compare(shards, inputs, state, weights, jnp.asarray(offsets, jnp.int32))
-
-
-@check("8 shards, packed sequences crossing boundaries, float64 to 1e-9")
-def _():
-    inputs, state, weights = random_inputs(18, 1, len(PACKED["crossing"]) - 1)
-    inputs, state, weights = jax.tree.map(lambda x: x.astype(jnp.float64), (inputs, state, weights))
-    compare(8, inputs, state, weights, jnp.asarray(PACKED["crossing"], jnp.int32))
 
 
 @check("linear rule, 4 shards, q and k L2-normalised inside, hoisted schedule")

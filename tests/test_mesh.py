@@ -15,11 +15,11 @@ from gdn_jax.training.run_dir import RunError
 CHECKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mesh_checks.py")
 
 
-@pytest.mark.costly(43)
+@pytest.mark.costly(45)
 def test_multi_device_checks_pass(subprocess_env):
-    """Layers on 2/4/8 sequence shards and (data 2, model 2, seq 2), training steps, the
-    compiled step's all-gathers and a restore onto another mesh (see mesh_checks.py)."""
-    # The timeout guards against a hang: the checks take about 60 s on 2 loaded cores.
+    """Layers on (data 2, model 2, seq 2) and (model 2, seq 4), training steps, the compiled
+    step's all-gathers and a restore onto another mesh (see mesh_checks.py)."""
+    # The timeout guards against a hang: the checks take about 45 s on 2 loaded cores.
     result = subprocess.run(
         [sys.executable, CHECKS], env=subprocess_env, capture_output=True, text=True, timeout=900
     )
@@ -53,10 +53,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.costly(10)
+@pytest.mark.costly(13)
 def test_two_processes_train_like_one(subprocess_env, tmp_path, finished_run):
     """Two processes of 2 CPU devices each (jax.distributed, a localhost coordinator, gloo)
-    run train.py with the losses of one process on one device (the shared finished run)."""
+    run train.py, data-parallel over the 4 devices (the default mesh), with the losses of one
+    process on one device (the shared finished run). One process on several devices trains
+    in mesh_checks.py."""
     env = dict(
         subprocess_env,
         XLA_FLAGS=f"{subprocess_env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
