@@ -93,9 +93,7 @@ SMALL_RUN = [
 
 
 @pytest.mark.costly(8)
-@pytest.mark.parametrize(
-    ("topology", "mesh"), [("v5e:2x2", (2, 2, 1)), ("v5e:2x2", (1, 2, 2)), ("v6e:2x2", (2, 1, 2))]
-)
+@pytest.mark.parametrize(("topology", "mesh"), [("v5e:2x2", (1, 2, 2)), ("v6e:2x2", (2, 2, 1))])
 def test_train_step_compiles_for_a_tpu_mesh(topology, mesh):
     """data x model x seq over the 4 chips: the step compiles, fits, gathers gradients over
     the chips, passes state between sequence shards over ``seq``, and its GDN layer has the
