@@ -11,9 +11,17 @@ from tolerance import assert_close
 
 from gdn_jax.models import MIXERS, LanguageModel, ModelConfig, generate
 
-# One stack holding every mixer: each test below then covers all of them in one compilation.
+# One stack holding a mixer of each kind of layer and cache: each test below then covers all of
+# them in one compilation. "deltanet", "gated_linear" and "linear" are GatedDeltaNet's base class
+# with its delta or decay switched off (the same cache and the same model code): test_layers.py
+# checks each one's decoding, padding and packing on its own.
 HYBRID = ModelConfig(
-    vocab_size=50, d_model=16, mixers=MIXERS, num_heads=2, expand_v=2.0, chunk_size=16
+    vocab_size=50,
+    d_model=16,
+    mixers=("gdn", "kda", "attention", "attention_conv"),
+    num_heads=2,
+    expand_v=2.0,
+    chunk_size=16,
 )
 
 
@@ -97,6 +105,16 @@ def test_generation_arguments_are_checked(model):
         generate(model, tokens(0, 1, 3), max_new_tokens=0)
     with pytest.raises(ValueError, match="needs a PRNG key"):
         generate(model, tokens(0, 1, 3), max_new_tokens=2, temperature=0.5)
+
+
+def test_every_mixer_name_builds_its_layer():
+    model = LanguageModel(ModelConfig(vocab_size=50, d_model=16, mixers=MIXERS), rngs=nnx.Rngs(0))
+    built = [type(block.mixer).__name__ for block in model.blocks]
+    assert built == [
+        "GatedDeltaNet", "DeltaNet", "GatedLinearAttention", "LinearAttention",
+        "KimiDeltaAttention", "SoftmaxAttention", "SoftmaxAttention",
+    ]  # fmt: skip
+    assert [block.mixer.convs is not None for block in model.blocks[-2:]] == [False, True]
 
 
 def test_tied_embeddings_and_no_mlp_change_the_parameter_count():

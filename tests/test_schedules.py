@@ -23,15 +23,17 @@ NAMES = ("q", "k", "v", "log_alpha", "beta", "initial_state")
 
 
 def values_and_grads(fn, args, seed):
-    """``(y, final_state)`` and the gradients of every input of a random linear loss."""
-    y, s = fn(*args)
+    """``(y, final_state)`` and the gradients of every input of a random linear loss, from one
+    compiled program."""
+    y, s = jax.eval_shape(fn, *args)
     ct_y, ct_s = random_state(seed, *y.shape), random_state(seed + 1, *s.shape)
 
     def loss(*a):
         y, s = fn(*a)
-        return jnp.sum(y * ct_y) + jnp.sum(s * ct_s)
+        return jnp.sum(y * ct_y) + jnp.sum(s * ct_s), (y, s)
 
-    return (y, s), jax.jit(jax.grad(loss, argnums=range(len(args))))(*args)
+    grads, (y, s) = jax.jit(jax.grad(loss, argnums=range(len(args)), has_aux=True))(*args)
+    return (y, s), grads
 
 
 def single_head(schedule, chunk_size):
