@@ -56,7 +56,7 @@ from jaxtyping import Array, Float, Int
 from gdn_jax.ops import checks
 from gdn_jax.ops.blocks import scan_blocks, scan_blocks_backward
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR, ChunkDecays, chunk_decays, chunk_decays_bwd
-from gdn_jax.ops.step import core_inputs, scaled_outputs
+from gdn_jax.ops.step import checked_single_head
 from gdn_jax.ops.varlen import pack_layout
 from gdn_jax.ops.wy import DELTA, WriteRule
 
@@ -435,10 +435,9 @@ def gated_delta_rule_chunked(
       the start of t's chunk on, not from t as in the recurrent form (module docstring).
     """
     fn = "gated_delta_rule_chunked"
-    checks.check_single_head(fn, q, k, v, log_alpha, beta, initial_state)
-    checks.check_scale(fn, scale)
     checks.check_chunk_size(fn, chunk_size)
     checks.check_schedule(fn, schedule)
-    inputs = core_inputs(q, k, v, log_alpha, beta, initial_state)
-    y, finals = chunked_rule(*inputs, chunk_size=chunk_size, schedule=schedule)
-    return scaled_outputs(y, q.shape[-1], scale, v.dtype), finals[0]
+    return checked_single_head(
+        fn, chunked_rule, q, k, v, log_alpha, beta, initial_state,
+        scale=scale, chunk_size=chunk_size, schedule=schedule,
+    )  # fmt: skip

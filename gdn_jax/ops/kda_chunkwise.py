@@ -44,7 +44,7 @@ from gdn_jax.ops.blocks import scan_blocks
 from gdn_jax.ops.channel_decays import channel_decays, channel_scores
 from gdn_jax.ops.chunked import chunk_layout, run_schedule, state_step
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
-from gdn_jax.ops.step import core_inputs, scaled_outputs
+from gdn_jax.ops.step import checked_single_head
 from gdn_jax.ops.triangular import unit_lower_inverse
 
 
@@ -157,10 +157,9 @@ def kda_chunked(
       (float64 for float64 input).
     """
     fn = "kda_chunked"
-    checks.check_single_head(fn, q, k, v, log_alpha, beta, initial_state, per_channel=True)
-    checks.check_scale(fn, scale)
     checks.check_chunk_size(fn, chunk_size)
     checks.check_schedule(fn, schedule)
-    inputs = core_inputs(q, k, v, log_alpha, beta, initial_state)
-    y, finals = kda_chunked_rule(*inputs, chunk_size=chunk_size, schedule=schedule)
-    return scaled_outputs(y, q.shape[-1], scale, v.dtype), finals[0]
+    return checked_single_head(
+        fn, kda_chunked_rule, q, k, v, log_alpha, beta, initial_state,
+        scale=scale, per_channel=True, chunk_size=chunk_size, schedule=schedule,
+    )  # fmt: skip

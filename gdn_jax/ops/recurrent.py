@@ -11,9 +11,8 @@ from typing import no_type_check
 
 from jaxtyping import Array, Float, Int
 
-from gdn_jax.ops import checks
 from gdn_jax.ops.blocks import scan_blocks
-from gdn_jax.ops.step import core_inputs, scaled_outputs, token_step
+from gdn_jax.ops.step import checked_single_head, token_step
 from gdn_jax.ops.varlen import pack_layout
 
 
@@ -84,11 +83,10 @@ def gated_delta_rule_recurrent(
       ``(y [T, V], final_state [V, K])``: ``y`` in the input dtype, the state in float32
       (float64 for float64 input).
     """
-    fn = "gated_delta_rule_recurrent"
-    checks.check_single_head(fn, q, k, v, log_alpha, beta, initial_state)
-    checks.check_scale(fn, scale)
-    y, finals = recurrent_rule(*core_inputs(q, k, v, log_alpha, beta, initial_state))
-    return scaled_outputs(y, q.shape[-1], scale, v.dtype), finals[0]
+    return checked_single_head(
+        "gated_delta_rule_recurrent", recurrent_rule, q, k, v, log_alpha, beta, initial_state,
+        scale=scale,
+    )  # fmt: skip
 
 
 @no_type_check  # a public entry point: checks.py names its bad arguments
@@ -119,8 +117,7 @@ def kda_recurrent(
       ``(y [T, V], final_state [V, K])``: ``y`` in the input dtype, the state in float32
       (float64 for float64 input).
     """
-    fn = "kda_recurrent"
-    checks.check_single_head(fn, q, k, v, log_alpha, beta, initial_state, per_channel=True)
-    checks.check_scale(fn, scale)
-    y, finals = recurrent_rule(*core_inputs(q, k, v, log_alpha, beta, initial_state))
-    return scaled_outputs(y, q.shape[-1], scale, v.dtype), finals[0]
+    return checked_single_head(
+        "kda_recurrent", recurrent_rule, q, k, v, log_alpha, beta, initial_state,
+        scale=scale, per_channel=True,
+    )  # fmt: skip

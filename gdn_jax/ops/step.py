@@ -47,6 +47,19 @@ def core_inputs(q, k, v, log_alpha, beta, initial_state):
     return q, k, v, log_alpha, beta, initial_state[None]
 
 
+def checked_single_head(
+    fn, rule, q, k, v, log_alpha, beta, initial_state, *, scale, per_channel=False, **options
+):
+    """``rule`` behind the one-sequence checks, for the public single-head forms: ``rule(q, k,
+    v, log_alpha, beta, initial_states [1, V, K], **options) -> (y, finals)`` is a core
+    (recurrent or chunked); returns ``(y [T, V], final_state [V, K])`` with ``y`` scaled and
+    in the dtype of ``v``. ``per_channel`` takes ``[T, K]`` gates (KDA) instead of ``[T]``."""
+    checks.check_single_head(fn, q, k, v, log_alpha, beta, initial_state, per_channel=per_channel)
+    checks.check_scale(fn, scale)
+    y, finals = rule(*core_inputs(q, k, v, log_alpha, beta, initial_state), **options)
+    return scaled_outputs(y, q.shape[-1], scale, v.dtype), finals[0]
+
+
 def token_step(
     state: Float[Array, "V K"],
     q: Float[Array, " K"],
