@@ -63,10 +63,11 @@ def random_state(seed, *shape, dtype=jnp.float32):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
 
 
-def grouped_heads_reference(q, k, v, log_alpha, beta, *, scale, delta=True):
+def grouped_heads_reference(q, k, v, log_alpha, beta, *, scale, initial_state=None, delta=True):
     """``gated_delta_reference`` per value head of one sequence: q, k ``[T, H, K]``, v ``[T,
-    HV, V]``, gates ``[T, HV]`` (or ``[T, HV, K]``); value head ``h`` reads key head ``h //
-    (HV // H)``. Returns ``[T, HV, V]``."""
+    HV, V]``, gates ``[T, HV]`` (or ``[T, HV, K]``), initial state ``[HV, V, K]`` or None;
+    value head ``h`` reads key head ``h // (HV // H)``. Returns ``(y [T, HV, V], final [HV,
+    V, K])``."""
     group = v.shape[1] // q.shape[1]
     heads = [
         gated_delta_reference(
@@ -76,8 +77,9 @@ def grouped_heads_reference(q, k, v, log_alpha, beta, *, scale, delta=True):
             log_alpha[:, h],
             beta[:, h],
             scale=scale,
+            initial_state=None if initial_state is None else initial_state[h],
             delta=delta,
-        )[0]
+        )
         for h in range(v.shape[1])
     ]
-    return np.stack(heads, axis=1)
+    return np.stack([y for y, _ in heads], axis=1), np.stack([s for _, s in heads])

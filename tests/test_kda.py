@@ -285,8 +285,7 @@ def test_packed_sequences_equal_separate_runs():
 
     grads, (out, final) = run(q, k, v, la, b, state, impl="chunked")
     # Sliced in NumPy: eager slices of JAX arrays would compile a program per shape.
-    host = [np.asarray(x) for x in (q, k, v, la, b, state, out, final)]
-    (*inputs, state, out, final) = host
+    *inputs, state, out, final = (np.asarray(x) for x in (q, k, v, la, b, state, out, final))
     for n, (lo, hi) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
         piece = tuple(x[:, lo:hi] for x in inputs)
         for i in range(V_HEADS):

@@ -70,7 +70,7 @@ def reference_layer(layer, x):
     rate = np.exp(value(layer.A_log))[:, None]
     bound = layer.gate_lower_bound
     log_alpha = -rate * np.log1p(np.exp(f)) if bound is None else bound * sigmoid(rate * f)
-    o = grouped_heads_reference(q, k, v, log_alpha, beta, scale=key_dim**-0.5)
+    o, _ = grouped_heads_reference(q, k, v, log_alpha, beta, scale=key_dim**-0.5)
     o = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + 1e-5) * value(layer.o_norm.scale)
     o = o * sigmoid(g).reshape(o.shape)
     return o.reshape(seq_len, -1) @ value(layer.o_proj.kernel)

@@ -74,7 +74,7 @@ def reference_layer(layer, x):
     if layer.decay:
         gate = x @ kernel(layer.a_proj) + np.asarray(layer.dt_bias[...], np.float64)
         log_alpha = -np.exp(np.asarray(layer.A_log[...], np.float64)) * np.log1p(np.exp(gate))
-    o = grouped_heads_reference(
+    o, _ = grouped_heads_reference(
         q, k, v, log_alpha, beta, scale=layer.head_dim**-0.5, delta=layer.delta
     )
     o = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + 1e-5) * np.asarray(layer.o_norm.scale[...])

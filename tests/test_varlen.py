@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import gated_delta_reference, random_inputs, random_state
+from reference import grouped_heads_reference, random_inputs, random_state
 from tolerance import assert_close
 
 import gdn_jax
@@ -27,25 +27,19 @@ def packed_and_separate(cu, impl, chunk_size=16, with_state=True):
 def reference_separately(inputs, state, cu):
     """Each sequence of the packed ``inputs`` alone, from its own initial state, by the
     float64 NumPy loop: outputs ``[1, T, HV, V]`` and final states ``[N, HV, V, K]``."""
-    q, k, v, log_alpha, beta = (np.asarray(x[0], np.float64) for x in inputs)
-    group = V_HEADS // HEADS
-    out = np.zeros(v.shape)
+    inputs = [np.asarray(x[0]) for x in inputs]
+    out = np.zeros(inputs[2].shape)
     finals = np.zeros((len(cu) - 1, V_HEADS, VALUE, KEY))
     for n in range(len(cu) - 1):
         lo, hi = cu[n], cu[n + 1]
         if hi == lo:  # an empty sequence returns its initial state
             finals[n] = 0.0 if state is None else state[n]
             continue
-        for h in range(V_HEADS):
-            out[lo:hi, h], finals[n, h] = gated_delta_reference(
-                q[lo:hi, h // group],
-                k[lo:hi, h // group],
-                v[lo:hi, h],
-                log_alpha[lo:hi, h],
-                beta[lo:hi, h],
-                scale=KEY**-0.5,
-                initial_state=None if state is None else state[n, h],
-            )
+        out[lo:hi], finals[n] = grouped_heads_reference(
+            *(x[lo:hi] for x in inputs),
+            scale=KEY**-0.5,
+            initial_state=None if state is None else np.asarray(state[n]),
+        )
     return out[None], finals
 
 
