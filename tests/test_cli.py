@@ -56,20 +56,18 @@ def command(monkeypatch, capsys):
 
     def run(out_dir, *extra, sets=(), signal=None):
         argv = command_args(out_dir, *extra, sets=sets)
-        if signal is not None:
-            signum, at_step = signal
+        with monkeypatch.context() as patch, jax.enable_x64(False):
+            if signal is not None:
+                signum, at_step = signal
 
-            def send(step, metrics):
-                if step == at_step:
-                    os.kill(os.getpid(), signum)
+                def send(step, metrics):
+                    if step == at_step:
+                        os.kill(os.getpid(), signum)
 
-            original = loop.run
-            monkeypatch.setattr(loop, "run", lambda *a, **k: original(*a, callbacks=[send], **k))
-        # optax mixes float and int32 in Adam
-        with jax.enable_x64(False), jax.numpy_dtype_promotion("standard"):
-            status = cli.main(argv)
-        if signal is not None:
-            monkeypatch.setattr(loop, "run", original)
+                original = loop.run
+                patch.setattr(loop, "run", lambda *a, **k: original(*a, callbacks=[send], **k))
+            with jax.numpy_dtype_promotion("standard"):  # optax mixes float and int32 in Adam
+                status = cli.main(argv)
         out, err = capsys.readouterr()
         return subprocess.CompletedProcess(["train.py", *argv], status, out, err)
 
