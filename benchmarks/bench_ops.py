@@ -20,7 +20,9 @@ chunked forward its achieved GFLOP/s next to a 2048^3 matmul timed in the same r
 ``--baseline REV`` adds the chunked form of the package as it was at git revision REV in each
 of ``--schedules`` (``auto`` for a revision from before schedules), imported next to the
 current one (``revision.py``), so before and after share one run: ratios within one run are
-what to compare, these machines are noisy from run to run.
+what to compare, these machines are noisy from run to run. Within a run, programs timed one
+after the other still meet the machine's slow and fast spells unevenly; ``--interleave``
+times one call of each per round instead.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from __future__ import annotations
 import argparse
 import platform
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +53,23 @@ def best_ms(fn, args, repeats):
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return 1e3 * min(times)
+
+
+def interleaved_best_ms(calls, repeats):
+    """Best wall ms of each ``(fn, args)`` in ``calls``, timed one call of each per round,
+    the order reversed every round: a slow spell of the machine then falls on all of them,
+    not on whichever ran through it."""
+    for fn, args in calls:
+        jax.block_until_ready(fn(*args))
+    times = [[] for _ in calls]
+    for round_ in range(repeats):
+        order = range(len(calls)) if round_ % 2 == 0 else reversed(range(len(calls)))
+        for i in order:
+            fn, args = calls[i]
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[i].append(time.perf_counter() - start)
+    return [1e3 * min(t) for t in times]
 
 
 def temp_mb(jitted, args):
@@ -82,6 +103,21 @@ def inputs(shape, seq_len, per_channel):
     log_alpha = rng.uniform(-0.5, -0.01, (batch, seq_len, heads, *channels))
     beta = rng.uniform(0.0, 1.0, (batch, seq_len, heads))
     return tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v, log_alpha, beta))
+
+
+class Row(NamedTuple):
+    """One program pair to time: its table labels, compiled forward and gradient, inputs and
+    temp memory."""
+
+    op: str
+    label: str
+    impl: str
+    chunk: int
+    forward: Callable
+    grad: Callable
+    args: tuple
+    fwd_mb: float
+    grad_mb: float
 
 
 def programs(package, op, impl, chunk, schedule):
@@ -118,6 +154,12 @@ def main():
     parser.add_argument(
         "--xla-defaults", action="store_true", help="leave out training.xla_flags.CPU_FLAGS"
     )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="time every program once per round, --repeats rounds, instead of one program "
+        "after the other",
+    )
     args = parser.parse_args()
     if not args.xla_defaults:
         add_cpu_flags()  # before the first JAX computation starts the backend
@@ -150,23 +192,30 @@ def main():
                 runs.append((op, f"chunked {schedule}", gdn_jax, "chunked", chunk, schedule))
     for seq_len in args.seq_lens:
         data = {op: inputs(shape, seq_len, OPS[op][1]) for op in args.ops}
+        rows = []
         for op, label, package, impl, chunk, schedule in runs:
             forward, grad = programs(package, op, impl, chunk, schedule)
-            data_op = data[op]
-            fwd_mb, grad_mb = temp_mb(forward, data_op), temp_mb(grad, data_op)
-            fwd_ms = best_ms(forward, data_op, args.repeats)
-            if grad_mb / 1024 <= args.max_temp_gb:
-                grad_ms = f"{best_ms(grad, data_op, max(1, args.repeats - 1)):.1f}"
-            else:
-                grad_ms = f"not run (> {args.max_temp_gb:g} GB)"
+            fwd_mb, grad_mb = temp_mb(forward, data[op]), temp_mb(grad, data[op])
+            rows.append(Row(op, label, impl, chunk, forward, grad, data[op], fwd_mb, grad_mb))
+        ran = [row for row in rows if row.grad_mb / 1024 <= args.max_temp_gb]
+        if args.interleave:
+            fwd_ms = interleaved_best_ms([(r.forward, r.args) for r in rows], args.repeats)
+            grad_ms = interleaved_best_ms([(r.grad, r.args) for r in ran], args.repeats)
+        else:
+            fwd_ms = [best_ms(r.forward, r.args, args.repeats) for r in rows]
+            grad_ms = [best_ms(r.grad, r.args, max(1, args.repeats - 1)) for r in ran]
+        grad_ms = dict(zip(map(id, ran), grad_ms, strict=True))
+        for row, fwd in zip(rows, fwd_ms, strict=True):
+            grad = grad_ms.get(id(row))
+            grad = f"{grad:.1f}" if grad is not None else f"not run (> {args.max_temp_gb:g} GB)"
             rate = "-"
-            if impl == "chunked" and op == "gdn":  # the flop count is the gated delta rule's
-                gflops = chunked_forward_flops(shape, seq_len, chunk) / fwd_ms / 1e6
+            if row.impl == "chunked" and row.op == "gdn":  # the flop count is the GDN rule's
+                gflops = chunked_forward_flops(shape, seq_len, row.chunk) / fwd / 1e6
                 rate = f"{gflops:.1f} ({100 * gflops / matmul_gflops:.0f}%)"
-            label_c = chunk if impl == "chunked" else "-"
+            label_c = row.chunk if row.impl == "chunked" else "-"
             print(
-                f"| {op} | {label} | {label_c} | {seq_len} | {fwd_ms:.1f} | {grad_ms} | "
-                f"{fwd_mb:.1f} | {grad_mb:.1f} | {rate} |",
+                f"| {row.op} | {row.label} | {label_c} | {seq_len} | {fwd:.1f} | {grad} | "
+                f"{row.fwd_mb:.1f} | {row.grad_mb:.1f} | {rate} |",
                 flush=True,
             )
 
