@@ -43,11 +43,9 @@ os.environ.update(
 import jax  # noqa: E402
 import pytest  # noqa: E402
 import runs  # noqa: E402
-from jaxtyping import install_import_hook  # noqa: E402
+import shape_checks  # noqa: E402
 
-# Every shape annotation in gdn_jax is checked at call (trace) time in the test session:
-# jaxtyping binds the dimension letters across a call's arguments and beartype checks them.
-install_import_hook("gdn_jax", "beartype.beartype")
+shape_checks.install()  # every shape annotation in gdn_jax is checked in the test session
 
 from gdn_jax.training.xla_flags import add_cpu_flags, add_flags  # noqa: E402  (checked too)
 

@@ -27,10 +27,9 @@ FLAGS = {
 }
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from jaxtyping import install_import_hook  # noqa: E402
+import shape_checks  # noqa: E402
 
-# As in conftest.py: every shape annotation in gdn_jax is checked at call (trace) time.
-install_import_hook("gdn_jax", "beartype.beartype")
+shape_checks.install()  # as in conftest.py
 
 from gdn_jax.training.xla_flags import add_flags  # noqa: E402
 
