@@ -3,11 +3,12 @@ test_mesh.py in its own process (the device count is fixed when JAX starts).
 
 Checks, each against one device:
 - the Gated DeltaNet layer (grouped value heads, short convolutions with their halo) on
-  (data 2, model 2, seq 2), and with packed sequences that cross shard boundaries on
-  (model 2, seq 4): outputs and the gradients of the input and of every parameter (the
-  op and the halo on 8 shards are sequence_parallel_checks.py's);
-- the Kimi Delta Attention layer on (data 2, model 2, seq 2) the same way, and its compiled
-  forward and backward gathers no q, k or v across heads;
+  (data 2, model 2, seq 2) in the hoisted schedule, and with packed sequences that cross
+  shard boundaries on (model 2, seq 4) in the in_scan one: outputs and the gradients of the
+  input and of every parameter (the op and the halo on 8 shards are
+  sequence_parallel_checks.py's);
+- the Kimi Delta Attention layer (hoisted) on (data 2, model 2, seq 2) the same way, and its
+  compiled forward and backward gathers no q, k or v across heads;
 - eight training steps of a small hybrid model (recurrent Gated DeltaNet + attention) with
   ``train.mesh = (data 2, model 2, seq 2)``: the same losses;
 - the compiled training step gathers no q, k or v across heads;
@@ -82,10 +83,11 @@ def layer_loss(graphdef, params, x, cu_seqlens):
     return jnp.sum(jnp.sin(y)), y
 
 
-def layer_run(where, x, cu_seqlens=None, layer_class=GatedDeltaNet, hlo=None):
-    """The layer's output and the gradients of x and every parameter, jitted on ``where``;
-    with a list ``hlo``, the compiled program's text is appended to it."""
-    layer = layer_class(16, rngs=nnx.Rngs(0), **LAYER)
+def layer_run(where, x, schedule, cu_seqlens=None, layer_class=GatedDeltaNet, hlo=None):
+    """The layer's output and the gradients of x and every parameter, jitted on ``where``
+    with the op's ``schedule``; with a list ``hlo``, the compiled program's text is appended
+    to it."""
+    layer = layer_class(16, rngs=nnx.Rngs(0), schedule=schedule, **LAYER)
     graphdef, params = nnx.split(layer)
     # The output comes out of the same forward that the gradients run through.
     grad = jax.value_and_grad(layer_loss, argnums=(1, 2), has_aux=True)
@@ -130,7 +132,9 @@ CU = jnp.asarray([0, 5, 20, 37, 48], jnp.int32)  # sequences crossing the 4-way 
 
 @check("layer on (data 2, model 2, seq 2)")
 def _():
-    compare(layer_run(mesh(2, 2, 2), X), layer_run(None, X), "mesh (2, 2, 2)")
+    # "hoisted", the schedule GPU and TPU users run; "auto" would trace both (test_layers.py).
+    expected = layer_run(None, X, "hoisted")
+    compare(layer_run(mesh(2, 2, 2), X, "hoisted"), expected, "mesh (2, 2, 2)")
 
 
 def gathers_across_heads(hlo, token_sizes):
@@ -150,9 +154,9 @@ def gathers_across_heads(hlo, token_sizes):
 
 @check("Kimi Delta Attention by heads on (data 2, model 2, seq 2), no q, k, v gathered")
 def _():
-    expected = layer_run(None, X, layer_class=KimiDeltaAttention)
+    expected = layer_run(None, X, "hoisted", layer_class=KimiDeltaAttention)
     hlo = []
-    actual = layer_run(mesh(2, 2, 2), X, layer_class=KimiDeltaAttention, hlo=hlo)
+    actual = layer_run(mesh(2, 2, 2), X, "hoisted", layer_class=KimiDeltaAttention, hlo=hlo)
     compare(actual, expected, "kda, mesh (2, 2, 2)")
     # T = 48 and T / seq = 24 tokens; D = 16, H*K = 16, HV*V = 32, state rows V = K = 8.
     across_heads, gathers = gathers_across_heads(hlo[0], (24, 48))
@@ -163,8 +167,8 @@ def _():
 
 @check("layer with packed sequences across shard boundaries")
 def _():
-    expected = layer_run(None, X_PACKED, CU)
-    compare(layer_run(mesh(1, 2, 4), X_PACKED, CU), expected, "packed, mesh (1, 2, 4)")
+    expected = layer_run(None, X_PACKED, "in_scan", CU)
+    compare(layer_run(mesh(1, 2, 4), X_PACKED, "in_scan", CU), expected, "packed, mesh (1, 2, 4)")
 
 
 def make_config(out_dir, steps, mesh_config):

@@ -4,7 +4,8 @@ The device count is fixed when JAX starts, so these run in their own process. Th
 compare ``gated_delta_rule_seq_parallel`` on 2, 4 and 8 shards with the one-device
 ``gdn_jax.gated_delta_rule`` (chunked): outputs, final states and the gradient of every
 input, with the tolerance table, with and without an initial state, and with packed
-sequences across shard boundaries in float32 and float64. Also: the linear rule, a two-axis
+sequences across shard boundaries in float32 and float64, each in one schedule or the
+other. Also: the linear rule, a two-axis
 mesh, the sizes of the arrays that cross devices, ``halo_from_previous`` and the
 divisibility error. Prints one line per check and exits with status 1 if any failed.
 
@@ -137,8 +138,10 @@ def jitted_loss(op, stateless, options):
 NAMES = ("q", "k", "v", "log_alpha", "beta", "initial_state")
 
 
-def compare(shards, inputs, state, weights, cu_seqlens=None, linear=False, **options):
-    options = dict(chunk_size=C, **options)
+def compare(shards, inputs, state, weights, schedule, cu_seqlens=None, linear=False, **options):
+    """The op on ``shards`` devices against one device, both with ``schedule`` named (the
+    default, "auto", traces both schedules; the two-axis mesh check below runs it)."""
+    options = dict(chunk_size=C, schedule=schedule, **options)
     reference = gdn_jax.gated_linear_attention if linear else gdn_jax.gated_delta_rule
     parallel = gated_linear_attention_seq_parallel if linear else gated_delta_rule_seq_parallel
     expected = loss_and_grads(
@@ -159,36 +162,37 @@ def compare(shards, inputs, state, weights, cu_seqlens=None, linear=False, **opt
 
 
 # Without an initial state only the zeros made before the shard_map differ: one shard count.
-for shards, with_state in ((2, False), (8, True)):
+# Each schedule on one of the two.
+for shards, with_state, schedule in ((2, False, "in_scan"), (8, True, "hoisted")):
     inputs, state, weights = random_inputs(shards, B, B)
     state = state if with_state else None
 
-    @check(f"{shards} shards, {'an' if with_state else 'no'} initial state", shards)
-    def _(shards, inputs=inputs, state=state, weights=weights):
-        compare(shards, inputs, state, weights)
+    @check(f"{shards} shards, {'an' if with_state else 'no'} initial state, {schedule}", shards)
+    def _(shards, inputs=inputs, state=state, weights=weights, schedule=schedule):
+        compare(shards, inputs, state, weights, schedule)
 
 
 # Packed sequences with an initial state each: in float32 on 2 shards, and on 8 shards (the
 # most boundaries) in float64 to 1e-9, where a lost term cannot hide in rounding.
-for shards, dtype in ((2, F32), (8, jnp.float64)):
+for shards, dtype, schedule in ((2, F32, "in_scan"), (8, jnp.float64, "hoisted")):
     inputs, state, weights = random_inputs(10 + shards, 1, len(PACKED["crossing"]) - 1)
     inputs, state, weights = jax.tree.map(
         functools.partial(jnp.asarray, dtype=dtype), (inputs, state, weights)
     )
     for label, offsets in PACKED.items():
 
-        @check(f"{shards} shards, packed sequences: {label}, {jnp.dtype(dtype)}", shards, offsets)
-        def _(shards, offsets, inputs=inputs, state=state, weights=weights):
-            compare(shards, inputs, state, weights, jnp.asarray(offsets, jnp.int32))
+        @check(f"{shards} shards, packed: {label}, {jnp.dtype(dtype)}, {schedule}", shards, offsets)
+        def _(shards, offsets, inputs=inputs, state=state, weights=weights, schedule=schedule):
+            compare(shards, inputs, state, weights, schedule, jnp.asarray(offsets, jnp.int32))
 
 
 @check("linear rule, 4 shards, q and k L2-normalised inside, hoisted schedule")
 def _():
     inputs, state, weights = random_inputs(20, B, B)
-    compare(4, inputs, state, weights, linear=True, use_qk_l2norm=True, schedule="hoisted")
+    compare(4, inputs, state, weights, "hoisted", linear=True, use_qk_l2norm=True)
 
 
-@check("a (data 2, seq 4) mesh with the batch sharded over data")
+@check("a (data 2, seq 4) mesh with the batch sharded over data, the default schedule")
 def _():
     inputs, state, weights = random_inputs(21, B, B)
     expected = loss_and_grads(
@@ -212,12 +216,12 @@ COLLECTIVE = re.compile(
 )
 
 
-@check("only state-sized arrays cross devices, forward and backward")
+@check("only state-sized arrays cross devices, forward and backward (hoisted)")
 def _():
     shards, local = 8, T // 8
     inputs, state, weights = random_inputs(22, B, B)
     # The program of the 8-shard check above, already compiled.
-    options = dict(chunk_size=C, mesh=mesh_of(shards))
+    options = dict(chunk_size=C, schedule="hoisted", mesh=mesh_of(shards))
     run = jitted_loss(gated_delta_rule_seq_parallel, False, tuple(sorted(options.items())))
     hlo = run.lower(*inputs, state, None, weights).compile().as_text()
     found = COLLECTIVE.findall(hlo)

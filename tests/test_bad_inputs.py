@@ -12,7 +12,9 @@ import gdn_jax
 from gdn_jax import GatedDeltaNet, LanguageModel, ModelConfig, SoftmaxAttention, generate
 from gdn_jax.ops import checks
 
-HYBRID = ModelConfig(vocab_size=50, d_model=16, mixers=("gdn", "attention"), chunk_size=16)
+HYBRID = ModelConfig(
+    vocab_size=50, d_model=16, mixers=("gdn", "attention"), chunk_size=16, schedule="in_scan"
+)
 
 
 @pytest.fixture(scope="module")

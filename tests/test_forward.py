@@ -2,6 +2,7 @@
 
 import functools
 
+import cpu_schedule as ops
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +13,7 @@ from tolerance import assert_close
 import gdn_jax
 
 recurrent = jax.jit(gdn_jax.gated_delta_rule_recurrent)
-chunked = jax.jit(gdn_jax.gated_delta_rule_chunked, static_argnames="chunk_size")
+chunked = jax.jit(ops.gated_delta_rule_chunked, static_argnames="chunk_size")
 
 
 def check_forms_agree(inputs, chunk_size, initial_state=None, dtype=jnp.float32):

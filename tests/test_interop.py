@@ -30,6 +30,10 @@ from gdn_jax.interop import (  # noqa: E402
     read_safetensors,
 )
 
+# The schedule of the layers that these tests compare with transformers, named so that one
+# is traced ("auto" traces both and runs "in_scan" on CPU); the checkpoint and bfloat16 tests
+# load with the default.
+SCHEDULE = "in_scan"
 # transformers' own tester shape, and Qwen3-Next's real head shape at a small width.
 TESTER = dict(
     hidden_size=64,
@@ -107,7 +111,7 @@ def hidden(seed, batch, seq_len, width=64):
 def test_outputs_equal_transformers(shape, conv, lengths):
     config = qwen_config(conv, **shape)
     reference = torch_layer(config)
-    layer = load_qwen3_next_layer(numpy_state(reference), config.to_dict())
+    layer = load_qwen3_next_layer(numpy_state(reference), config.to_dict(), schedule=SCHEDULE)
     for seq_len in lengths:
         x = hidden(seq_len, 2, seq_len)
         assert_relative_rms(
@@ -140,7 +144,7 @@ def assert_packed_matches(layer, reference, x, bounds, what=""):
 def test_padding_mask_and_packing_on_converted_weights():
     config = qwen_config()
     reference = torch_layer(config, seed=1)
-    layer = load_qwen3_next_layer(numpy_state(reference), config.to_dict())
+    layer = load_qwen3_next_layer(numpy_state(reference), config.to_dict(), schedule=SCHEDULE)
     assert_left_padding_matches(layer, reference, hidden(2, 2, 40), pad=7)
     assert_packed_matches(layer, reference, hidden(3, 1, 113), [0, 13, 13 + 70, 13 + 70 + 30])
 
@@ -174,7 +178,7 @@ def assert_decoding_matches(layer, caches, tokens, expected):
 def assert_family_decoding_matches(family, reference, config):
     """A loaded layer's prefill and cache match transformers', its cache converts both ways
     bit-exactly, and decoding six tokens from either cache matches transformers'."""
-    layer = load_layer(numpy_state(reference), config.to_dict())
+    layer = load_layer(numpy_state(reference), config.to_dict(), schedule=SCHEDULE)
     prompt, tokens = hidden(4, 2, 45), hidden(5, 2, 6)
 
     expected, torch_conv, torch_state = transformers_decoding(reference, prompt, tokens)
@@ -199,7 +203,7 @@ def test_prefill_cache_and_decoding_equal_transformers():
     config = qwen_config()
     reference = torch_layer(config, seed=2)
     reference.config = config
-    layer = load_qwen3_next_layer(numpy_state(reference), config.to_dict())
+    layer = load_qwen3_next_layer(numpy_state(reference), config.to_dict(), schedule=SCHEDULE)
     prompt, tokens = hidden(4, 2, 45), hidden(5, 2, 6)
 
     expected, torch_conv, torch_state = transformers_decoding(reference, prompt, tokens)
@@ -519,3 +523,11 @@ def test_the_dtype_must_be_floating():
         load_qwen3_next_layer(weights, config, dtype=jnp.int32)
     with pytest.raises(ValueError, match=r"load_fla_layer: param_dtype=int32 must be a floating"):
         load_fla_layer({}, hidden_size=32, num_heads=2, head_dim=8, param_dtype=jnp.int32)
+
+
+def test_the_schedule_reaches_the_layer_and_is_checked():
+    weights, config = random_qwen_weights()
+    assert load_qwen3_next_layer(weights, config).schedule == "auto"
+    assert load_layer(weights, config, schedule="hoisted").schedule == "hoisted"
+    with pytest.raises(ValueError, match=r"load_qwen3_next_layer: schedule='fused' must be one"):
+        load_layer(weights, config, schedule="fused")

@@ -13,6 +13,7 @@ from flax import nnx
 from test_interop import (
     GDN_LAYER_CONFIG,
     REAL_HEADS,
+    SCHEDULE,
     TESTER,
     assert_checkpoint_layers_match,
     assert_family_decoding_matches,
@@ -146,7 +147,7 @@ def packed(lengths, seed):
 def test_outputs_equal_transformers(name, real):
     """Each T in LENGTHS alone through transformers, packed into one gdn_jax call."""
     reference, config = family_layer(name, heads=CASES[name].real_heads if real else TESTER_HEADS)
-    layer = load_layer(numpy_state(reference), config.to_dict())
+    layer = load_layer(numpy_state(reference), config.to_dict(), schedule=SCHEDULE)
     x, bounds = packed(LENGTHS, seed=len(name))
     assert_packed_matches(layer, reference, x, bounds, name)
 
@@ -154,7 +155,7 @@ def test_outputs_equal_transformers(name, real):
 @pytest.mark.parametrize("name", ["qwen3_5", "olmo_hybrid"])
 def test_unpacked_batch_and_left_padding_equal_transformers(name):
     reference, config = family_layer(name, seed=1)
-    layer = load_layer(numpy_state(reference), config.to_dict())
+    layer = load_layer(numpy_state(reference), config.to_dict(), schedule=SCHEDULE)
     # Unpacked, T = 65 crosses a chunk boundary by one token.
     x = hidden(2, 2, 65)
     assert_relative_rms(forward(layer, jnp.asarray(x)), run_torch(reference, x), jnp.float32)

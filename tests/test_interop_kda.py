@@ -11,6 +11,7 @@ import torch
 import transformers
 from flax import nnx
 from test_interop import (
+    SCHEDULE,
     assert_checkpoint_layers_match,
     assert_family_decoding_matches,
     assert_packed_matches,
@@ -97,7 +98,7 @@ def family_layer(name, seed=0, heads=4, head_dim=16):
 def test_outputs_equal_transformers(name):
     """Each T in LENGTHS alone through transformers, packed into one gdn_jax call."""
     reference, config = family_layer(name)
-    layer = load_layer(numpy_state(reference), config.to_dict())
+    layer = load_layer(numpy_state(reference), config.to_dict(), schedule=SCHEDULE)
     assert isinstance(layer, KimiDeltaAttention)
     x, bounds = packed(LENGTHS, seed=len(name))
     assert_packed_matches(layer, reference, x, bounds, name)
@@ -110,7 +111,7 @@ def test_real_head_counts_equal_transformers():
     one family stands for the rest, which the tester heads cover."""
     name = "kimi_linear"
     reference, config = family_layer(name, heads=32, head_dim=128)
-    layer = load_layer(numpy_state(reference), config.to_dict())
+    layer = load_layer(numpy_state(reference), config.to_dict(), schedule=SCHEDULE)
     x = hidden(len(name), 1, 100)
     assert_relative_rms(forward(layer, jnp.asarray(x)), run_torch(reference, x), jnp.float32)
 

@@ -16,7 +16,8 @@ from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDelta
 
 from gdn_jax.layers import KimiDeltaAttention, NoWeightDecay
 
-GVA = dict(num_heads=2, head_dim=4, num_v_heads=4, expand_v=2.0, chunk_size=16)
+# "in_scan", named, traces one schedule (as test_layers.make); the agreement test runs "auto".
+GVA = dict(num_heads=2, head_dim=4, num_v_heads=4, expand_v=2.0, chunk_size=16, schedule="in_scan")
 # The forms of the transformers families: full-rank gates, a bounded gate, no gate bias.
 BAILING_FORM = dict(low_rank_gates=False, output_gate_bias=False, gate_lower_bound=-3.0)
 
@@ -88,7 +89,8 @@ def test_layer_matches_numpy_reference(options):
 
 
 def test_chunked_and_recurrent_layers_agree_with_gradients():
-    chunked, recurrent = make(gate_lower_bound=-4.0), make(gate_lower_bound=-4.0, impl="recurrent")
+    chunked = make(gate_lower_bound=-4.0, schedule="auto")
+    recurrent = make(gate_lower_bound=-4.0, impl="recurrent")
     x = inputs(1, 2, 40)
 
     def loss(layer, x):
@@ -189,6 +191,7 @@ def test_gate_parameters_are_initialised_and_excluded_from_decay():
         (dict(gate_lower_bound="-5"), r"gate_lower_bound='-5' must be a finite negative"),
         (dict(num_v_heads=3), r"num_v_heads=3 must be a multiple of num_heads=2"),
         (dict(chunk_size=20), r"chunk_size=20 must be one of"),
+        (dict(schedule="fused"), r"schedule='fused' must be one of"),
     ],
 )
 def test_bad_layer_config_raises_at_build(kwargs, message):

@@ -19,7 +19,6 @@ from gdn_jax.layers import (
     NoWeightDecay,
     SoftmaxAttention,
 )
-from gdn_jax.ops import chunked
 
 RECURRENT = [GatedDeltaNet, DeltaNet, GatedLinearAttention, LinearAttention]
 # Every mixer with a recurrent state; KimiDeltaAttention's own tests are in test_kda_layer.py.
@@ -37,7 +36,11 @@ ATTENTION = [SoftmaxAttention, AttentionWithConv]
 def make(cls, **kw):
     if cls in ATTENTION:
         return cls(HIDDEN, 2, 8, rngs=nnx.Rngs(0))
-    options = dict(num_heads=2, head_dim=4, expand_v=2.0, num_v_heads=4, chunk_size=16)
+    # One schedule, named: "auto" traces both and lowers "in_scan" on CPU (test_schedules.py),
+    # so the tests that are about the layer, not the schedule, trace the one that runs.
+    options = dict(
+        num_heads=2, head_dim=4, expand_v=2.0, num_v_heads=4, chunk_size=16, schedule="in_scan"
+    )
     options.update(kw)
     return cls(HIDDEN, rngs=nnx.Rngs(0), **options)
 
@@ -98,7 +101,8 @@ def test_layer_matches_numpy_reference(cls):
 
 @pytest.mark.parametrize("cls", [GatedDeltaNet, LinearAttention])
 def test_chunked_and_recurrent_layers_agree_with_gradients(cls):
-    chunked, recurrent = make(cls), make(cls, impl="recurrent")
+    # The layer's default schedule, "auto", as users run it.
+    chunked, recurrent = make(cls, schedule="auto"), make(cls, impl="recurrent")
     x = inputs(1, 2, 40)
 
     def loss(layer, x):
@@ -180,11 +184,10 @@ def test_padding_does_not_change_real_tokens(cls):
     assert_close(y_padded[1:, :real], y, jnp.float32, "right padding")
 
 
-def test_nan_padding_stays_out_of_real_tokens_in_the_hoisted_schedule(monkeypatch):
-    """The layer runs the chunked op's "auto" schedule, "in_scan" on CPU, as the test above;
-    this one forces "hoisted", where every chunk's work runs batched outside the scan."""
-    monkeypatch.setattr(chunked, "AUTO_SCHEDULES", {"default": "hoisted"})
-    layer = make(GatedDeltaNet)
+def test_nan_padding_stays_out_of_real_tokens_in_the_hoisted_schedule():
+    """The test above runs "in_scan"; in "hoisted" every chunk's work runs batched outside
+    the scan."""
+    layer = make(GatedDeltaNet, schedule="hoisted")
     # Two rows with the same real tokens after 5 padded ones: NaN in row 0, zeros in row 1.
     pad = jnp.stack([jnp.full((5, HIDDEN), jnp.nan), jnp.zeros((5, HIDDEN))]).astype(jnp.float32)
     x = jnp.concatenate([pad, jnp.tile(inputs(2, 1, 20), (2, 1, 1))], 1)
@@ -246,6 +249,7 @@ def test_padded_prefill_leaves_the_state_of_the_unpadded_prompt():
         ),
         (dict(num_heads=2, head_dim=4, chunk_size=20), r"chunk_size=20 must be one of"),
         (dict(num_heads=2, head_dim=4, impl="fast"), r"impl='fast' must be one of"),
+        (dict(num_heads=2, head_dim=4, schedule="fused"), r"schedule='fused' must be one of"),
         (
             dict(num_heads=2, head_dim=3, expand_v=0.5),
             r"head_dim \* expand_v = 3 \* 0.5 must be a positive integer",

@@ -2,15 +2,14 @@
 
 import functools
 
+import cpu_schedule as ops
 import jax
 import jax.numpy as jnp
 import pytest
 from reference import gated_delta_reference, random_inputs, random_state
 from tolerance import assert_close
 
-import gdn_jax
-
-rule = jax.jit(gdn_jax.gated_linear_attention, static_argnames=("impl", "chunk_size"))
+rule = jax.jit(ops.gated_linear_attention, static_argnames=("impl", "chunk_size"))
 
 
 @pytest.mark.parametrize("impl", ["chunked", "recurrent"])
@@ -48,7 +47,7 @@ def test_chunked_gradients_match_recurrent():
     state = random_state(4, 2, 2, 8, 8)
 
     def loss(impl, *a):
-        out, final = gdn_jax.gated_linear_attention(
+        out, final = ops.gated_linear_attention(
             *a[:5], initial_state=a[5], impl=impl, chunk_size=16
         )
         return jnp.sum(out**2) + jnp.sum(final**2)

@@ -22,6 +22,7 @@ HYBRID = ModelConfig(
     num_heads=2,
     expand_v=2.0,
     chunk_size=16,
+    schedule="in_scan",  # one schedule traced; "auto" runs in test_layers.py and the TPU tests
 )
 
 

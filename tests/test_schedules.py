@@ -1,8 +1,8 @@
 """The two schedules of the chunked form compute one function: outputs, final states and
 the gradient of every input agree with each other and with the recurrent form.
 
-Every other op test runs the CPU default (``"in_scan"``); this file covers ``"hoisted"``,
-the default on accelerators, on the same contracts.
+The other op tests name the CPU schedule, ``"in_scan"`` (``cpu_schedule.py``); this file
+covers ``"hoisted"``, the default on accelerators, on the same contracts, and ``"auto"``.
 """
 
 import functools
@@ -11,12 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from hlo import has_square, loop_bodies
 from jax.test_util import check_grads
 from reference import random_inputs, random_state
 from tolerance import assert_close
 
 import gdn_jax
+from gdn_jax.models import LanguageModel, ModelConfig
 
 SCHEDULES = ("hoisted", "in_scan")
 NAMES = ("q", "k", "v", "log_alpha", "beta", "initial_state")
@@ -59,6 +61,23 @@ def test_auto_compiles_to_in_scan_for_cpu():
 
     assert loop_has_chunk_work("auto") == loop_has_chunk_work("in_scan") == [True]
     assert loop_has_chunk_work("hoisted") == [False]
+
+
+def test_the_model_and_its_layers_pass_their_schedule_to_the_op():
+    """``ModelConfig.schedule`` reaches the op through each layer's ``schedule``: the loops
+    of the compiled forward (Gated DeltaNet's, then Kimi Delta Attention's) hold a chunk's
+    ``[C, C]`` work in "in_scan" and not in "hoisted"."""
+    tokens = jnp.zeros((1, 40), jnp.int32)
+
+    def loop_has_chunk_work(schedule):
+        # d_model 24, head dim 12, T 40, vocab 50: no size but C is 16.
+        config = ModelConfig(50, 24, ("gdn", "kda"), chunk_size=16, schedule=schedule)
+        model = LanguageModel(config, rngs=nnx.Rngs(0))
+        hlo = nnx.jit(lambda m, t: m(t)).lower(model, tokens).compile().as_text()
+        return [has_square(body, 16) for body in loop_bodies(hlo)]
+
+    assert loop_has_chunk_work("in_scan") == [True, True]
+    assert loop_has_chunk_work("hoisted") == [False, False]
 
 
 @pytest.mark.parametrize(

@@ -45,11 +45,14 @@ def family_of(fn: str, config) -> Family:
 
 
 @no_type_check  # a public entry point: checks.py names its bad arguments
-def load_layer(state_dict, config, *, dtype=None) -> GatedDeltaNet | KimiDeltaAttention:
+def load_layer(
+    state_dict, config, *, dtype=None, schedule="auto"
+) -> GatedDeltaNet | KimiDeltaAttention:
     """``load_{family}_layer`` for the family that ``config["model_type"]`` names: one
     linear-attention layer's weights (without prefix) as a ``GatedDeltaNet`` or, for the
     Kimi Delta Attention families, a ``KimiDeltaAttention``."""
-    return family_of("load_layer", config).load(state_dict, config, dtype=dtype)
+    family = family_of("load_layer", config)
+    return family.load(state_dict, config, dtype=dtype, schedule=schedule)
 
 
 @no_type_check  # a public entry point: checks.py names its bad arguments

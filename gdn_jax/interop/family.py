@@ -104,7 +104,7 @@ class Family(abc.ABC):
         return _layer_kwargs(self, f"{self.name}_layer_kwargs", config)
 
     @no_type_check  # a public entry point: checks.py names its bad arguments
-    def load(self, state_dict, config, *, dtype=None):
+    def load(self, state_dict, config, *, dtype=None, schedule="auto"):
         """The gdn_jax layer (``layer_class``) holding one linear-attention layer's weights.
 
         Args:
@@ -114,6 +114,7 @@ class Family(abc.ABC):
             read), or the config object.
           dtype: cast every parameter to it and compute in it; ``None`` keeps each tensor's
             stored dtype and computes in that of the first projection.
+          schedule: the layer's chunked schedule (``"auto"``, ``"hoisted"`` or ``"in_scan"``).
 
         Raises:
           ValueError: a config the layer cannot take, or a missing, unexpected or wrongly
@@ -121,13 +122,15 @@ class Family(abc.ABC):
         """
         fn = f"load_{self.name}_layer"
         checks.check_floating_dtype(fn, dtype=dtype)
+        checks.check_schedule(fn, schedule)
         kwargs = _layer_kwargs(self, fn, config)
         tensors = _from_stored_names(self, as_numpy_dict(fn, state_dict))
         layer_shapes = torch_tensor_shapes(self.layer_class, **kwargs)
         check_tensors(fn, tensors, _fused_shapes(self, layer_shapes))
         parts = _split(self, tensors, layer_shapes, kwargs["num_heads"])
         layer_dtype = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
-        return load_torch_layer(fn, self.layer_class, parts, **kwargs, **layer_dtype)
+        layer_options = dict(kwargs, schedule=schedule, **layer_dtype)
+        return load_torch_layer(fn, self.layer_class, parts, **layer_options)
 
     @no_type_check  # a public entry point: checks.py names its bad arguments
     def export(self, layer) -> dict[str, np.ndarray]:

@@ -78,6 +78,8 @@ class KimiDeltaAttention(RecurrentLayer):
     Initialisation as flash-linear-attention's: ``A_log = log U(1, 16)`` (zeros with a
     ``gate_lower_bound``, where ``exp(A_log)`` scales the sigmoid's input), ``dt_bias`` the
     inverse softplus of a log-uniform ``dt`` in ``[1e-3, 0.1]``, the output gate's bias zero.
+    ``chunk_size``, ``impl`` and ``schedule`` are the op's (``gdn_jax.kda``), as in
+    ``GatedDeltaNet``.
 
     A mesh ``model`` axis splits it by heads like ``GatedDeltaNet`` (the low-rank ``f_a_proj``
     and ``g_a_proj`` are whole on every device). A mesh ``seq`` axis is left to XLA's
@@ -104,6 +106,7 @@ class KimiDeltaAttention(RecurrentLayer):
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
         impl: checks.Impl = "chunked",
+        schedule: checks.Schedule = "auto",
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         kernel_init=None,
@@ -123,6 +126,7 @@ class KimiDeltaAttention(RecurrentLayer):
         )
         checks.check_impl(name, impl)
         checks.check_chunk_size(name, chunk_size)
+        checks.check_schedule(name, schedule)
         if gate_lower_bound is not None:
             checks.require(
                 name,
@@ -139,6 +143,7 @@ class KimiDeltaAttention(RecurrentLayer):
         self.low_rank_gates = low_rank_gates
         self.gate_lower_bound = None if gate_lower_bound is None else float(gate_lower_bound)
         self.chunk_size, self.impl, self.conv_size = chunk_size, impl, conv_size
+        self.schedule = schedule
 
         linear = bias_free_linear(
             dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
@@ -232,6 +237,7 @@ class KimiDeltaAttention(RecurrentLayer):
             cu_seqlens=cu_seqlens,
             impl=impl,
             chunk_size=self.chunk_size,
+            schedule=self.schedule,
         )
         o = self.o_norm(o)
         if self.use_gate:

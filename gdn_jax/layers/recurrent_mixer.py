@@ -53,6 +53,9 @@ class RecurrentMixer(RecurrentLayer):
     ``alpha = 1``; the chunked rule with ``scale = head_dim ** -0.5``; a per-head RMSNorm
     gated by ``silu(g_proj(x))`` (plain RMSNorm without ``use_gate``); bias-free ``o_proj``.
     ``a_proj`` and ``b_proj`` read the layer input, not the convolution output.
+    ``chunk_size``, ``impl`` and ``schedule`` are the op's (``gdn_jax.gated_delta_rule``):
+    ``schedule="auto"`` is chosen where the program is lowered, so both schedules are
+    traced; naming one traces it alone.
 
     Use one of the named mixers, which fix the two switches: ``GatedDeltaNet``, ``DeltaNet``,
     ``GatedLinearAttention``, ``LinearAttention``. Each is a ``RecurrentMixer``, not one of
@@ -78,6 +81,7 @@ class RecurrentMixer(RecurrentLayer):
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
         impl: checks.Impl = "chunked",
+        schedule: checks.Schedule = "auto",
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         kernel_init=None,
@@ -103,6 +107,7 @@ class RecurrentMixer(RecurrentLayer):
         )
         checks.check_impl(name, impl)
         checks.check_chunk_size(name, chunk_size)
+        checks.check_schedule(name, schedule)
         checks.require(
             name,
             self.delta or not allow_neg_eigval,
@@ -116,6 +121,7 @@ class RecurrentMixer(RecurrentLayer):
         self.key_dim, self.value_dim = num_heads * head_dim, num_v_heads * self.head_v_dim
         self.allow_neg_eigval, self.use_gate = allow_neg_eigval, use_gate
         self.chunk_size, self.impl, self.conv_size = chunk_size, impl, conv_size
+        self.schedule = schedule
 
         linear = bias_free_linear(
             dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
@@ -171,7 +177,12 @@ class RecurrentMixer(RecurrentLayer):
         if real is not None:
             beta, log_alpha = jnp.where(real, beta, 0), jnp.where(real, log_alpha, 0)
 
-        options = dict(chunk_size=self.chunk_size, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
+        options = dict(
+            chunk_size=self.chunk_size,
+            schedule=self.schedule,
+            cu_seqlens=cu_seqlens,
+            use_qk_l2norm=True,
+        )
         if seq_mesh is not None:
             rule = (
                 gated_delta_rule_seq_parallel if self.delta else gated_linear_attention_seq_parallel

@@ -7,7 +7,7 @@ from typing import Literal, get_args, no_type_check
 
 import jax.numpy as jnp
 
-from gdn_jax.ops.checks import Impl
+from gdn_jax.ops.checks import Impl, Schedule
 
 # "kda" is Kimi Delta Attention, the delta rule with one decay per key channel.
 # "attention_conv" is attention with the recurrent mixers' short convolutions on q, k and v:
@@ -49,6 +49,9 @@ class ModelConfig:
     chunk_size: int = 64
     # "chunked" (train with this) or "recurrent" (the token-by-token reference).
     impl: Impl = "chunked"
+    # Schedule of the chunked recurrence: "auto" (in_scan on CPU, hoisted on GPU and TPU,
+    # picked where the program is lowered, so both are traced) or one of them, traced alone.
+    schedule: Schedule = "auto"
     # Attention: sliding window in tokens, or None for full causal attention.
     window: int | None = None
     # Attention: RoPE base.
@@ -72,7 +75,7 @@ class ModelConfig:
 
         Checks the field types (a config is data, often read from YAML) and the model-level
         rules: the mixer list, the head split of ``d_model``, dtypes and the positive numbers
-        the model itself uses. Per-layer rules (``chunk_size``, ``impl``, ``num_v_heads``,
+        the model itself uses. Per-layer rules (``chunk_size``, ``impl``, ``schedule``, ``num_v_heads``,
         ``expand_v``, the RoPE head dim, ``window``, ``mlp_hidden``) belong to the layer
         constructors, which raise when the model is built (``LanguageModel`` or
         ``check_buildable``)."""

@@ -54,6 +54,7 @@ def build_mixer(config: ModelConfig, name: Mixer, *, rngs: nnx.Rngs) -> TokenMix
         norm_eps=config.norm_eps,
         chunk_size=config.chunk_size,
         impl=config.impl,
+        schedule=config.schedule,
         **common,
     )
     if name == "kda":
