@@ -338,6 +338,18 @@ def test_a_checkpoint_of_another_model_is_a_config_mismatch_not_damage(
     assert snapshot(out) == before and not (out / "broken_checkpoints").exists()
 
 
+def test_a_run_saved_before_model_schedule_existed_resumes_under_another_schedule(
+    tmp_path, command, finished_run
+):
+    out = resumable_copy(finished_run, tmp_path / "run")
+    config = out / "config.yaml"
+    assert "  schedule: auto\n" in config.read_text()
+    config.write_text(config.read_text().replace("  schedule: auto\n", ""))
+    result = command(out, "--resume", sets=["model.schedule=hoisted"])
+    assert result.returncode == 0, result.stderr
+    assert logged(out) == logged(finished_run)
+
+
 def test_resume_refuses_train_steps_below_the_newest_checkpoint(tmp_path, command):
     before = fake_run(tmp_path / "run", steps=(4, 8))  # stopped at step 8, no summary
     result = command(tmp_path / "run", "--resume", sets=["train.steps=7"])

@@ -38,6 +38,8 @@ RESUMABLE_FIELDS = (
     "train.target_accuracy", "train.progress", "train.out_dir",
     # Checkpoints are saved sharded and restore onto any mesh.
     "train.mesh.data", "train.mesh.model", "train.mesh.seq",
+    # Both schedules compute one function; runs saved before the field existed lack it.
+    "model.schedule",
 )  # fmt: skip
 
 
