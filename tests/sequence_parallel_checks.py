@@ -5,9 +5,9 @@ compare ``gated_delta_rule_seq_parallel`` on 2, 4 and 8 shards with the one-devi
 ``gdn_jax.gated_delta_rule`` (chunked): outputs, final states and the gradient of every
 input, with the tolerance table, with and without an initial state, and with packed
 sequences across shard boundaries in float32 and float64, each in one schedule or the
-other. Also: the linear rule, a two-axis
-mesh, the sizes of the arrays that cross devices, ``halo_from_previous`` and the
-divisibility error. Prints one line per check and exits with status 1 if any failed.
+other. Also: the linear rule, a two-axis mesh, the sizes of the arrays that cross devices,
+``halo_from_previous`` and the divisibility error. Prints one line per check and exits with
+status 1 if any failed.
 
     python tests/sequence_parallel_checks.py   # sets its own XLA_FLAGS
 """

@@ -48,6 +48,12 @@ def single_head(schedule, chunk_size):
     return jax.jit(lambda q, k, v, la, b, s: fn(q, k, v, la, b, initial_state=s))
 
 
+def loops_with_chunk_work(compiled, chunk_size=16):
+    """For each while loop of a compiled program, whether its body holds a chunk's
+    ``[C, C]`` work (in_scan's do, hoisted's never)."""
+    return [has_square(body, chunk_size) for body in loop_bodies(compiled.as_text())]
+
+
 def test_auto_compiles_to_in_scan_for_cpu():
     """``"auto"`` picks by the platform a program is compiled for (test_tpu_compile.py
     compiles it for a TPU): for this CPU, the in_scan program, whose loop holds a chunk's
@@ -56,8 +62,7 @@ def test_auto_compiles_to_in_scan_for_cpu():
 
     def loop_has_chunk_work(schedule):
         fn = single_head(schedule, 16)
-        hlo = fn.lower(q, k, v, la, b, random_state(1, 40, 24)).compile().as_text()
-        return [has_square(body, 16) for body in loop_bodies(hlo)]
+        return loops_with_chunk_work(fn.lower(q, k, v, la, b, random_state(1, 40, 24)).compile())
 
     assert loop_has_chunk_work("auto") == loop_has_chunk_work("in_scan") == [True]
     assert loop_has_chunk_work("hoisted") == [False]
@@ -73,8 +78,7 @@ def test_the_model_and_its_layers_pass_their_schedule_to_the_op():
         # d_model 24, head dim 12, T 40, vocab 50: no size but C is 16.
         config = ModelConfig(50, 24, ("gdn", "kda"), chunk_size=16, schedule=schedule)
         model = LanguageModel(config, rngs=nnx.Rngs(0))
-        hlo = nnx.jit(lambda m, t: m(t)).lower(model, tokens).compile().as_text()
-        return [has_square(body, 16) for body in loop_bodies(hlo)]
+        return loops_with_chunk_work(nnx.jit(lambda m, t: m(t)).lower(model, tokens).compile())
 
     assert loop_has_chunk_work("in_scan") == [True, True]
     assert loop_has_chunk_work("hoisted") == [False, False]

@@ -1,4 +1,5 @@
-"""train.py and the training loop: configs, loss paths, resume, NaN stop, data parallelism."""
+"""train.py and the training loop: configs, loss paths, resume, NaN stop (several devices:
+test_mesh.py)."""
 
 import json
 import subprocess

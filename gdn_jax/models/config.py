@@ -75,9 +75,9 @@ class ModelConfig:
 
         Checks the field types (a config is data, often read from YAML) and the model-level
         rules: the mixer list, the head split of ``d_model``, dtypes and the positive numbers
-        the model itself uses. Per-layer rules (``chunk_size``, ``impl``, ``schedule``, ``num_v_heads``,
-        ``expand_v``, the RoPE head dim, ``window``, ``mlp_hidden``) belong to the layer
-        constructors, which raise when the model is built (``LanguageModel`` or
+        the model itself uses. Per-layer rules (``chunk_size``, ``impl``, ``schedule``,
+        ``num_v_heads``, ``expand_v``, the RoPE head dim, ``window``, ``mlp_hidden``) belong to
+        the layer constructors, which raise when the model is built (``LanguageModel`` or
         ``check_buildable``)."""
 
         def fail(field, message):
