@@ -103,6 +103,7 @@ def fake_run(out_dir, *, steps=(4,), summary=None, **config_changes):
 @pytest.mark.parametrize(
     ("sets", "pattern"),
     [
+        (["model.d_modle=3"], r"unknown config key\(s\) \['model.d_modle'\]"),
         (["train.seed=-1"], r"train.seed=-1 must be in \[0, 2\*\*32\)"),
         (["train.learning_rate=.inf"], r"train.learning_rate=inf must be finite"),
         (["train.steps=[1"], r"--set 'train.steps=\[1': malformed YAML at line 1, column 3"),
