@@ -19,10 +19,12 @@ Each value here is read from the environment first, so a run started by another 
 worker, a subprocess test) inherits the first process's choices.
 """
 
-import gc
 import os
 import shutil
 import tempfile
+
+import pytest
+import runs
 
 _MADE_ROOT = "GDN_TEST_RUN_ROOT" not in os.environ
 if _MADE_ROOT:
@@ -44,38 +46,42 @@ os.environ.update(
 # spin-wait after every op, on the core the other xdist worker needs.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
-import runs  # noqa: E402
-import shape_checks  # noqa: E402
-
-shape_checks.install()  # every shape annotation in gdn_jax is checked in the test session
-
-from gdn_jax.training.xla_flags import add_cpu_flags, add_flags  # noqa: E402  (checked too)
-
-# Flags that only make XLA:CPU compile faster, and those train.py sets for itself, so that a
-# run of the command in this process computes what it computes in a fresh interpreter, to
-# the bit. A value the caller gave is kept. Importing gdn_jax starts no backend, so they
-# still take effect here.
+# Flags that only make XLA:CPU compile faster (train.py's own are added with them, so that a
+# run of the command in a test process computes what it computes in a fresh interpreter, to
+# the bit). A value the caller gave is kept.
 COMPILE_FAST = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false"}
-add_flags(COMPILE_FAST)
-add_cpu_flags()
 
-jax.config.update("jax_enable_x64", True)
-jax.config.update("jax_numpy_dtype_promotion", "strict")
-jax.config.update("jax_numpy_rank_promotion", "raise")
-jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-# Eager tests compile thousands of one-primitive programs; writing each to disk costs more
-# than compiling it again.
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-# Tracing makes objects by the million and the heap holds jax, flax, torch and every compiled
-# program: a full collection takes about 0.2 s, and Python's default thresholds ran one every
-# few seconds of tracing. Collecting the old generations rarely took 4.3 -> 1.2 s of CPU out of
-# 55 s for three op and model modules; a test cannot tell the difference.
-gc.set_threshold(10_000, 20, 20)
+
+def _set_up_test_process():
+    """What a process that runs tests needs before it collects them: checked shapes and
+    rare garbage collections (``process_setup``), the XLA flags, the session's numerics and
+    the compilation cache. The xdist controller, which runs none, skips it (2.4 s of
+    importing before it starts the workers)."""
+    import process_setup
+
+    process_setup.set_up()
+
+    import jax
+
+    from gdn_jax.training.xla_flags import add_cpu_flags, add_flags  # (checked too)
+
+    # Importing gdn_jax starts no backend, so the flags still take effect here.
+    add_flags(COMPILE_FAST)
+    add_cpu_flags()
+    jax.config.update("jax_enable_x64", True)
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    # Eager tests compile thousands of one-primitive programs; writing each to disk costs more
+    # than compiling it again.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def pytest_configure(config):
+    # xdist's workers have PYTEST_XDIST_WORKER set before they read this file.
+    controller = "PYTEST_XDIST_WORKER" not in os.environ and config.getoption("numprocesses", 0)
+    if not controller:
+        _set_up_test_process()
     config.addinivalue_line(
         "markers",
         "costly(seconds): a long test (subprocesses, several devices) and its time in a full "

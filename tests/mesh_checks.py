@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import shape_checks  # noqa: E402
+import process_setup  # noqa: E402
 
-shape_checks.install()  # as in conftest.py
+process_setup.set_up()  # as in conftest.py
 
 from gdn_jax.training.xla_flags import add_flags  # noqa: E402
 
