@@ -6,6 +6,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cpu_schedule import SCHEDULE
 from flax import nnx
 from reference import random_inputs
 from tolerance import assert_close
@@ -15,7 +16,7 @@ from gdn_jax import GatedDeltaNet, LanguageModel, ModelConfig, SoftmaxAttention,
 from gdn_jax.ops import checks
 
 HYBRID = ModelConfig(
-    vocab_size=50, d_model=16, mixers=("gdn", "attention"), chunk_size=16, schedule="in_scan"
+    vocab_size=50, d_model=16, mixers=("gdn", "attention"), chunk_size=16, schedule=SCHEDULE
 )
 
 

@@ -10,6 +10,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from cpu_schedule import SCHEDULE  # noqa: E402
 from flax import nnx  # noqa: E402
 from tolerance import assert_relative_rms  # noqa: E402
 from transformers import DynamicCache, Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: E402
@@ -30,10 +31,6 @@ from gdn_jax.interop import (  # noqa: E402
     read_safetensors,
 )
 
-# The schedule of the layers that these tests compare with transformers, named so that one
-# is traced ("auto" traces both and runs "in_scan" on CPU); the checkpoint and bfloat16 tests
-# load with the default.
-SCHEDULE = "in_scan"
 # transformers' own tester shape, and Qwen3-Next's real head shape at a small width.
 TESTER = dict(
     hidden_size=64,

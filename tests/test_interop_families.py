@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from cpu_schedule import SCHEDULE
 from flax import nnx
 from test_interop import (
     GDN_LAYER_CONFIG,
     REAL_HEADS,
-    SCHEDULE,
     TESTER,
     assert_checkpoint_layers_match,
     assert_family_decoding_matches,

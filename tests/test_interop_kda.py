@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from cpu_schedule import SCHEDULE
 from flax import nnx
 from test_interop import (
-    SCHEDULE,
     assert_checkpoint_layers_match,
     assert_family_decoding_matches,
     assert_packed_matches,

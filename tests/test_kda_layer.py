@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
+from cpu_schedule import SCHEDULE
 from flax import nnx
 from reference import grouped_heads_reference
 from test_layers import HIDDEN, inputs
@@ -16,8 +17,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDelta
 
 from gdn_jax.layers import KimiDeltaAttention, NoWeightDecay
 
-# "in_scan", named, traces one schedule (as test_layers.make); the agreement test runs "auto".
-GVA = dict(num_heads=2, head_dim=4, num_v_heads=4, expand_v=2.0, chunk_size=16, schedule="in_scan")
+GVA = dict(num_heads=2, head_dim=4, num_v_heads=4, expand_v=2.0, chunk_size=16, schedule=SCHEDULE)
 # The forms of the transformers families: full-rank gates, a bounded gate, no gate bias.
 BAILING_FORM = dict(low_rank_gates=False, output_gate_bias=False, gate_lower_bound=-3.0)
 

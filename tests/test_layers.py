@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cpu_schedule import SCHEDULE
 from flax import nnx
 from reference import grouped_heads_reference
 from tolerance import assert_close
@@ -36,10 +37,8 @@ ATTENTION = [SoftmaxAttention, AttentionWithConv]
 def make(cls, **kw):
     if cls in ATTENTION:
         return cls(HIDDEN, 2, 8, rngs=nnx.Rngs(0))
-    # One schedule, named: "auto" traces both and lowers "in_scan" on CPU (test_schedules.py),
-    # so the tests that are about the layer, not the schedule, trace the one that runs.
     options = dict(
-        num_heads=2, head_dim=4, expand_v=2.0, num_v_heads=4, chunk_size=16, schedule="in_scan"
+        num_heads=2, head_dim=4, expand_v=2.0, num_v_heads=4, chunk_size=16, schedule=SCHEDULE
     )
     options.update(kw)
     return cls(HIDDEN, rngs=nnx.Rngs(0), **options)

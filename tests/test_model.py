@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cpu_schedule import SCHEDULE
 from flax import nnx
 from tolerance import assert_close
 
@@ -22,7 +23,7 @@ HYBRID = ModelConfig(
     num_heads=2,
     expand_v=2.0,
     chunk_size=16,
-    schedule="in_scan",  # one schedule traced; "auto" runs in test_layers.py and the TPU tests
+    schedule=SCHEDULE,
 )
 
 
