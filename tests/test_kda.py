@@ -125,7 +125,7 @@ def test_channel_decays_and_scores_are_exact_segment_sums():
     after = (i <= t) & (i >= 21)
     segment[..., 1] = np.where(after, -0.01 * (t - i), segment[..., 1])  # not rounded sums
     expected = np.einsum("ptk,ik,tik->pti", x, k, np.exp(segment))
-    scores = jax.jit(channel_scores)(
+    scores = jax.jit(jax.vmap(channel_scores, in_axes=(0, None, None)))(
         jnp.asarray(x, jnp.float32), jnp.asarray(k, jnp.float32), decays
     )
     assert_close(scores, expected, jnp.float32)

@@ -203,17 +203,28 @@ def prepare_batched(q, k, v, log_alpha, beta, initial_state, *, use_qk_l2norm, c
     return (q, k, v, *rest)
 
 
-def over_batch_and_heads(one_head, q, k, v, log_alpha, beta, initial_states, cu_seqlens=None):
+def over_batch_and_heads(
+    one_head, q, k, v, log_alpha, beta, initial_states, cu_seqlens=None, *, share_qk=True
+):
     """Run ``one_head`` (one head, one sequence, as ``chunked.chunked_rule``: ``(q [T, K],
     ..., initial_states [N, V, K], cu_seqlens=) -> (y [T, V], finals [N, V, K])``) over the
     batch, the key heads and the value-head groups. Returns ``(o [B, T, HV, V], finals
-    [B or N, HV, V, K])``."""
+    [B or N, HV, V, K])``.
+
+    The value heads of one query/key head form a group of R that reads the same q and k.
+    With ``share_qk`` the group is vmapped with q and k unbatched, which shares them (and
+    their q k^T, k k^T products) instead of materialising R copies. Without it (the
+    per-channel rules, whose every product of q or k carries a value head's own decays, so
+    that nothing is shared) q and k are repeated per value head: sharing them made autodiff
+    sum their cotangents over the group inside the loop, as reduces of products over a middle
+    axis, and XLA:CPU (jaxlib 0.10.2) hands those to YNNPACK, which segfaults or returns
+    wrong values on some of their shapes (``tests/test_head_layouts.py``)."""
+    heads, v_heads = q.shape[2], v.shape[2]
+    if not share_qk:
+        q, k = (jnp.repeat(x, v_heads // heads, axis=2) for x in (q, k))
     batch, seq_len, heads, key_dim = q.shape
-    v_heads, value_dim = v.shape[2], v.shape[3]
+    value_dim = v.shape[3]
     num_states = initial_states.shape[0]
-    # The value heads of one query/key head form a group of R that reads the same q and k:
-    # vmapping the group with q and k unbatched shares them (and their q k^T, k k^T products)
-    # instead of materialising R copies.
     group = v_heads // heads
     v = v.reshape(batch, seq_len, heads, group, value_dim)
     # Per-channel gates (KDA) keep their trailing K axis.
@@ -283,5 +294,6 @@ def _batched(
         one_head = functools.partial(forms.chunked, chunk_size=chunk_size, schedule=schedule)
     else:
         one_head = forms.recurrent
-    out, final = over_batch_and_heads(one_head, *inputs, cu_seqlens)
+    share_qk = not forms.per_channel
+    out, final = over_batch_and_heads(one_head, *inputs, cu_seqlens, share_qk=share_qk)
     return scaled_outputs(out, q.shape[-1], scale, v.dtype), final

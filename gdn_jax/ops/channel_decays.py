@@ -80,19 +80,25 @@ def channel_decays(log_alpha: Float[Array, "C K"]) -> ChannelDecays:
 
 
 def channel_scores(
-    x: Float[Array, "P C K"], k: Float[Array, "C K"], decays: ChannelDecays
-) -> Float[Array, "P C C"]:
+    x: Float[Array, "C K"], k: Float[Array, "C K"], decays: ChannelDecays
+) -> Float[Array, "C C"]:
     """``M_ti = sum_c x_tc k_ic exp(G_tc - G_ic)`` for ``i <= t``, zero above the diagonal,
-    for each of ``P`` row factors ``x`` (queries and keys, say) against one ``k``."""
-    parts, chunk, key_dim = x.shape
-    blocks = (x * k[None]).sum(-1)[..., None, None]  # [P, C, 1, 1]: the diagonal
+    for one row factor ``x`` (the queries or the keys).
+
+    The queries' and the keys' scores are two calls, not one on a stack ``[q; k]`` against
+    ``k``: autodiff sums the stacked factors' cotangents for the shared ``k`` as a reduce of a
+    product over the stack's axis, and XLA:CPU (jaxlib 0.10.2) hands such reduces to
+    YNNPACK, which segfaults or returns wrong values on some of their shapes
+    (``tests/test_head_layouts.py``)."""
+    chunk, key_dim = x.shape
+    blocks = (x * k).sum(-1)[:, None, None]  # [C, 1, 1]: the diagonal
     for level in decays.levels:
         num, half = level.rows.shape[:2]
-        x_rows = x.reshape(parts, num, 2, half, key_dim)[:, :, 1] * level.rows[None]
+        x_rows = x.reshape(num, 2, half, key_dim)[:, 1] * level.rows
         k_cols = k.reshape(num, 2, half, key_dim)[:, 0] * level.cols
-        lower = jnp.einsum("pjtk,jik->pjti", x_rows, k_cols)  # [P, NB, b/2, b/2]
-        pairs = blocks.reshape(parts, num, 2, half, half)
-        top = jnp.concatenate([pairs[:, :, 0], jnp.zeros_like(lower)], axis=3)
-        bottom = jnp.concatenate([lower, pairs[:, :, 1]], axis=3)
-        blocks = jnp.concatenate([top, bottom], axis=2)  # [P, NB, b, b]
-    return blocks.reshape(parts, chunk, chunk)
+        lower = jnp.einsum("jtk,jik->jti", x_rows, k_cols)  # [NB, b/2, b/2]
+        pairs = blocks.reshape(num, 2, half, half)
+        top = jnp.concatenate([pairs[:, 0], jnp.zeros_like(lower)], axis=2)
+        bottom = jnp.concatenate([lower, pairs[:, 1]], axis=2)
+        blocks = jnp.concatenate([top, bottom], axis=1)  # [NB, b, b]
+    return blocks.reshape(chunk, chunk)

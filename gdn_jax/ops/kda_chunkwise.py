@@ -61,11 +61,11 @@ def chunk_prepare(
     # Clamped here, inside the rematerialised work, the clamp's mask is not kept for the
     # backward either.
     decays = channel_decays(jnp.maximum(log_alpha, LOG_ALPHA_FLOOR))
-    scores = channel_scores(jnp.stack([q, k]), k, decays)
-    inverse = unit_lower_inverse(jnp.tril(beta[:, None] * scores[1], -1))
+    q_scores, k_scores = channel_scores(q, k, decays), channel_scores(k, k, decays)
+    inverse = unit_lower_inverse(jnp.tril(beta[:, None] * k_scores, -1))
     k_beta = k * decays.from_start * beta[:, None]
     w, u = jnp.split(inverse @ jnp.concatenate([k_beta, v * beta[:, None]], 1), [k.shape[1]], 1)
-    return w, u, decays.from_start, decays.to_end, decays.whole, scores[0]
+    return w, u, decays.from_start, decays.to_end, decays.whole, q_scores
 
 
 def chunk_forward(
