@@ -62,9 +62,7 @@ def inputs(seed, heads, v_heads, per_channel):
 
 def program(op, options):
     def loss(q, k, v, log_alpha, beta, state):
-        o, final = op(
-            q, k, v, log_alpha, beta, initial_state=state, use_qk_l2norm=True, **options
-        )
+        o, final = op(q, k, v, log_alpha, beta, initial_state=state, use_qk_l2norm=True, **options)
         return jnp.sum(jnp.sin(o)) + jnp.sum(final**2) / 100, (o, final)
 
     return jax.jit(jax.grad(loss, argnums=tuple(range(6)), has_aux=True))
