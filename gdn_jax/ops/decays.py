@@ -61,13 +61,30 @@ def chunk_decays(log_alpha: Float[Array, " C"]) -> ChunkDecays:
 def chunk_decays_bwd(decays: ChunkDecays, cotangents: ChunkDecays) -> Float[Array, " C"]:
     """The gradient with respect to ``log_alpha [C]`` from cotangents of every decay.
 
-    Each decay is ``exp`` of a difference of ``g``, so its cotangent times its value flows
-    with ``+`` to the later end of the segment and ``-`` to the earlier one, giving ``dg``;
-    then ``d log_alpha_s = sum_{t >= s} dg_t`` since ``g_t`` sums the gates up to ``t``.
+    Each decay is ``exp`` of a sum of the gates over a segment of tokens, so its cotangent
+    times its value reaches every gate of the segment: ``exp(g_t - g_i)`` those in ``(i, t]``,
+    ``exp(g_t)`` those in ``[0, t]``, ``exp(g_C - g_i)`` those in ``(i, C)`` and ``exp(g_C)``
+    all. So ``d log_alpha_s`` sums ``within`` over ``i < s <= t``, ``from_start`` over
+    ``t >= s`` and ``to_end`` over ``i < s``.
+
+    Each sum adds the terms of the segments that hold ``s``, and nothing else. The shorter
+    route, one ``+`` at a segment's end and one ``-`` at its start and a cumulative sum, adds
+    and cancels every segment that does not hold ``s`` as well: in float32 that leaves about
+    1e-7 of each such term, and the terms of little decay (the diagonal's and the padded tail
+    chunk's, ``exp(0) = 1``) would swamp the gradient of a strong decay, whose own terms are
+    small exps (``log_alpha = -8`` gives 3e-4).
     """
-    inner = cotangents.within * decays.within  # zero above the diagonal
+    chunk = decays.from_start.shape[0]
+    index = jnp.arange(chunk)
+    before = (index[:, None] < index[None, :]).astype(decays.within.dtype)  # [i, s]: i < s
+    highest = jax.lax.Precision.HIGHEST  # no bf16 or tf32 rounding of the cotangents
+    inner = cotangents.within * decays.within  # [t, i], zero above the diagonal
+    rows_before = jnp.matmul(inner, before, precision=highest)  # [t, s]: sum over i < s
     from_start = cotangents.from_start * decays.from_start
     to_end = cotangents.to_end * decays.to_end
-    d_g = inner.sum(1) - inner.sum(0) + from_start - to_end
-    d_g = d_g.at[-1].add(cotangents.whole * decays.whole + to_end.sum())
-    return jax.lax.cumsum(d_g, reverse=True)
+    held = jnp.where(before > 0, 0, rows_before + from_start[:, None])  # [t, s]: keep t >= s
+    return (
+        held.sum(0)
+        + jnp.matmul(to_end, before, precision=highest)
+        + (cotangents.whole * decays.whole)
+    )
