@@ -15,12 +15,15 @@ once (test workers, a compile beside a CPU run) do not shut each other out.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import importlib.util
 import math
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 
 import jax
@@ -110,10 +113,15 @@ def quiet_libtpu(topology: Topology, environ=os.environ) -> None:
 
     Without a TPU, libtpu cannot look up its accelerator type and worker hostnames (Cloud TPU
     metadata) and prints warnings about both when it starts; what it compiles is the same
-    either way. Call before the first ``topology_devices``; never in a process that runs on
-    TPUs of its own."""
+    either way. Its logs go to a temporary directory removed when the process exits, unless
+    ``TPU_LOG_DIR`` names one. Call before the first ``topology_devices``; never in a process
+    that runs on TPUs of its own."""
     environ.setdefault("TPU_ACCELERATOR_TYPE", topology.accelerator_type)
     environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    if "TPU_LOG_DIR" not in environ:  # else libtpu leaves its logs in /tmp/tpu_logs
+        logs = tempfile.mkdtemp(prefix="gdn_jax-libtpu-logs-")
+        atexit.register(shutil.rmtree, logs, ignore_errors=True)
+        environ["TPU_LOG_DIR"] = logs
 
 
 def compile_for(fn: Callable, *args, device: jax.Device | None = None) -> jax.stages.Compiled:

@@ -47,7 +47,11 @@ def command(monkeypatch, capsys):
 
     monkeypatch.setattr(sys, "argv", ["train.py"])
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main appends to it
-    for name in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES"):  # --compile-only sets them
+    for name in (
+        "TPU_ACCELERATOR_TYPE",
+        "TPU_WORKER_HOSTNAMES",
+        "TPU_LOG_DIR",
+    ):  # --compile-only sets them
         # setenv records the variable as it was, set or not, for the undo; delenv then
         # leaves it as it was until the command runs.
         monkeypatch.setenv(name, os.environ.get(name, ""))
@@ -557,3 +561,39 @@ def test_compile_only_without_libtpu_names_the_install_command(tmp_path, monkeyp
         compile_only(command, tmp_path),
         r"compiling for TPU needs libtpu; install it with: pip install \"libtpu==0.0.52\"$",
     )
+
+
+def test_compile_only_with_a_tpu_platform_this_host_lacks_is_one_line(
+    tmp_path, monkeypatch, command
+):
+    """``JAX_PLATFORMS=tpu`` on a host without TPUs: JAX's own error, as it raises it when
+    the backend starts (this process's backends are up already, so it is raised for them)."""
+    pytest.importorskip("libtpu", reason='--compile-only needs libtpu: pip install -e ".[test]"')
+    import jax
+
+    def no_tpu(*args, **kwargs):
+        raise RuntimeError(
+            "Unable to initialize backend 'tpu': NOT_FOUND: TPU initialization failed: No "
+            "jellyfish device found. (set JAX_PLATFORMS='' to automatically choose an "
+            "available backend)"
+        )
+
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+    monkeypatch.setattr(jax, "devices", no_tpu)
+    for args in (["--compile-only", "--topology", "v5e:2x2"], []):
+        one_line_error(
+            command(tmp_path / "run", *args),
+            r"JAX_PLATFORMS=tpu: Unable to initialize backend 'tpu': NOT_FOUND: TPU "
+            r"initialization failed: No jellyfish device found\.(; --compile-only compiles "
+            r"on this host and needs no TPU of its own: unset JAX_PLATFORMS or set "
+            r"JAX_PLATFORMS=cpu)?$",
+        )
+        assert not (tmp_path / "run").exists()
+
+
+def test_a_users_training_run_on_a_cpu_host_prints_nothing_on_stderr(finished_run):
+    """The shared finished run trained with JAX_PLATFORMS unset, libtpu installed (the test
+    extra brings it) and no TPU here: JAX was kept off libtpu, whose warnings and
+    INVALID_ARGUMENT error on stderr read as a broken install (``platforms.py``)."""
+    stderr = (finished_run.parent / "finished-run.stderr").read_text()
+    assert stderr == "", stderr

@@ -104,6 +104,9 @@ def _main(argv) -> int:
     # Imported here so that --help and argument errors do not wait for JAX.
     import jax
 
+    from gdn_jax.training.platforms import use_host_platforms
+
+    use_host_platforms()  # before anything starts a backend
     from gdn_jax.training.config import load_config
     from gdn_jax.training.loop import (
         Interrupted,
@@ -124,7 +127,9 @@ def _main(argv) -> int:
         config = load_config(resolve_config(args.config), args.overrides)
     except (ValueError, OSError) as error:
         return fail(error)
-    devices = jax.devices()
+    devices = _host_devices()
+    if isinstance(devices, str):
+        return fail(devices)
     print(f"devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()})")
     print(
         f"model: {config.model.mixers}, d_model={config.model.d_model}; data: "
@@ -191,6 +196,11 @@ def _compile_only(args, fail) -> int:
 
     if not os.environ.get("JAX_PLATFORMS"):
         jax.config.update("jax_platforms", "cpu")
+    elif isinstance(devices := _host_devices(), str):
+        return fail(
+            f"{devices}; --compile-only compiles on this host and needs no TPU of its own: "
+            "unset JAX_PLATFORMS or set JAX_PLATFORMS=cpu"
+        )
     try:
         devices = tpu_compile.topology_devices(topology.name)
         memory = compile_only.step_memory(config, topology, devices)
@@ -202,6 +212,19 @@ def _compile_only(args, fail) -> int:
     )
     print("\n".join(compile_only.report(memory, topology, devices)))
     return 0 if memory.fits else 1
+
+
+def _host_devices():
+    """``jax.devices()``, or the reason this host's backends cannot start (a platform in
+    ``JAX_PLATFORMS`` that the host does not have, say) as one line."""
+    import jax
+
+    try:
+        return jax.devices()
+    except RuntimeError as error:
+        reason = str(error).split(" (set JAX_PLATFORMS=")[0]
+        platforms = os.environ.get("JAX_PLATFORMS")
+        return f"JAX_PLATFORMS={platforms}: {reason}" if platforms else reason
 
 
 def _mesh_text(config, devices) -> str:

@@ -1,0 +1,74 @@
+"""The training command's choice of JAX backends (``gdn_jax.training.platforms``): off
+libtpu on a host without TPU chips, JAX's own choice everywhere else."""
+
+import os
+
+import pytest
+
+from gdn_jax import tpu_compile
+from gdn_jax.training import platforms
+
+
+@pytest.fixture
+def host(monkeypatch):
+    """A host with ``chips`` TPU chips, the GPU platforms ``gpus`` (None: a plugin of
+    unknown kind) and libtpu installed or not."""
+
+    def make(chips=0, gpus=(), libtpu=True):
+        monkeypatch.setattr(platforms, "tpu_chips", lambda: chips)
+        monkeypatch.setattr(platforms, "gpu_platforms", lambda: gpus)
+        find_spec = platforms.importlib.util.find_spec
+
+        def fake(name, *args):
+            if name == "libtpu":
+                return object() if libtpu else None
+            return find_spec(name, *args)
+
+        monkeypatch.setattr(platforms.importlib.util, "find_spec", fake)
+
+    return make
+
+
+def test_a_host_without_tpus_keeps_jax_off_libtpu(host):
+    host(chips=0)
+    assert platforms.platforms_without_tpu({}) == "cpu"
+    host(chips=0, gpus=["cuda"])
+    assert platforms.platforms_without_tpu({}) == "cuda,cpu"
+
+
+@pytest.mark.parametrize(
+    ("environ", "chips", "gpus", "libtpu"),
+    [
+        ({"JAX_PLATFORMS": "cpu"}, 0, [], True),  # the user chose
+        ({"JAX_FORCE_TPU_INIT": "1"}, 0, [], True),  # the user insists on a TPU
+        ({}, 4, [], True),  # a TPU host
+        ({}, None, [], True),  # this JAX cannot count chips: its choice stands
+        ({}, 0, None, True),  # a plugin whose platform is unknown here
+        ({}, 0, [], False),  # no libtpu: nothing to keep off
+    ],
+)
+def test_everyone_else_keeps_jaxs_choice(host, environ, chips, gpus, libtpu):
+    host(chips=chips, gpus=gpus, libtpu=libtpu)
+    assert platforms.platforms_without_tpu(environ) is None
+
+
+def test_jax_counts_the_tpu_chips_of_this_host():
+    assert platforms.tpu_chips() == 0  # the suite runs on CPU hosts
+    assert platforms.gpu_platforms() == []
+
+
+def test_compile_only_keeps_libtpu_logs_in_a_directory_removed_at_exit(monkeypatch, tmp_path):
+    exits = []
+    monkeypatch.setattr(
+        tpu_compile.atexit, "register", lambda fn, *a, **k: exits.append((fn, a, k))
+    )
+    environ = {}
+    tpu_compile.quiet_libtpu(tpu_compile.parse_topology("v5e:2x2"), environ)
+    logs = environ["TPU_LOG_DIR"]
+    assert os.path.isdir(logs) and environ["TPU_ACCELERATOR_TYPE"] == "v5litepod-4"
+    for fn, args, kwargs in exits:
+        fn(*args, **kwargs)
+    assert not os.path.exists(logs)
+    given = {"TPU_LOG_DIR": str(tmp_path)}
+    tpu_compile.quiet_libtpu(tpu_compile.parse_topology("v5e:2x2"), given)
+    assert given["TPU_LOG_DIR"] == str(tmp_path)
