@@ -2,6 +2,8 @@
 each is now a ValueError naming the argument and its shape or value."""
 
 import dataclasses
+import functools
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -259,3 +261,96 @@ def test_generate_checks_mask_values_and_the_key(model):
     for key in (0, jnp.zeros(3, jnp.uint32)):
         with pytest.raises(ValueError, match=r"generate: key must be a PRNG key from jax.random"):
             generate(model, tokens(1, 3), max_new_tokens=1, temperature=1.0, key=key)
+
+
+@pytest.mark.parametrize(
+    ("row", "mask"),
+    [
+        (1, [[0, 1, 1], [1, 1, 0]]),  # right padding: it would decode on from the pad
+        (0, [[1, 0, 1], [1, 1, 1]]),  # a hole
+        (1, [[1, 1, 1], [0, 0, 0]]),  # no token at all
+    ],
+)
+def test_generate_and_prefill_refuse_a_mask_that_is_not_left_padding(model, row, mask):
+    mask = jnp.asarray(mask, jnp.int32)
+    shown = re.escape(str(np.asarray(mask[row]).tolist()))
+    message = (
+        rf"mask row {row} must be left padding \(zeros, then ones, at least one one\), got {shown}"
+    )
+    with pytest.raises(ValueError, match=rf"generate: {message}"):
+        generate(model, tokens(2, 3), mask=mask, max_new_tokens=2)
+    with pytest.raises(ValueError, match=rf"LanguageModel: {message}"):
+        model.prefill(tokens(2, 3), model.init_cache(2, 5), mask=mask)
+
+
+def test_numpy_numbers_are_taken_wherever_python_numbers_are(model):
+    from gdn_jax import KimiDeltaAttention
+
+    q, k, v, la, b = random_inputs(0, 20, 4, 4)
+    y, _ = gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, chunk_size=np.int64(16))
+    expected, _ = gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, chunk_size=16)
+    assert_close(y, expected, jnp.float32)
+    layer = GatedDeltaNet(16, 2, 8, chunk_size=np.int32(16), rngs=nnx.Rngs(0))
+    assert type(layer.chunk_size) is int
+    kda = KimiDeltaAttention(16, 2, 8, gate_lower_bound=np.float32(-5), rngs=nnx.Rngs(0))
+    assert kda.gate_lower_bound == -5.0
+    out = generate(model, tokens(1, 3), max_new_tokens=np.int64(2))
+    assert out.shape == (1, 2)
+    assert ModelConfig(d_model=np.int64(16), num_heads=np.int64(2)).validate().d_model == 16
+    with pytest.raises(ValueError, match=r"chunk_size=np.True_ must be one of"):
+        gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, chunk_size=np.True_)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, "float8"])
+def test_layers_refuse_dtypes_that_are_not_floating(dtype):
+    from gdn_jax import KimiDeltaAttention
+
+    shown = dtype.__name__ if isinstance(dtype, type) else repr(dtype)
+    for cls in (GatedDeltaNet, KimiDeltaAttention, SoftmaxAttention):
+        for name in ("dtype", "param_dtype"):
+            with pytest.raises(
+                ValueError, match=rf"{cls.__name__}: {name}={shown} must be a floating dtype"
+            ):
+                cls(16, 2, 8, **{name: dtype}, rngs=nnx.Rngs(0))
+
+
+def test_float64_without_64_bit_mode_is_refused():
+    import jax
+
+    with jax.enable_x64(False):
+        with pytest.raises(ValueError, match=r"GatedDeltaNet: dtype=float64 needs JAX's 64-bit"):
+            GatedDeltaNet(16, 2, 8, dtype=jnp.float64, rngs=nnx.Rngs(0))
+        with pytest.raises(
+            ValueError, match=r"ModelConfig.param_dtype='float64': needs JAX's 64-bit mode"
+        ):
+            ModelConfig(param_dtype="float64").validate()
+    assert ModelConfig(param_dtype="float64").validate()  # the suite runs with it on
+
+
+@pytest.mark.parametrize("impl", ["chunked", "recurrent"])
+def test_forward_mode_autodiff_through_the_chunked_form_says_what_to_use(impl):
+    import jax
+
+    q, k, v, la, b = (x[None, :, None] for x in random_inputs(0, 20, 4, 4))
+
+    def out(q):
+        return gdn_jax.gated_delta_rule(q, k, v, la, b, impl=impl, chunk_size=16)[0]
+
+    if impl == "recurrent":  # forward mode runs through the recurrent form
+        jax.jvp(out, (q,), (q,))
+        return
+    message = (
+        r"gated_delta_rule: forward-mode autodiff \(jax.jvp, jax.jacfwd\) reaches q, but the "
+        r"chunked form differentiates in reverse mode only \(a hand-written custom_vjp\); for "
+        r"forward mode use impl=\"recurrent\""
+    )
+    for forward in (lambda: jax.jvp(out, (q,), (q,)), lambda: jax.jacfwd(out)(q)):
+        with pytest.raises(ValueError, match=message):
+            forward()
+    one_head = functools.partial(gdn_jax.gated_delta_rule_chunked, chunk_size=16)
+    with pytest.raises(ValueError, match=r"for forward mode use gated_delta_rule_recurrent"):
+        jax.jvp(lambda q: one_head(q, k[0, :, 0], v[0, :, 0], la[0, :, 0], b[0, :, 0])[0],
+                (q[0, :, 0],), (q[0, :, 0],))  # fmt: skip
+    # Forward over reverse needs no forward-mode rule of the op: the Hessian works.
+    hessian = jax.hessian(lambda q: jnp.sum(out(q) ** 2))(q)
+    assert np.isfinite(hessian).all()

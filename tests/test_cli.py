@@ -112,6 +112,15 @@ def fake_run(out_dir, *, steps=(4,), summary=None, **config_changes):
         (["train.learning_rate=.inf"], r"train.learning_rate=inf must be finite"),
         (["train.steps=[1"], r"--set 'train.steps=\[1': malformed YAML at line 1, column 3"),
         (
+            ["model.param_dtype=float16"],
+            r"model.param_dtype=float16 cannot be trained: AdamW keeps its moments in the "
+            r"parameters' dtype, .* use bfloat16",
+        ),
+        (  # the command runs as a fresh interpreter does, with 64-bit mode off
+            ["model.dtype=float64"],
+            r"ModelConfig.dtype='float64': needs JAX's 64-bit mode, which is off",
+        ),
+        (
             ["data.num_kv_pairs=2"],
             r"holds an earlier run \(config.yaml, metrics.jsonl, "
             r"checkpoints \(steps 4\)\); continue it with --resume or delete it with --overwrite",
@@ -129,6 +138,17 @@ def test_malformed_yaml_config_names_line_and_column(tmp_path, command):
     config.write_text("model:\n  d_model: 64\n   heads: [2\n")
     result = command(tmp_path / "run", "--config", str(config))
     one_line_error(result, r"bad.yaml: malformed YAML at line 3, column 9")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("text", ["", "# nothing yet\n\n"])
+def test_an_empty_config_file_is_refused_not_trained_as_the_defaults(tmp_path, command, text):
+    config = tmp_path / "empty.yaml"
+    config.write_text(text)
+    result = command(tmp_path / "run", "--config", str(config))
+    one_line_error(
+        result, r"empty.yaml: the file holds no settings \(it is empty or only comments\)"
+    )
     assert not (tmp_path / "run").exists()
 
 

@@ -335,6 +335,12 @@ def _layer_types(family: Family, fn: str, config: Mapping) -> list:
         ]
     if not isinstance(types, list | tuple):
         raise ValueError(f"{fn}: config layer_types must be a list of layer kinds, got {types!r}")
+    layers = config.get("num_hidden_layers")
+    if layers is not None and len(types) != layers:
+        raise ValueError(
+            f"{fn}: config layer_types must name each of the num_hidden_layers={layers} "
+            f"layers, got {len(types)} kinds"
+        )
     known = (LINEAR, *ATTENTION_KINDS)
     unknown = [kind for kind in types if kind not in known]
     if unknown:

@@ -19,7 +19,6 @@ loaded config's ``to_dict()``); its ``config_view`` fills in ``KDA_KEYS`` and
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping
 from typing import ClassVar
 
@@ -80,10 +79,7 @@ class KDAFamily(Family):
         checks.check_positive_int(fn, **{f"config {key}": config[key] for key in KDA_KEYS})
         checks.check_positive_number(fn, rms_norm_eps=config["rms_norm_eps"])
         bound = config.get(LOWER_BOUND) if self.bounded else None
-        if bound is not None and not (checks.is_python_number(bound) and -math.inf < bound < 0):
-            raise ValueError(
-                f"{fn}: config {LOWER_BOUND}={bound!r} must be a finite negative number or None"
-            )
+        checks.check_lower_bound(fn, f"config {LOWER_BOUND}", bound)
         heads, head_dim = config["linear_num_heads"], config["linear_head_dim"]
         return dict(
             hidden_size=config["hidden_size"],

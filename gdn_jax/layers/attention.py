@@ -80,6 +80,7 @@ class SoftmaxAttention(nnx.Module):
         if window is not None:
             checks.check_positive_int(name, window=window)
         checks.check_positive_number(name, rope_theta=rope_theta)
+        checks.check_floating_dtype(name, dtype=dtype, param_dtype=param_dtype)
         linear = bias_free_linear(
             dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
         )

@@ -127,12 +127,8 @@ class KimiDeltaAttention(RecurrentLayer):
         checks.check_impl(name, impl)
         checks.check_chunk_size(name, chunk_size)
         checks.check_schedule(name, schedule)
-        if gate_lower_bound is not None:
-            checks.require(
-                name,
-                checks.is_python_number(gate_lower_bound) and -float("inf") < gate_lower_bound < 0,
-                f"gate_lower_bound={gate_lower_bound!r} must be a finite negative number or None",
-            )
+        checks.check_floating_dtype(name, dtype=dtype, param_dtype=param_dtype)
+        checks.check_lower_bound(name, "gate_lower_bound", gate_lower_bound)
 
         self.hidden_size = hidden_size
         self.num_heads, self.num_v_heads, self.head_dim = num_heads, num_v_heads, head_dim
@@ -142,7 +138,7 @@ class KimiDeltaAttention(RecurrentLayer):
         self.allow_neg_eigval, self.use_gate = allow_neg_eigval, use_gate
         self.low_rank_gates = low_rank_gates
         self.gate_lower_bound = None if gate_lower_bound is None else float(gate_lower_bound)
-        self.chunk_size, self.impl, self.conv_size = chunk_size, impl, conv_size
+        self.chunk_size, self.impl, self.conv_size = int(chunk_size), impl, conv_size
         self.schedule = schedule
 
         linear = bias_free_linear(

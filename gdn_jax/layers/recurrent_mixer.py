@@ -108,6 +108,7 @@ class RecurrentMixer(RecurrentLayer):
         checks.check_impl(name, impl)
         checks.check_chunk_size(name, chunk_size)
         checks.check_schedule(name, schedule)
+        checks.check_floating_dtype(name, dtype=dtype, param_dtype=param_dtype)
         checks.require(
             name,
             self.delta or not allow_neg_eigval,
@@ -120,7 +121,7 @@ class RecurrentMixer(RecurrentLayer):
         self.head_v_dim = head_v_dim
         self.key_dim, self.value_dim = num_heads * head_dim, num_v_heads * self.head_v_dim
         self.allow_neg_eigval, self.use_gate = allow_neg_eigval, use_gate
-        self.chunk_size, self.impl, self.conv_size = chunk_size, impl, conv_size
+        self.chunk_size, self.impl, self.conv_size = int(chunk_size), impl, conv_size
         self.schedule = schedule
 
         linear = bias_free_linear(

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Literal, get_args, no_type_check
 
+import jax
 import jax.numpy as jnp
 
-from gdn_jax.ops.checks import Impl, Schedule
+from gdn_jax.ops.checks import Impl, Schedule, is_real_number
 
 # "kda" is Kimi Delta Attention, the delta rule with one decay per key channel.
 # "attention_conv" is attention with the recurrent mixers' short convolutions on q, k and v:
@@ -84,7 +86,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}: {message}")
 
         def whole(value):
-            return isinstance(value, int) and not isinstance(value, bool)
+            return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
         for field in ("vocab_size", "d_model", "num_heads", "conv_size"):
             if not whole(getattr(self, field)) or getattr(self, field) < 1:
@@ -94,7 +96,7 @@ class ModelConfig:
                 fail(field, "must be a positive integer or None")
         for field in ("expand_v", "norm_eps", "init_std", "rope_theta"):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int | float):
+            if not is_real_number(value):
                 fail(field, "must be a number")
         for field in (
             "allow_neg_eigval",
@@ -115,6 +117,12 @@ class ModelConfig:
         for field in ("dtype", "param_dtype"):
             if getattr(self, field) not in DTYPES:
                 fail(field, f"allowed: {DTYPES}")
+            if getattr(self, field) == "float64" and not jax.config.jax_enable_x64:
+                fail(
+                    field,
+                    "needs JAX's 64-bit mode, which is off (the model would compute in "
+                    "float32): set JAX_ENABLE_X64=1",
+                )
         for field in ("norm_eps", "init_std"):
             if not getattr(self, field) > 0:
                 fail(field, "must be positive")

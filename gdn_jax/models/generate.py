@@ -45,7 +45,8 @@ def generate(model, prompt, *, mask=None, max_new_tokens: int, temperature: floa
     Args:
       model: a ``LanguageModel``.
       prompt: int tokens ``[B, T]`` in ``[0, vocab_size)``; rows of different lengths are
-        left-padded, with ``mask`` ``[B, T]`` (0 or 1) set to 0 on the padding.
+        left-padded, with ``mask`` ``[B, T]`` (0 or 1) set to 0 on the padding: each row
+        zeros, then ones, at least one (a concrete mask is checked).
       max_new_tokens: how many tokens to generate (>= 1).
       temperature: 0 for greedy decoding, else sampling from ``softmax(logits / temperature)``.
       key: PRNG key (``jax.random.key(seed)``, or a raw ``uint32 [2]`` one from
@@ -57,7 +58,9 @@ def generate(model, prompt, *, mask=None, max_new_tokens: int, temperature: floa
     """
     checks.require(
         "generate",
-        type(max_new_tokens) is int and max_new_tokens >= 1,
+        isinstance(max_new_tokens, numbers.Integral)
+        and checks.is_real_number(max_new_tokens)
+        and bool(max_new_tokens >= 1),
         f"max_new_tokens={max_new_tokens!r} must be >= 1 (an integer)",
     )
     greedy = isinstance(temperature, numbers.Real) and temperature == 0
@@ -79,6 +82,8 @@ def generate(model, prompt, *, mask=None, max_new_tokens: int, temperature: floa
     if mask is not None:
         checks.check_mask("generate", mask, *prompt.shape)
     checks.check_token_ids("generate", "prompt", prompt, model.config.vocab_size, mask)
+    if mask is not None:
+        checks.check_left_padding("generate", mask)
     if key is not None:
         checks.check_key("generate", key)
     key = jax.random.key(0) if key is None else key
@@ -90,6 +95,6 @@ def generate(model, prompt, *, mask=None, max_new_tokens: int, temperature: floa
         prompt,
         mask,
         key,
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=int(max_new_tokens),
         temperature=float(temperature),
     )

@@ -210,9 +210,12 @@ class LanguageModel(nnx.Module):
         )
 
     def prefill(self, tokens, cache, *, mask=None):
-        """Run a prompt ``[B, T]`` (left-padded with ``mask``): ``(logits, cache)``."""
+        """Run a prompt ``[B, T]`` (left-padded with ``mask``): ``(logits, cache)``. A row
+        padded elsewhere would decode on from a pad token: a concrete ``mask`` is checked."""
         self._check_cache(cache)
         x, new_cache = self._embed(tokens, mask), []
+        if mask is not None:
+            checks.check_left_padding("LanguageModel", mask)
         for block, layer_cache in zip(self.blocks, cache, strict=True):
             x, layer_cache = block.prefill(x, layer_cache, mask=mask)
             new_cache.append(layer_cache)

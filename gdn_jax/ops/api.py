@@ -45,6 +45,7 @@ class Forms(NamedTuple):
     recurrent: Callable
     chunked: Callable
     per_channel: bool
+    reverse_only: bool = True  # the chunked form is a custom_vjp: no forward-mode autodiff
 
 
 def rule_forms(rule: Rule) -> Forms:
@@ -53,9 +54,13 @@ def rule_forms(rule: Rule) -> Forms:
     return Forms(recurrent, functools.partial(chunked_rule, rule=rule.chunk), per_channel=False)
 
 
-# S' = S Diag(alpha) + beta (v - S Diag(alpha) k) k^T: token_step broadcasts [K] gates.
+# S' = S Diag(alpha) + beta (v - S Diag(alpha) k) k^T: token_step broadcasts [K] gates. Its
+# chunked form differentiates by autodiff, forward mode included.
 KDA_FORMS = Forms(
-    functools.partial(recurrent_rule, step=token_step), kda_chunked_rule, per_channel=True
+    functools.partial(recurrent_rule, step=token_step),
+    kda_chunked_rule,
+    per_channel=True,
+    reverse_only=False,
 )
 
 
@@ -278,8 +283,11 @@ def _batched(
     checks.check_scale(fn, scale)
     checks.check_impl(fn, impl)
     if impl == "chunked":
-        checks.check_chunk_size(fn, chunk_size)
+        chunk_size = checks.check_chunk_size(fn, chunk_size)
         checks.check_schedule(fn, schedule)
+        if forms.reverse_only:
+            arrays = dict(q=q, k=k, v=v, log_alpha=log_alpha, beta=beta)
+            checks.check_reverse_mode(fn, 'impl="recurrent"', **arrays, initial_state=initial_state)
     inputs = prepare_batched(
         q,
         k,

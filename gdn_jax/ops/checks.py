@@ -36,6 +36,12 @@ def is_python_number(x) -> bool:
     return type(x) in (int, float)
 
 
+def is_real_number(x) -> bool:
+    """A Python or NumPy real number, ``int`` or ``float`` alike (not a bool, not an array):
+    what an option that takes a number accepts."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool | np.bool_)
+
+
 def check_floating(fn: str, **arrays) -> None:
     """Every named array must have a floating dtype (None entries and Python numbers, see
     ``is_python_number``, are skipped)."""
@@ -48,18 +54,25 @@ def check_floating(fn: str, **arrays) -> None:
 
 
 def check_floating_dtype(fn: str, **dtypes) -> None:
-    """Each named dtype (None entries skipped) is a floating one: parameters and activations
-    cast to an integer dtype would be truncated, or fail inside Flax."""
+    """Each named dtype (None entries skipped) is a floating one that JAX computes in:
+    parameters and activations cast to an integer dtype would be truncated, or fail inside
+    Flax, and float64 without 64-bit mode (``jax_enable_x64``) would silently be float32."""
     for name, dtype in dtypes.items():
         if dtype is None:
             continue
+        shown = dtype.__name__ if isinstance(dtype, type) else repr(dtype)
         try:
             floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
         except TypeError:
             floating = False
         if not floating:
-            shown = dtype.__name__ if isinstance(dtype, type) else repr(dtype)
             raise ValueError(f"{fn}: {name}={shown} must be a floating dtype")
+        if jnp.dtype(dtype) == jnp.float64 and not jax.config.jax_enable_x64:
+            raise ValueError(
+                f"{fn}: {name}={shown} needs JAX's 64-bit mode, which is off (it would "
+                "compute in float32): set JAX_ENABLE_X64=1, or call "
+                "jax.config.update('jax_enable_x64', True) before anything else"
+            )
 
 
 def check_same_dtype(fn: str, **arrays) -> None:
@@ -125,6 +138,13 @@ def check_positive_number(fn: str, **values) -> None:
             raise ValueError(f"{fn}: {name}={value!r} must be a finite number > 0")
 
 
+def check_lower_bound(fn: str, name: str, bound) -> None:
+    """``None`` or a finite negative number, Python or NumPy: the least log-decay a bounded
+    forget gate may reach per step (KDA's ``gate_lower_bound``)."""
+    if bound is not None and not (is_real_number(bound) and -math.inf < bound < 0):
+        raise ValueError(f"{fn}: {name}={bound!r} must be a finite negative number or None")
+
+
 def check_scale(fn: str, scale) -> None:
     """``None`` (the default ``K ** -0.5``) or a finite number > 0; an array would be traced
     into the op where nothing checks it."""
@@ -144,6 +164,23 @@ def check_mask(fn: str, mask, batch: int, seq_len: int) -> None:
         values = np.unique(np.asarray(mask))
         if not np.isin(values, (0, 1)).all():
             raise ValueError(f"{fn}: mask must hold only 0 and 1, got values {values.tolist()[:8]}")
+
+
+def check_left_padding(fn: str, mask) -> None:
+    """A concrete ``[B, T]`` mask pads each row on the left only: zeros, then ones, and at
+    least one one, so that a row's last token is its last real one, which decoding continues
+    from. Traced masks cannot be checked."""
+    if not is_concrete(mask):
+        return
+    real = np.asarray(mask).astype(bool)
+    for row, tokens in enumerate(real):
+        if not tokens.any() or not tokens[tokens.argmax() :].all():
+            shown = tokens.astype(int).tolist()
+            shown = shown if len(shown) <= 16 else [*shown[:8], "...", *shown[-8:]]
+            raise ValueError(
+                f"{fn}: mask row {row} must be left padding (zeros, then ones, at least one "
+                f"one), got {shown}"
+            )
 
 
 def check_token_ids(fn: str, name: str, tokens, vocab_size: int, mask=None) -> None:
@@ -213,9 +250,30 @@ def check_cache(fn: str, cache, expected) -> None:
             )
 
 
-def check_chunk_size(fn: str, chunk_size) -> None:
-    if type(chunk_size) is not int or chunk_size not in SUPPORTED_CHUNK_SIZES:
+def check_reverse_mode(fn: str, instead: str, **arrays) -> None:
+    """No input is traced by forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``): the chunked
+    forms' gradient is a hand-written reverse-mode rule (a ``jax.custom_vjp``), which JAX
+    cannot run forward. ``instead`` names what to use for forward mode. Reverse mode, and
+    forward over reverse (``jax.hessian``), work."""
+    forward = [name for name, x in arrays.items() if isinstance(x, jax.interpreters.ad.JVPTracer)]
+    if forward:
+        raise ValueError(
+            f"{fn}: forward-mode autodiff (jax.jvp, jax.jacfwd) reaches {', '.join(forward)}, "
+            "but the chunked form differentiates in reverse mode only (a hand-written "
+            f"custom_vjp); for forward mode use {instead} (jax.grad, jax.vjp and "
+            "jax.hessian work with either)"
+        )
+
+
+def check_chunk_size(fn: str, chunk_size) -> int:
+    """One of ``SUPPORTED_CHUNK_SIZES``, as a Python or NumPy integer (not a bool); returned
+    as a Python ``int``, the static value the forms take."""
+    integer = isinstance(chunk_size, numbers.Integral) and not isinstance(
+        chunk_size, bool | np.bool_
+    )
+    if not integer or int(chunk_size) not in SUPPORTED_CHUNK_SIZES:
         raise ValueError(f"{fn}: chunk_size={chunk_size!r} must be one of {SUPPORTED_CHUNK_SIZES}")
+    return int(chunk_size)
 
 
 def check_impl(fn: str, impl) -> None:

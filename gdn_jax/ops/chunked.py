@@ -435,8 +435,12 @@ def gated_delta_rule_chunked(
       the start of t's chunk on, not from t as in the recurrent form (module docstring).
     """
     fn = "gated_delta_rule_chunked"
-    checks.check_chunk_size(fn, chunk_size)
+    chunk_size = checks.check_chunk_size(fn, chunk_size)
     checks.check_schedule(fn, schedule)
+    checks.check_reverse_mode(
+        fn, "gated_delta_rule_recurrent", q=q, k=k, v=v, log_alpha=log_alpha, beta=beta,
+        initial_state=initial_state,
+    )  # fmt: skip
     return checked_single_head(
         fn, chunked_rule, q, k, v, log_alpha, beta, initial_state,
         scale=scale, chunk_size=chunk_size, schedule=schedule,

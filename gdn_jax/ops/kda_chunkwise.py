@@ -157,7 +157,7 @@ def kda_chunked(
       (float64 for float64 input).
     """
     fn = "kda_chunked"
-    checks.check_chunk_size(fn, chunk_size)
+    chunk_size = checks.check_chunk_size(fn, chunk_size)
     checks.check_schedule(fn, schedule)
     return checked_single_head(
         fn, kda_chunked_rule, q, k, v, log_alpha, beta, initial_state,

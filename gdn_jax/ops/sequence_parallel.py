@@ -320,8 +320,10 @@ def _seq_parallel(
     checks.check_batched(fn, q, k, v, log_alpha, beta, initial_state, cu_seqlens)
     _check_mesh(fn, mesh, axis_name, q.shape[1])
     checks.check_scale(fn, scale)
-    checks.check_chunk_size(fn, chunk_size)
+    chunk_size = checks.check_chunk_size(fn, chunk_size)
     checks.check_schedule(fn, schedule)
+    arrays = dict(q=q, k=k, v=v, log_alpha=log_alpha, beta=beta, initial_state=initial_state)
+    checks.check_reverse_mode(fn, 'the one-device op with impl="recurrent"', **arrays)
     inputs = prepare_batched(
         q,
         k,

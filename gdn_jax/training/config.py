@@ -90,6 +90,13 @@ class Config:
                 value = getattr(getattr(self, section), field.name)
                 if isinstance(value, float) and not math.isfinite(value):
                     raise ValueError(f"{section}.{field.name}={value} must be finite")
+        if self.model.param_dtype == "float16":
+            raise ValueError(
+                "model.param_dtype=float16 cannot be trained: AdamW keeps its moments in the "
+                "parameters' dtype, where its epsilon (1e-8) and the second moments of small "
+                "gradients round to 0, so an update divides by zero (the loss is NaN at "
+                "step 2); use bfloat16, float16's width with float32's range"
+            )
         check_buildable(self.model)  # the layer constructors' rules, before any run starts
         self.data.validate()
         t = self.train
@@ -181,7 +188,12 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     parsed as YAML: ``64``, ``3e-3``, ``[gdn, attention]``, ``null``), check everything."""
     data = {}
     if path is not None:
-        data = parse_yaml(Path(path).read_text(), str(path)) or {}
+        data = parse_yaml(Path(path).read_text(), str(path))
+        if data is None:  # an empty file, or only comments: it was meant to say something
+            raise ValueError(
+                f"{path}: the file holds no settings (it is empty or only comments); give "
+                "model, data and train sections as in configs/mqar_gdn.yaml"
+            )
         if not isinstance(data, dict):
             raise ValueError(f"{path}: the top level must be a mapping of model/data/train")
     for item in overrides:
