@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from flax import nnx
 
@@ -115,6 +117,7 @@ class Block(nnx.Module):
         return self._mlp(x + y), cache
 
 
+@functools.lru_cache(maxsize=256)  # a sweep checks many cells of a few models
 def check_buildable(config: ModelConfig) -> ModelConfig:
     """Raise the ``ValueError`` that building ``config``'s model would raise, without
     allocating it: the config's own rules, then each layer constructor's."""

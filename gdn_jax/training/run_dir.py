@@ -61,25 +61,26 @@ def unreadable(path: Path, reason: str) -> RunError:
     return RunError(f"{path} cannot be read: {reason}")
 
 
-def check_writable(out_dir: Path) -> None:
-    """``out_dir`` is a directory we can write, or can be created below one we can write."""
+def check_writable(out_dir: Path, name: str = "train.out_dir") -> None:
+    """``out_dir`` is a directory we can write, or can be created below one we can write;
+    ``name`` is the option that gave it, for the message."""
     if out_dir.is_symlink() and not out_dir.exists():
         raise RunError(
-            f"train.out_dir={out_dir} is a link to {os.readlink(out_dir)}, which does not exist"
+            f"{name}={out_dir} is a link to {os.readlink(out_dir)}, which does not exist"
         )
     if out_dir.exists() and not out_dir.is_dir():
-        raise RunError(f"train.out_dir={out_dir} exists and is not a directory")
+        raise RunError(f"{name}={out_dir} exists and is not a directory")
     parent = out_dir
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        raise RunError(f"train.out_dir={out_dir} cannot be created: {parent} is not a directory")
+        raise RunError(f"{name}={out_dir} cannot be created: {parent} is not a directory")
     try:  # permission bits do not stop root, a read-only filesystem does: try it
         descriptor, probe = tempfile.mkstemp(dir=parent, prefix=".write-probe-")
         os.close(descriptor)
         os.unlink(probe)
     except OSError as error:
-        raise RunError(f"train.out_dir={out_dir} is not writable: {error.strerror}") from None
+        raise RunError(f"{name}={out_dir} is not writable: {error.strerror}") from None
 
 
 def checkpoint_steps(out_dir: Path) -> list[int]:

@@ -1,0 +1,5 @@
+import sys
+
+from gdn_jax.sweep.cli import main
+
+sys.exit(main())

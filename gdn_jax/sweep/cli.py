@@ -1,0 +1,178 @@
+"""``python -m gdn_jax.sweep``: the command, its checks and the story of a sweep.
+
+Every argument, every cell's config and the writability of ``--out`` and ``--runs`` are
+checked before anything is created or trained; a bad one is one line, ``sweep: error: ...``,
+with exit status 2. Then the sweep locks ``--out``, trains the cells without a record, and
+writes the table and the plot. A stopped sweep (SIGINT, SIGTERM) records nothing for the runs
+it stopped, says so in one line and exits 130 or 143; the same command goes on from there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+from gdn_jax.models.config import MIXERS
+from gdn_jax.sweep.cells import Plan, grid, refused_sets
+from gdn_jax.sweep.results import FAILED, Results, SweepError
+from gdn_jax.sweep.runner import TRAINER, Job, Stop, run_jobs
+from gdn_jax.sweep.table import write_plot, write_table
+from gdn_jax.training.cli import DEFAULT_CONFIG, resolve_config
+from gdn_jax.training.run_dir import RunError, RunLock, check_writable
+
+PROG = "python -m gdn_jax.sweep"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line like the sweep's own."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_args(argv):
+    parser = Parser(prog=PROG, description="Sweep MQAR recall over mixers, pairs and widths.")
+    add = parser.add_argument
+    add("--config", default=DEFAULT_CONFIG, help="base config (path or packaged name)")
+    add("--mixers", nargs="+", default=list(MIXERS), choices=MIXERS)
+    add("--kv-pairs", nargs="+", type=int, default=[16, 32, 64])
+    add("--d-models", nargs="+", type=int, default=[64])
+    add("--learning-rates", nargs="+", type=float, default=[1e-3, 3e-3, 1e-2])
+    add("--seeds", nargs="+", type=int, default=[0], help="train.seed of each run")
+    add("--layers", type=int, default=2)
+    add("--steps", type=int, default=1300, help="step budget of every run")
+    add("--set", action="append", default=[], help="extra override, repeatable")
+    add("--jobs", type=int, default=1, help="runs in parallel, one core each")
+    add("--retry-failed", action="store_true", help="train the failed runs again")
+    add("--out", default="docs/sweep", help="results.jsonl, table.md and accuracy.png")
+    add("--runs", default="runs/sweep", help="the runs' own directories")
+    return parser.parse_args(argv)
+
+
+def check_args(args) -> None:
+    """Raise ``SweepError`` for the first bad argument."""
+    for name in ("jobs", "steps", "layers"):
+        if getattr(args, name) < 1:
+            raise SweepError(f"--{name}={getattr(args, name)} must be at least 1")
+    lists = {
+        "--mixers": args.mixers,
+        "--kv-pairs": args.kv_pairs,
+        "--d-models": args.d_models,
+        "--learning-rates": args.learning_rates,
+        "--seeds": args.seeds,
+    }
+    for option, values in lists.items():
+        repeated = sorted({v for v in values if values.count(v) > 1})
+        if repeated:
+            raise SweepError(f"{option} names {', '.join(map(str, repeated))} more than once")
+    for option, values in (("--kv-pairs", args.kv_pairs), ("--d-models", args.d_models)):
+        if min(values) < 1:
+            raise SweepError(f"{option} {' '.join(map(str, values))}: each must be at least 1")
+    for rate in args.learning_rates:
+        if not (math.isfinite(rate) and rate > 0):
+            raise SweepError(f"--learning-rates {rate}: each must be a finite number > 0")
+    for seed in args.seeds:
+        if not 0 <= seed < 2**32:
+            raise SweepError(f"--seeds {seed}: each must be in [0, 2**32)")
+    refused = refused_sets(args.set)
+    if refused:
+        raise SweepError(refused[0])
+
+
+def plan_jobs(args):
+    """The plan and every cell's job, each cell's config checked; raises ``SweepError``."""
+    try:
+        config = resolve_config(args.config)
+    except ValueError as error:
+        raise SweepError(error) from None
+    plan = Plan(config, tuple(args.set), args.steps, args.layers, Path(args.runs))
+    jobs = []
+    for cell in grid(args.mixers, args.kv_pairs, args.d_models, args.learning_rates, args.seeds):
+        try:
+            key = plan.key(cell)
+        except (ValueError, OSError) as error:
+            raise SweepError(f"run {cell.name}: {error}") from None
+        run_dir = plan.run_dir(cell, key)
+        overrides = [x for item in plan.overrides(cell, run_dir) for x in ("--set", item)]
+        jobs.append(Job(cell, key, run_dir, ("--config", str(config), *overrides)))
+    return jobs
+
+
+def main(argv=None, *, trainer=TRAINER) -> int:
+    """The sweep of ``argv`` (``sys.argv[1:]`` when None); returns the exit status.
+    ``trainer`` is the command that trains one run (the tests give a stand-in)."""
+    try:
+        return _main(sys.argv[1:] if argv is None else list(argv), trainer)
+    except KeyboardInterrupt:  # before the runs took the signals over: nothing was trained
+        print(f"{PROG}: interrupted before any run started", file=sys.stderr)
+        return 130
+
+
+def _main(argv, trainer) -> int:
+    try:
+        args = parse_args(argv)
+    except SystemExit as done:  # --help, or an argument argparse refused (one line)
+        return done.code
+
+    def fail(message, status=2) -> int:
+        print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr)
+        return status
+
+    try:
+        check_args(args)
+        out, runs = Path(args.out), Path(args.runs)
+        check_writable(out.absolute(), "--out")
+        check_writable(runs.absolute(), "--runs")
+        jobs = plan_jobs(args)
+    except (SweepError, RunError) as error:
+        return fail(error)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with RunLock(out.absolute()):
+            return _sweep(args, argv, jobs, out, trainer)
+    except (SweepError, RunError) as error:
+        return fail(error)
+
+
+def _sweep(args, argv, jobs, out: Path, trainer) -> int:
+    results = Results(out / "results.jsonl")
+    warning = results.drop_torn_tail()
+    if warning:
+        print(warning, file=sys.stderr)
+    if results.foreign:
+        print(
+            f"warning: {results.foreign} record(s) of {results.path} have no key (an older "
+            "sweep wrote them): they are kept, and not shown",
+            file=sys.stderr,
+        )
+
+    def to_train(job):
+        record = results.records.get(job.key)
+        return record is None or (args.retry_failed and record["status"] == FAILED)
+
+    todo = [job for job in jobs if to_train(job)]
+    print(f"{len(jobs)} runs: {len(jobs) - len(todo)} recorded, {len(todo)} to train", flush=True)
+    stop = Stop()
+    tally = run_jobs(todo, args.jobs, results, stop, trainer)
+    if stop.signum is not None:
+        name = signal.Signals(stop.signum).name
+        print(
+            f"{PROG}: stopped by {name}: {tally.finished + tally.failed} run(s) recorded, "
+            f"{tally.interrupted} stopped (each resumes from its checkpoint) and "
+            f"{tally.not_started} not started; the same command goes on from there",
+            file=sys.stderr,
+        )
+        return 128 + stop.signum
+    command = f"{PROG} {shlex.join(argv)}".strip()
+    runs = [(job.cell, results.records.get(job.key)) for job in jobs]
+    table = write_table(out / "table.md", runs, command)
+    write_plot(out / "accuracy.png", table)
+    print((out / "table.md").read_text())
+    failed = sum(1 for _, r in runs if r is not None and r["status"] == FAILED)
+    if failed:
+        print(f"{failed} run(s) failed: see their errors in {results.path}", file=sys.stderr)
+    return 0

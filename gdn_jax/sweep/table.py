@@ -1,0 +1,135 @@
+"""``table.md`` and ``accuracy.png``: what a sweep's records say, per mixer, pairs and width.
+
+For each table cell (mixer, key-value pairs, width) the learning rate with the best mean
+held-out accuracy over its seeds is shown, with the mean, the range over seeds and their
+number; a run that failed is counted as failed, never as an accuracy, and a table cell whose
+runs all failed reads "failed". Only the records of the sweep's own runs are shown, under
+the command that made them.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from gdn_jax.models.config import MIXERS
+from gdn_jax.sweep.cells import Cell
+from gdn_jax.sweep.results import FAILED, FINISHED
+
+
+def best_per_cell(runs: list[tuple[Cell, dict | None]]) -> dict:
+    """``{(mixer, pairs, width): summary}`` from each run's cell and record (None: not run).
+
+    A summary holds the chosen ``learning_rate`` and its ``accuracies`` (one per finished
+    seed), the ``failed`` and ``missing`` counts at that rate, and the runs of every rate."""
+    by_rate = defaultdict(lambda: defaultdict(list))
+    for cell, record in runs:
+        by_rate[cell.group][cell.learning_rate].append(record)
+    table = {}
+    for group, rates in by_rate.items():
+        options = []
+        for rate, records in rates.items():
+            accuracies = [r["accuracy"] for r in records if r and r["status"] == FINISHED]
+            failed = sum(1 for r in records if r and r["status"] == FAILED)
+            missing = sum(1 for r in records if r is None)
+            mean = statistics.fmean(accuracies) if accuracies else -1.0
+            options.append((mean, rate, accuracies, failed, missing))
+        mean, rate, accuracies, failed, missing = max(options, key=lambda o: (o[0], -o[1]))
+        table[group] = dict(
+            learning_rate=rate, accuracies=accuracies, failed=failed, missing=missing
+        )
+    return table
+
+
+def cell_text(summary: dict | None) -> str:
+    if summary is None:
+        return "-"
+    accuracies, failed, missing = summary["accuracies"], summary["failed"], summary["missing"]
+    if not accuracies:
+        return "failed" if failed else "not run yet"
+    text = f"{statistics.fmean(accuracies):.3f}"
+    if len(accuracies) > 1:
+        text += f" ({min(accuracies):.3f}-{max(accuracies):.3f}, {len(accuracies)} seeds)"
+    notes = [f"{n} {what}" for n, what in ((failed, "failed"), (missing, "not run yet")) if n]
+    text += f" [lr {summary['learning_rate']:g}]"
+    return text + (f" ({', '.join(notes)})" if notes else "")
+
+
+def write_table(path: Path, runs: list[tuple[Cell, dict | None]], command: str) -> dict:
+    """Write the table of ``runs`` under ``command`` to ``path`` (whole or not at all);
+    returns ``best_per_cell``'s summaries."""
+    table = best_per_cell(runs)
+    mixers = [m for m in MIXERS if any(g[0] == m for g in table)]
+    pairs = sorted({g[1] for g in table})
+    widths = sorted({g[2] for g in table})
+    lines = [f"Command: `{command}`", ""]
+    for width in widths:
+        lines += [
+            f"d_model = {width}: held-out accuracy at the learning rate with the best mean over "
+            "seeds: mean (min-max over seeds) [learning rate]",
+            "",
+            "| mixer | " + " | ".join(f"{p} kv pairs" for p in pairs) + " |",
+            "|---|" + "---|" * len(pairs),
+        ]
+        for mixer in mixers:
+            cells = [cell_text(table.get((mixer, p, width))) for p in pairs]
+            lines.append(f"| {mixer} | " + " | ".join(cells) + " |")
+        lines.append("")
+    _write_whole(path, "\n".join(lines).encode())
+    return table
+
+
+def write_plot(path: Path, table: dict) -> None:
+    """Mean held-out accuracy against key-value pairs, the range over seeds as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    widths = sorted({g[2] for g in table})
+    pairs = sorted({g[1] for g in table})
+    mixers = [m for m in MIXERS if any(g[0] == m for g in table)]
+    fig, axes = plt.subplots(1, len(widths), figsize=(4.5 * len(widths), 3.5), squeeze=False)
+    for ax, width in zip(axes[0], widths, strict=True):
+        for mixer in mixers:
+            points = [
+                (p, table[(mixer, p, width)]["accuracies"])
+                for p in pairs
+                if table.get((mixer, p, width), {}).get("accuracies")
+            ]
+            if not points:
+                continue
+            xs = [p for p, _ in points]
+            means = [statistics.fmean(a) for _, a in points]
+            low = [m - min(a) for m, (_, a) in zip(means, points, strict=True)]
+            high = [max(a) - m for m, (_, a) in zip(means, points, strict=True)]
+            ax.errorbar(xs, means, yerr=[low, high], fmt="o-", capsize=3, label=mixer)
+        ax.set(
+            title=f"MQAR, d_model={width}",
+            xlabel="key-value pairs",
+            xscale="log",
+            ylabel="held-out accuracy (mean, range)",
+            ylim=(0, 1.02),
+        )
+        ax.set_xticks(pairs, [str(p) for p in pairs])
+        ax.minorticks_off()  # the log axis would label 20, 30, ... over the pair counts
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        fig.savefig(partial, dpi=120, format="png")
+        os.replace(partial, path)
+    finally:
+        plt.close(fig)
+        partial.unlink(missing_ok=True)
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        partial.write_bytes(data)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)

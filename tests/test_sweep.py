@@ -1,0 +1,247 @@
+"""The recall sweep (``python -m gdn_jax.sweep``) as a user meets it: it resumes what it has
+not finished, never records a run it did not finish or a failure as an accuracy, keeps runs
+of other settings apart, and refuses bad arguments before it creates or trains anything.
+
+The sweep runs in this process with a stand-in for the training command
+(``sweep_trainer.py``), which writes what a run writes in milliseconds; a Ctrl-C is sent to a
+sweep in a process group of its own, and one run of the real command checks the stand-in's
+contract.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from runs import TINY
+from sweep_trainer import accuracy
+
+from gdn_jax.sweep import cli
+from gdn_jax.sweep.cells import SWEEP_FIELDS
+
+TRAINER = (sys.executable, str(Path(__file__).with_name("sweep_trainer.py")))
+GRID = ["--mixers", "gdn", "kda", "--kv-pairs", "4", "--d-models", "16", "--steps", "200"]
+GRID += ["--learning-rates", "0.01", "0.03", "--seeds", "0", "1"]
+
+
+@pytest.fixture
+def sweep(tmp_path, monkeypatch, capsys):
+    """``sweep(*args)`` runs the sweep into ``tmp_path`` with the stand-in trainer; returns
+    ``(status, stdout, stderr, trained)``, ``trained`` the stand-in's log lines of this call."""
+    log = tmp_path / "trained.log"
+    monkeypatch.setenv("SWEEP_TRAINER_LOG", str(log))
+    monkeypatch.chdir(tmp_path)
+
+    def run(*args):
+        before = log.read_text().splitlines() if log.exists() else []
+        status = cli.main([*args], trainer=TRAINER)
+        out, err = capsys.readouterr()
+        after = log.read_text().splitlines() if log.exists() else []
+        return status, out, err, after[len(before) :]
+
+    return run
+
+
+def records(out="out"):
+    return [json.loads(line) for line in Path(out, "results.jsonl").read_text().splitlines()]
+
+
+def test_a_sweep_records_every_run_and_a_rerun_trains_nothing(sweep):
+    status, out, err, trained = sweep(*GRID, "--out", "out", "--runs", "runs")
+    assert status == 0, err
+    assert len(trained) == 8 and all(line.endswith("--overwrite") for line in trained)
+    rows = records()
+    assert {(r["mixer"], r["learning_rate"], r["seed"]) for r in rows} == {
+        (m, lr, s) for m in ("gdn", "kda") for lr in (0.01, 0.03) for s in (0, 1)
+    }
+    assert all(r["status"] == "finished" for r in rows)
+    assert {r["accuracy"] for r in rows} == {accuracy(lr, s) for lr in (0.01, 0.03) for s in (0, 1)}
+    table = Path("out", "table.md").read_text()
+    assert table.startswith(
+        f"Command: `python -m gdn_jax.sweep {' '.join(GRID)} --out out --runs runs`"
+    )
+    mean = (accuracy(0.03, 0) + accuracy(0.03, 1)) / 2
+    row = (
+        f"| gdn | {mean:.3f} ({accuracy(0.03, 1):.3f}-{accuracy(0.03, 0):.3f}, 2 seeds) [lr 0.03] |"
+    )
+    assert row in table, table
+    assert Path("out", "accuracy.png").stat().st_size > 0
+    # Every run has a directory of its own.
+    assert len({r["key"] for r in rows}) == 8 and len(list(Path("runs").iterdir())) == 8
+
+    status, out, err, trained = sweep(*GRID, "--out", "out", "--runs", "runs")
+    assert status == 0 and trained == [] and "8 runs: 8 recorded, 0 to train" in out
+    assert Path("out", "table.md").read_text() == table
+
+
+def test_other_settings_train_their_own_runs_and_the_table_shows_them(sweep):
+    assert sweep(*GRID, "--out", "out")[0] == 0
+    status, _, err, trained = sweep(*GRID, "--out", "out", "--set", "train.eval_every=4")
+    assert status == 0, err and len(trained) == 8
+    grid = [*GRID[: GRID.index("--steps")], "--steps", "300", *GRID[GRID.index("--steps") + 2 :]]
+    status, _, err, trained = sweep(*grid, "--out", "out")
+    assert status == 0, err and len(trained) == 8
+    rows = records()
+    assert len(rows) == 24 and len({r["key"] for r in rows}) == 24
+    assert (
+        Path("out", "table.md")
+        .read_text()
+        .startswith(f"Command: `python -m gdn_jax.sweep {' '.join(grid)} --out out`")
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--jobs", "0"], r"--jobs=0 must be at least 1"),
+        (["--jobs", "-1"], r"--jobs=-1 must be at least 1"),
+        (["--steps", "0"], r"--steps=0 must be at least 1"),
+        (["--layers", "0"], r"--layers=0 must be at least 1"),
+        (["--kv-pairs", "0"], r"--kv-pairs 0: each must be at least 1"),
+        (["--kv-pairs", "4", "4"], r"--kv-pairs names 4 more than once"),
+        (["--learning-rates", "-1"], r"--learning-rates -1.0: each must be a finite number > 0"),
+        (["--learning-rates", "nan"], r"--learning-rates nan: each must be a finite number > 0"),
+        (["--steps", "x"], r"argument --steps: invalid int value: 'x'"),
+        (["--kv-pairs", "100"], r"run gdn_kv100_d64_lr0.001_seed0: num_kv_pairs=100 needs"),
+        (
+            ["--set", "train.learning_rate=0.5"],
+            r"--set train.learning_rate=0.5: the sweep sets train.learning_rate \(from "
+            r"--learning-rates\)",
+        ),
+        (["--set", "train.out_dir=runs/x"], r"the sweep sets train.out_dir \(from --runs\)"),
+        (["--set", "train.seed=3"], r"the sweep sets train.seed \(from --seeds\)"),
+    ],
+)
+def test_bad_arguments_are_one_line_before_anything_is_made(sweep, tmp_path, args, message):
+    status, out, err, trained = sweep("--mixers", "gdn", *args, "--out", "out")
+    assert status == 2 and trained == [] and out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("python -m gdn_jax.sweep: error: ") and re.search(message, err), err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "runs").exists()
+
+
+def test_an_out_that_is_a_file_or_not_writable_is_refused(sweep, tmp_path, monkeypatch):
+    Path("taken").write_text("mine")
+    status, _, err, _ = sweep(*GRID, "--out", "taken")
+    assert status == 2 and "--out=" in err and "exists and is not a directory" in err
+    assert Path("taken").read_text() == "mine"
+    # Root ignores permission bits: the check writes a probe file, which a read-only
+    # filesystem refuses (simulated for the directory "ro").
+    import tempfile
+
+    real = tempfile.mkstemp
+
+    def mkstemp(*args, dir=None, **kwargs):
+        if Path(dir).name == "ro":
+            raise OSError(30, "Read-only file system")
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    Path("ro").mkdir()
+    for option, other in (("--out", "--runs"), ("--runs", "--out")):
+        status, _, err, trained = sweep(*GRID, option, "ro/x", other, "fine")
+        assert status == 2 and trained == [], err
+        assert f"{option}=" in err and "is not writable: Read-only file system" in err
+    assert not (tmp_path / "fine").exists() and list(Path("ro").iterdir()) == []
+
+
+def test_failed_runs_are_recorded_as_failures_and_shown_as_failed(sweep):
+    grid = ["--mixers", "gdn", "linear", "--kv-pairs", "4", "--d-models", "16", "--steps", "200"]
+    grid += ["--learning-rates", "0.01", "--out", "out"]
+    status, _, err, trained = sweep(*grid)
+    assert status == 0 and len(trained) == 2
+    assert "1 run(s) failed" in err
+    failed = [r for r in records() if r["mixer"] == "linear"]
+    assert failed == [dict(failed[0], status="failed", error=failed[0]["error"])]
+    assert "accuracy" not in failed[0]
+    assert (
+        failed[0]["error"] == "train.py: error: loss is nan at step 2; no checkpoint was saved yet"
+    )
+    assert "| linear | failed |" in Path("out", "table.md").read_text()
+    assert sweep(*grid)[3] == []  # a failure is a result
+    assert sweep(*grid, "--retry-failed")[3] == [trained[1]]
+
+
+def test_a_torn_last_line_is_dropped_with_one_warning_and_its_run_trained_again(sweep):
+    grid = [*GRID[:12], "--seeds", "0", "--out", "out"]  # 4 runs
+    assert sweep(*grid)[0] == 0
+    lines = Path("out", "results.jsonl").read_text().splitlines()
+    Path("out", "results.jsonl").write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])
+    status, _, err, trained = sweep(*grid)
+    assert status == 0 and len(trained) == 1
+    (warning,) = err.strip().splitlines()
+    assert warning.startswith("warning: dropped the torn last line of out/results.jsonl")
+    assert len(records()) == 4
+
+
+def test_a_record_damaged_before_the_last_line_stops_the_sweep_in_one_line(sweep):
+    Path("out").mkdir()
+    Path("out", "results.jsonl").write_text("{oops\n{}\n")
+    status, _, err, trained = sweep(*GRID, "--out", "out")
+    assert status == 2 and trained == []
+    assert "out/results.jsonl cannot be read: line 1 is not JSON" in err
+
+
+@pytest.mark.costly(6)
+def test_ctrl_c_stops_the_sweep_records_nothing_it_stopped_and_a_rerun_resumes(tmp_path):
+    """SIGINT to the sweep's process group, as a terminal's Ctrl-C sends it, while the first
+    two of four runs train (two jobs): exit 130, one line, no record; the same command then
+    resumes the stopped runs from their checkpoints and trains the rest."""
+    log = tmp_path / "trained.log"
+    env = dict(os.environ, SWEEP_TRAINER_LOG=str(log), SWEEP_TRAINER_SLOW="60")
+    code = "import sys; from gdn_jax.sweep import cli; sys.exit(cli.main(sys.argv[2:], trainer=eval(sys.argv[1])))"
+    args = [*GRID[:12], "--seeds", "0", "--jobs", "2", "--out", "out", "--runs", "runs"]
+    command = [sys.executable, "-c", code, repr(TRAINER), *args]
+    sweep = subprocess.Popen(
+        command, cwd=tmp_path, env=env, start_new_session=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (log.exists() and len(log.read_text().splitlines()) == 2):
+            assert time.monotonic() < deadline and sweep.poll() is None, sweep.communicate()
+            time.sleep(0.05)
+        os.killpg(sweep.pid, signal.SIGINT)
+        out, err = sweep.communicate(timeout=60)  # a guard against a hang
+    finally:
+        sweep.kill()
+    assert sweep.returncode == 130, err
+    (line,) = err.strip().splitlines()
+    assert line == (
+        "python -m gdn_jax.sweep: stopped by SIGINT: 0 run(s) recorded, 2 stopped (each "
+        "resumes from its checkpoint) and 2 not started; the same command goes on from there"
+    )
+    assert not (tmp_path / "out" / "results.jsonl").exists()
+    assert not (tmp_path / "out" / "table.md").exists()
+    env["SWEEP_TRAINER_SLOW"] = "0"
+    rerun = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert rerun.returncode == 0, rerun.stderr
+    trained = log.read_text().splitlines()
+    stopped = trained[:2]
+    assert sorted(trained[2:]) == sorted(
+        [line.replace("--overwrite", "--resume") for line in stopped]
+        + [line for line in trained[2:] if line.endswith("--overwrite")]
+    )
+    assert sum(line.endswith("--resume") for line in trained[2:]) == 2
+    assert len(records(tmp_path / "out")) == 4
+
+
+@pytest.mark.costly(10)
+def test_a_run_of_the_real_command_is_recorded(sweep):
+    """The stand-in's contract, kept by the training command itself: one tiny run."""
+    sets = [item for item in TINY if item.split("=")[0] not in SWEEP_FIELDS]
+    args = ["--mixers", "gdn", "--kv-pairs", "4", "--d-models", "16", "--learning-rates", "0.01"]
+    args += ["--steps", "12", "--layers", "1", "--out", "out"]
+    for item in sets:
+        args += ["--set", item]
+    status = cli.main(args)  # the real command
+    assert status == 0
+    (row,) = records()
+    assert row["status"] == "finished" and 0 <= row["accuracy"] <= 1 and row["best_step"] in (6, 12)
