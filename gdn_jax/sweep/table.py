@@ -9,7 +9,6 @@ the command that made them.
 
 from __future__ import annotations
 
-import os
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 from gdn_jax.models.config import MIXERS
 from gdn_jax.sweep.cells import Cell
 from gdn_jax.sweep.results import FAILED, FINISHED
+from gdn_jax.training.files import write_whole
 
 
 def best_per_cell(runs: list[tuple[Cell, dict | None]]) -> dict:
@@ -77,7 +77,8 @@ def write_table(path: Path, runs: list[tuple[Cell, dict | None]], command: str) 
             cells = [cell_text(table.get((mixer, p, width))) for p in pairs]
             lines.append(f"| {mixer} | " + " | ".join(cells) + " |")
         lines.append("")
-    _write_whole(path, "\n".join(lines).encode())
+    text = "\n".join(lines)
+    write_whole(path, lambda partial: partial.write_text(text))
     return table
 
 
@@ -117,19 +118,7 @@ def write_plot(path: Path, table: dict) -> None:
         ax.minorticks_off()  # the log axis would label 20, 30, ... over the pair counts
         ax.legend(fontsize=8)
     fig.tight_layout()
-    partial = path.with_name(f".{path.name}.partial")
     try:
-        fig.savefig(partial, dpi=120, format="png")
-        os.replace(partial, path)
+        write_whole(path, lambda partial: fig.savefig(partial, dpi=120, format="png"))
     finally:
         plt.close(fig)
-        partial.unlink(missing_ok=True)
-
-
-def _write_whole(path: Path, data: bytes) -> None:
-    partial = path.with_name(f".{path.name}.partial")
-    try:
-        partial.write_bytes(data)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import signal
 import sys
 import threading
@@ -32,6 +31,7 @@ from gdn_jax.models import LanguageModel
 from gdn_jax.training import mesh as mesh_lib
 from gdn_jax.training import run_dir
 from gdn_jax.training.config import Config, to_dict
+from gdn_jax.training.files import write_whole
 from gdn_jax.training.metrics_log import MetricsLog
 from gdn_jax.training.optim import learning_rate_schedule, make_optimizer
 from gdn_jax.training.run_dir import RunError
@@ -99,13 +99,10 @@ def plot_metrics(log: MetricsLog, out_path: Path) -> None:
     ax_acc.set(xlabel="step", ylabel="accuracy", ylim=(0, 1.02))
     ax_acc.legend(loc="lower right")
     fig.tight_layout()
-    partial = out_path.with_name(f".{out_path.name}.partial")
     try:
-        fig.savefig(partial, dpi=120, format="png")
-        os.replace(partial, out_path)
+        write_whole(out_path, lambda partial: fig.savefig(partial, dpi=120, format="png"))
     finally:
         plt.close(fig)
-        partial.unlink(missing_ok=True)
 
 
 def _plot_or_warn(log: MetricsLog, out_path: Path) -> None:
