@@ -1,12 +1,19 @@
 """The jitted MQAR training step of a config, now and at another revision, in one run.
 
     python benchmarks/bench_train_step.py --baseline 6fca74a --chunk-sizes 16 32 64
+    python benchmarks/bench_train_step.py --baseline 6fca74a --loop
 
 Builds the model, optimizer and step of the config (``configs/mqar_gdn.yaml`` by default)
 once with the current package and once with the package as it was at ``--baseline``
 (imported next to it, see ``revision.py``), for each chunk size, and times the steps
 alternately on one fixed batch (best of --repeats). Alternating keeps a noisy shared
 machine from favouring either side.
+
+``--loop`` times the training loop instead (``training.loop.run``: a fresh batch per step,
+the metrics read, logged and shown), which is where the host's work and the device's can
+overlap: each revision trains ``--loop-steps`` and ``--loop-steps + 40`` steps (no
+evaluation or checkpoint in between), alternately, and the difference over 40 steps is the
+time per step, compilation and set-up left out.
 """
 
 from __future__ import annotations
@@ -48,6 +55,41 @@ def step_program(package, config_path, chunk_size):
     return jax.jit(step), state, batch
 
 
+def loop_seconds(package, config_path, steps, out_dir):
+    """Wall time of ``package``'s step loop for ``steps`` steps into ``out_dir`` (the
+    summary's ``wall_s``: the steps, without building the model or the held-out set)."""
+    sets = [
+        f"train.steps={steps}", f"train.eval_every={steps}", f"train.checkpoint_every={steps}",
+        "train.warmup_steps=1", "train.eval_examples=32", "train.progress=false",
+        f"train.out_dir={out_dir}",
+    ]  # fmt: skip
+    config = package.training.config.load_config(config_path, sets)
+    return package.training.loop.run(config, overwrite=True)["wall_s"]
+
+
+def time_loops(packages, config_path, steps, extra, repeats):
+    """Seconds per step of each package's loop: the best ``steps + extra``-step loop less
+    the best ``steps``-step one, over ``extra``. The programs come from a persistent
+    compilation cache filled by a first run, so each loop's first step costs the same."""
+    import contextlib
+    import io
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        jax.config.update("jax_compilation_cache_dir", f"{root}/cache")
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        best = {(name, n): float("inf") for name in packages for n in (steps, steps + extra)}
+        with contextlib.redirect_stderr(io.StringIO()):  # --overwrite's notes
+            for name, package in packages.items():
+                loop_seconds(package, config_path, steps, f"{root}/{name}")  # fill the cache
+            for _ in range(repeats):
+                for name, package in packages.items():
+                    for n in (steps, steps + extra):
+                        seconds = loop_seconds(package, config_path, n, f"{root}/{name}")
+                        best[name, n] = min(best[name, n], seconds)
+    return {name: (best[name, steps + extra] - best[name, steps]) / extra for name in packages}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/mqar_gdn.yaml")
@@ -57,6 +99,8 @@ def main():
     parser.add_argument(
         "--xla-defaults", action="store_true", help="leave out training.xla_flags.CPU_FLAGS"
     )
+    parser.add_argument("--loop", action="store_true", help="time the training loop")
+    parser.add_argument("--loop-steps", type=int, default=10)
     args = parser.parse_args()
     if not args.xla_defaults:
         add_cpu_flags()  # before the first JAX computation starts the backend
@@ -65,6 +109,15 @@ def main():
         for module in ("models", "data.mqar", "training.config", "training.optim", "training.step"):
             importlib.import_module(f"{package.__name__}.{module}")
     print(f"# {args.config}, {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    if args.loop:
+        for package in packages.values():
+            importlib.import_module(f"{package.__name__}.training.loop")
+        best = time_loops(packages, args.config, args.loop_steps, 40, args.repeats)
+        print(f"| {' | '.join(f'{name} loop ms/step' for name in packages)} | speed-up |")
+        print(f"|{'---|' * len(packages)}---|")
+        times = " | ".join(f"{1e3 * best[name]:.0f}" for name in packages)
+        print(f"| {times} | {best[args.baseline] / best['now']:.2f}x |")
+        return
     print(f"| C | {' | '.join(f'{name} step ms' for name in packages)} | speed-up |")
     print(f"|---|{'---|' * len(packages)}---|")
     for chunk in args.chunk_sizes:

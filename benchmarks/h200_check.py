@@ -108,8 +108,8 @@ def train_step_time(smoke, repeats):
     from gdn_jax.models import LanguageModel
     from gdn_jax.training import mesh as mesh_lib
     from gdn_jax.training.config import load_config
-    from gdn_jax.training.loop import jit_steps
     from gdn_jax.training.optim import make_optimizer
+    from gdn_jax.training.state import jit_steps
     from gdn_jax.training.step import TrainState
 
     config = load_config(REPO / "gdn_jax" / "configs" / "mqar_gdn.yaml", SMOKE_RUN if smoke else [])

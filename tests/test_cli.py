@@ -164,7 +164,8 @@ def test_a_read_only_out_dir_is_caught_before_anything_is_written(tmp_path, monk
     # read-only filesystem that makes it fail.
     import tempfile
 
-    from gdn_jax.training.run_dir import RunError, check_writable
+    from gdn_jax.training.errors import RunError
+    from gdn_jax.training.run_dir import check_writable
 
     def read_only(*args, **kwargs):
         raise OSError(30, "Read-only file system")
@@ -402,7 +403,7 @@ def test_a_run_that_died_before_its_first_checkpoint_is_replaced_by_a_fresh_star
 ):
     import jax
 
-    from gdn_jax.training import loop
+    from gdn_jax.training import state
 
     out = tmp_path / "run"
     fake_run(out, steps=())
@@ -419,7 +420,7 @@ def test_a_run_that_died_before_its_first_checkpoint_is_replaced_by_a_fresh_star
     def too_big(*args, **kwargs):  # stop the fresh start just after it took the directory
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4e12 B")
 
-    monkeypatch.setattr(loop, "LanguageModel", too_big)
+    monkeypatch.setattr(state, "LanguageModel", too_big)
     result = command(out)
     replaced, error = result.stderr.strip().splitlines()
     assert replaced.startswith("replacing the run in ") and "config.yaml, metrics.jsonl" in replaced
@@ -441,12 +442,12 @@ def test_a_run_with_logged_steps_but_no_checkpoint_names_the_one_way_out(tmp_pat
 
 
 def test_out_of_memory_is_one_line_and_the_directory_stays_usable(tmp_path, monkeypatch, command):
-    from gdn_jax.training import loop
+    from gdn_jax.training import evaluation
 
     def held_out_too_big(config, *, num_examples, seed):
         raise MemoryError
 
-    monkeypatch.setattr(loop, "make_mqar", held_out_too_big)
+    monkeypatch.setattr(evaluation, "make_mqar", held_out_too_big)
     one_line_error(
         command(tmp_path / "run"),
         r"out of memory \(MemoryError\) with .*train.eval_examples=16; shrink ",
@@ -501,7 +502,8 @@ def test_a_config_path_must_exist_and_its_keys_be_unique(tmp_path):
 
 
 def test_a_dangling_link_as_out_dir_is_one_line(tmp_path):
-    from gdn_jax.training.run_dir import RunError, check_writable
+    from gdn_jax.training.errors import RunError
+    from gdn_jax.training.run_dir import check_writable
 
     (tmp_path / "run").symlink_to(tmp_path / "gone")
     with pytest.raises(RunError, match=r"run is a link to \S+/gone, which does not exist"):

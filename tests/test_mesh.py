@@ -9,8 +9,8 @@ import pytest
 from runs import command_args, train_losses
 
 from gdn_jax.training.config import MeshConfig, load_config
+from gdn_jax.training.errors import RunError
 from gdn_jax.training.mesh import mesh_shape
-from gdn_jax.training.run_dir import RunError
 
 CHECKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mesh_checks.py")
 

@@ -15,9 +15,9 @@ from gdn_jax.data.mqar import MQARConfig, make_batch, make_mqar
 from gdn_jax.layers import NoWeightDecay
 from gdn_jax.models import LanguageModel, ModelConfig
 from gdn_jax.training.config import Config, TrainConfig, load_config
-from gdn_jax.training.loop import NonFiniteLossError, run
+from gdn_jax.training.errors import NonFiniteLossError, RunError
+from gdn_jax.training.loop import run
 from gdn_jax.training.optim import weight_decay_mask
-from gdn_jax.training.run_dir import RunError
 from gdn_jax.training.step import loss_and_accuracy
 
 

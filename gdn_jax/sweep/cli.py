@@ -22,7 +22,8 @@ from gdn_jax.sweep.results import FAILED, Results, SweepError
 from gdn_jax.sweep.runner import TRAINER, Job, Stop, run_jobs
 from gdn_jax.sweep.table import write_plot, write_table
 from gdn_jax.training.cli import DEFAULT_CONFIG, resolve_config
-from gdn_jax.training.run_dir import RunError, RunLock, check_writable
+from gdn_jax.training.errors import RunError
+from gdn_jax.training.run_dir import RunLock, check_writable
 
 PROG = "python -m gdn_jax.sweep"
 

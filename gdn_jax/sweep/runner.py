@@ -22,8 +22,9 @@ from pathlib import Path
 
 from gdn_jax.sweep.cells import Cell
 from gdn_jax.sweep.results import FAILED, FINISHED, Results
+from gdn_jax.training.errors import RunError
 from gdn_jax.training.metrics_log import MetricsLog
-from gdn_jax.training.run_dir import METRICS, RunError, checkpoint_steps
+from gdn_jax.training.run_dir import METRICS, checkpoint_steps
 
 TRAINER = (sys.executable, "-m", "gdn_jax.training.cli")
 STOPPED = (130, 143, -signal.SIGINT, -signal.SIGTERM)  # how the command ends when stopped

@@ -108,15 +108,16 @@ def _main(argv) -> int:
 
     use_host_platforms()  # before anything starts a backend
     from gdn_jax.training.config import load_config
-    from gdn_jax.training.loop import (
+    from gdn_jax.training.errors import (
         Interrupted,
         NonFiniteLossError,
+        NothingToResume,
         OutOfMemory,
+        RunError,
         SaveError,
-        run,
     )
+    from gdn_jax.training.loop import run
     from gdn_jax.training.mesh import initialize_distributed
-    from gdn_jax.training.run_dir import NothingToResume, RunError
 
     def command(args) -> str:
         start = ["python", "train.py"] if parser.prog == "train.py" else [parser.prog]
@@ -192,7 +193,7 @@ def _compile_only(args, fail) -> int:
     import jax
 
     from gdn_jax.training import compile_only
-    from gdn_jax.training.run_dir import RunError
+    from gdn_jax.training.errors import RunError
 
     if not os.environ.get("JAX_PLATFORMS"):
         jax.config.update("jax_platforms", "cpu")

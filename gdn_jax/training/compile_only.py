@@ -13,17 +13,13 @@ import math
 import re
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
 
 from gdn_jax.data.mqar import make_batch, make_mqar
-from gdn_jax.models import LanguageModel
 from gdn_jax.tpu_compile import Topology, compile_for, devices_per_chip
 from gdn_jax.training import mesh as mesh_lib
 from gdn_jax.training.config import Config
-from gdn_jax.training.loop import jit_steps
-from gdn_jax.training.optim import make_optimizer
-from gdn_jax.training.step import TrainState
+from gdn_jax.training.errors import is_out_of_memory, reason
+from gdn_jax.training.state import train_setup
 
 MIB = 2**20
 
@@ -54,37 +50,18 @@ def abstract_batch(config: Config) -> dict:
     return {k: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype) for k, x in example.items()}
 
 
-def placed(tree, shardings):
-    """``tree``'s shapes and dtypes with ``shardings`` (a matching tree)."""
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
-    )
-
-
 def train_step_inputs(config: Config, devices):
     """``(train_step, state, batch, mesh)``: the train step of ``config`` jitted for
-    ``train.mesh`` over ``devices`` and its abstract arguments, placed (the model and
-    optimizer state are built as shapes only). Raises ``RunError`` when the mesh does not fit
-    the devices."""
+    ``train.mesh`` over ``devices`` and its abstract arguments, placed (``train_setup`` with
+    ``abstract``: shapes only). Raises ``RunError`` when the mesh does not fit the devices."""
     mesh = mesh_lib.check_mesh(config, devices)
-    model = nnx.eval_shape(lambda: LanguageModel(config.model, rngs=nnx.Rngs(config.train.seed)))
-    graphdef, params = nnx.split(model)
-    optimizer = make_optimizer(config.train, params)
-    steps = jit_steps(config, mesh, graphdef, params, optimizer)
-    pure = nnx.to_pure_dict(params)
-    opt_state = jax.eval_shape(optimizer.init, pure)
-    state = placed(
-        TrainState(jax.ShapeDtypeStruct((), jnp.int32), pure, opt_state), steps.state_shardings
+    steps, state = train_setup(config, mesh, abstract=True)
+    batch = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        abstract_batch(config),
+        steps.batch_shardings,
     )
-    batch = placed(abstract_batch(config), steps.batch_shardings)
     return steps.train_step, state, batch, mesh
-
-
-def compile_train_step(config: Config, devices) -> jax.stages.Compiled:
-    """The train step of ``config`` compiled for ``train.mesh`` over ``devices``."""
-    train_step, state, batch, mesh = train_step_inputs(config, devices)
-    with jax.set_mesh(mesh):  # the layers read its seq axis while they are traced
-        return compile_for(train_step, state, batch)
 
 
 def shard_bytes(tree) -> int:
@@ -104,12 +81,11 @@ def step_memory(config: Config, topology: Topology, devices) -> StepMemory:
         with jax.set_mesh(mesh):
             compiled = compile_for(train_step, state, batch)
     except jax.errors.JaxRuntimeError as error:
-        if "RESOURCE_EXHAUSTED" not in str(error):
+        if not is_out_of_memory(error):
             raise
-        message = str(error).splitlines()[0]
-        reason = re.search(r"HBM, (.*?)(?:\. HLO module.*)?$", message)
-        reason = message if reason is None else reason[1]
-        return dataclasses.replace(sizes, out_of_memory=reason)
+        message = reason(error, limit=None)
+        found = re.search(r"HBM, (.*?)(?:\. HLO module.*)?$", message)
+        return dataclasses.replace(sizes, out_of_memory=message if found is None else found[1])
     stats = compiled.memory_analysis()
     total = (
         stats.argument_size_in_bytes

@@ -6,6 +6,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from gdn_jax.training.errors import unreadable
+
 
 def write_whole(path: Path, write: Callable[[Path], None]) -> None:
     """``write(partial)`` writes the file's contents to ``partial``, a hidden name next to
@@ -16,3 +18,11 @@ def write_whole(path: Path, write: Callable[[Path], None]) -> None:
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def read_text(path: Path) -> str:
+    """``path``'s text, or the ``RunError`` that names the file and why it cannot be read."""
+    try:
+        return path.read_text()
+    except OSError as error:
+        raise unreadable(path, error.strerror) from None

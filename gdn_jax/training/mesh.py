@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from gdn_jax.layers.params import MODEL_AXIS, SEQ_AXIS
 from gdn_jax.training.config import Config, MeshConfig
-from gdn_jax.training.run_dir import RunError
+from gdn_jax.training.errors import RunError
 
 DATA_AXIS = "data"
 AXES = (DATA_AXIS, MODEL_AXIS, SEQ_AXIS)

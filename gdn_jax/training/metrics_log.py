@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gdn_jax.training.run_dir import read_text, unreadable
+from gdn_jax.training.errors import unreadable
+from gdn_jax.training.files import read_text
 
 
 class MetricsLog:

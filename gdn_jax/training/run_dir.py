@@ -18,12 +18,16 @@ import fcntl
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import yaml
 
-from gdn_jax.training.config import parse_yaml
+from gdn_jax.training.config import Config, parse_yaml, to_dict
+from gdn_jax.training.errors import NothingToResume, RunError, unreadable
+from gdn_jax.training.files import read_text
+from gdn_jax.training.metrics_log import MetricsLog
 
 CONFIG, METRICS, PLOT, SUMMARY, CHECKPOINTS, LOCK = (
     "config.yaml", "metrics.jsonl", "curves.png", "summary.json", "checkpoints", ".lock",
@@ -41,24 +45,6 @@ RESUMABLE_FIELDS = (
     # Both schedules compute one function; runs saved before the field existed lack it.
     "model.schedule",
 )  # fmt: skip
-
-
-class RunError(ValueError):
-    """A run that must not start, with a one-line reason for the user."""
-
-
-class NothingToResume(RunError):
-    """``--resume`` found no checkpoint; ``overwrite`` tells whether a fresh start must
-    delete what is there (logged steps) or may simply replace it."""
-
-    def __init__(self, message: str, *, overwrite: bool):
-        super().__init__(message)
-        self.overwrite = overwrite
-
-
-def unreadable(path: Path, reason: str) -> RunError:
-    """The error for a run file that cannot be read or parsed."""
-    return RunError(f"{path} cannot be read: {reason}")
 
 
 def check_writable(out_dir: Path, name: str = "train.out_dir") -> None:
@@ -147,13 +133,6 @@ def resume_differences(saved: dict, config: dict) -> list[str]:
         for name in sorted(set(before) | set(after))
         if name not in RESUMABLE_FIELDS and before.get(name) != after.get(name)
     ]
-
-
-def read_text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError as error:
-        raise unreadable(path, error.strerror) from None
 
 
 def read_config(out_dir: Path) -> dict:
@@ -256,3 +235,109 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def claim(config: Config, *, resume: bool, overwrite: bool) -> RunLock:
+    """Check ``train.out_dir`` against ``resume``/``overwrite`` and lock it; returns the held
+    lock.
+
+    Raises ``RunError`` before anything is written when the run must not start. With
+    ``overwrite`` the earlier run's files are deleted (and named on stderr).
+    """
+    if resume and overwrite:
+        raise RunError("--resume and --overwrite contradict each other; choose one")
+    out_dir = Path(config.train.out_dir).absolute()
+    check_writable(out_dir)
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(out_dir)
+    try:
+        lock.acquire()
+        try:
+            _check_claim(config, out_dir, resume=resume, overwrite=overwrite)
+        except BaseException:
+            lock.release()
+            raise
+    except BaseException:
+        if created:  # leave no empty directory behind a refused run
+            out_dir.rmdir()
+        raise
+    if lock.took_over:
+        print(f"took over the stale lock of a run that died in {out_dir}", file=sys.stderr)
+    return lock
+
+
+def _check_claim(config: Config, out_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    earlier = earlier_run(out_dir)
+    stranded = bool(earlier) and died_before_first_save(out_dir)
+    if resume:
+        check_resumable(config, out_dir, earlier, stranded)
+        return
+    if stranded:
+        print(
+            f"replacing the run in {out_dir} that died before its first checkpoint "
+            f"(deleted {', '.join(clear(out_dir))})",
+            file=sys.stderr,
+        )
+    elif earlier and not overwrite:
+        resumable = checkpoint_steps(out_dir)
+        raise RunError(
+            f"{out_dir} holds an earlier run ({', '.join(earlier)}); "
+            + ("continue it with --resume or " if resumable else "it has no checkpoint; ")
+            + "delete it with --overwrite"
+        )
+    elif earlier:
+        print(f"--overwrite: deleted {', '.join(clear(out_dir))} in {out_dir}", file=sys.stderr)
+
+
+def check_resumable(config: Config, out_dir: Path, earlier: list[str], stranded: bool) -> None:
+    """``--resume`` needs a checkpoint, a readable ``config.yaml`` that matches ``config``
+    but for ``RESUMABLE_FIELDS``, and a readable ``metrics.jsonl``; nothing is written."""
+    if not checkpoint_steps(out_dir):
+        if stranded:
+            why = "its run died before its first checkpoint"
+        elif earlier:
+            why = f"it holds {', '.join(earlier)} but no checkpoint"
+        else:
+            why = "it holds no run"
+        raise NothingToResume(
+            f"--resume: nothing to resume in {out_dir} ({why})",
+            overwrite=bool(earlier) and not stranded,
+        )
+    differences = resume_differences(read_config(out_dir), to_dict(config))
+    if differences:
+        raise RunError(
+            f"--resume would continue {out_dir} with a different setup "
+            f"({'; '.join(differences)}); only {', '.join(RESUMABLE_FIELDS)} may change"
+        )
+    MetricsLog(out_dir / METRICS).read()
+
+
+def finished_summary(config: Config, out_dir: Path) -> dict | None:
+    """With ``--resume``: the summary of a run with nothing left to do under ``config``, or
+    None when it goes on. A run cannot go on to a ``train.steps`` below its newest checkpoint.
+    """
+    summary = read_summary(out_dir)
+    if is_finished(summary, config.train.steps, config.train.target_accuracy):
+        return dict(summary, already_finished=True)
+    newest = max(checkpoint_steps(out_dir), default=0)
+    if config.train.steps < newest:
+        raise RunError(
+            f"--resume: train.steps={config.train.steps} is below step {newest} of the newest "
+            f"checkpoint in {out_dir}; give train.steps >= {newest}"
+        )
+    return None
+
+
+def check_checkpoint_shapes(out_dir: Path, step: int, there: dict, here: dict) -> None:
+    """Raise ``RunError`` when checkpoint ``step`` holds parameters of other names or shapes
+    (``there``, ``{dotted name: shape}``) than the config builds (``here``): a different
+    model, not a damaged checkpoint."""
+    for name in sorted(set(there) | set(here)):
+        if there.get(name) != here.get(name):
+            raise RunError(
+                f"--resume: checkpoint step {step} in {out_dir / CHECKPOINTS} is of another "
+                f"model than the config: params {name} is {there.get(name, '(absent)')} there "
+                f"and {here.get(name, '(absent)')} here; {CONFIG} does not describe these "
+                "checkpoints"
+            )

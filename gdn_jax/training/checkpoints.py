@@ -1,0 +1,114 @@
+"""A run's orbax checkpoints: saved and waited for, restored with fallbacks.
+
+The newest checkpoint that restores is the one a resumed run continues from. One that fails
+to restore (damaged) is moved aside to ``broken_checkpoints/`` with a warning and the one
+before is tried; one of another model stops the resume (``run_dir.check_checkpoint_shapes``),
+since then ``config.yaml`` does not describe the directory.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from gdn_jax.training import run_dir
+from gdn_jax.training.config import Config, to_dict
+from gdn_jax.training.errors import RunError, SaveError, is_out_of_memory, reason
+from gdn_jax.training.metrics_log import MetricsLog
+from gdn_jax.training.step import TrainState
+
+
+def is_primary() -> bool:
+    """Whether this process keeps the run directory (process 0 of several)."""
+    return jax.process_index() == 0
+
+
+def sync(name: str) -> None:
+    """Wait for every process (nothing to wait for in a one-process run)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def manager(out_dir: Path, keep: int) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(
+        out_dir / run_dir.CHECKPOINTS,
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        item_handlers=ocp.StandardCheckpointHandler(),  # so that item_metadata reads shapes
+    )
+
+
+def save(checkpoints: ocp.CheckpointManager, step: int, state: TrainState, out_dir: Path) -> None:
+    """Save and wait: a save that fails stops the run here, not some steps later."""
+    try:
+        if step not in checkpoints.all_steps():
+            checkpoints.save(step, args=ocp.args.StandardSave(state))
+        checkpoints.wait_until_finished()
+    except Exception as error:
+        latest = checkpoints.latest_step()
+        kept = f"step {latest} is the latest kept" if latest is not None else "none was saved"
+        raise SaveError(
+            f"could not save checkpoint step {step} in {out_dir / run_dir.CHECKPOINTS} "
+            f"({error}); {kept}"
+        ) from error
+
+
+def shapes(tree) -> dict[str, tuple]:
+    """``{'blocks.0.mixer.q_proj.kernel': (16, 16), ...}`` of arrays or their metadata."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(k, simple=True, separator="."): tuple(v.shape) for k, v in leaves}
+
+
+def restore_or_start(
+    config: Config,
+    out_dir: Path,
+    checkpoints: ocp.CheckpointManager,
+    log: MetricsLog,
+    state: TrainState,
+    resume: bool,
+) -> tuple[TrainState, int]:
+    """``(state, step)`` to train on from: the newest checkpoint that restores (with
+    ``resume``), or ``state`` at step 0 with the run's ``config.yaml`` written."""
+    primary = is_primary()
+    if not resume:
+        if primary:
+            run_dir.write_config(out_dir, to_dict(config))
+        return state, 0
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
+    for step in sorted(checkpoints.all_steps(), reverse=True):
+        try:
+            there = shapes(checkpoints.item_metadata(step)["params"])
+            run_dir.check_checkpoint_shapes(out_dir, step, there, shapes(state.params))
+            restored = checkpoints.restore(step, args=ocp.args.StandardRestore(abstract))
+        except Exception as error:  # any other failure to restore means: not this one
+            if isinstance(error, RunError) or is_out_of_memory(error):
+                raise
+            aside = out_dir / "broken_checkpoints" / str(step)
+            if primary:
+                aside.parent.mkdir(exist_ok=True)
+                (out_dir / run_dir.CHECKPOINTS / str(step)).rename(aside)
+            sync("broken checkpoint moved aside")
+            checkpoints.reload()
+            print(
+                f"warning: checkpoint step {step} does not restore ({reason(error)}); moved "
+                f"it to {aside} and trying the one before",
+                file=sys.stderr,
+            )
+            continue
+        if primary and log.torn_tail():
+            print(
+                f"warning: dropping the torn last line of {log.path} (a crash mid-write); "
+                f"the checkpoint at step {step} is where the run resumes",
+                file=sys.stderr,
+            )
+        log.truncate(step)
+        if primary:
+            (out_dir / run_dir.SUMMARY).unlink(missing_ok=True)  # the run goes on
+            run_dir.write_config(out_dir, to_dict(config))
+        return restored, step
+    raise RunError(f"--resume: no checkpoint in {out_dir / run_dir.CHECKPOINTS} restores")

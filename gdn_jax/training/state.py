@@ -1,0 +1,103 @@
+"""What a run trains: the model and optimizer state on the mesh, and the jitted steps.
+
+The training loop builds it for real and ``--compile-only`` as shapes only (``abstract``),
+through the same function, so that what is compiled for a TPU slice is what would train.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gdn_jax.models import LanguageModel
+from gdn_jax.training import mesh as mesh_lib
+from gdn_jax.training.config import Config
+from gdn_jax.training.optim import learning_rate_schedule, make_optimizer
+from gdn_jax.training.step import TrainState, make_eval_step, make_train_step
+
+Batch = dict  # {"inputs", "labels", "positions", "targets"}: data.mqar.make_batch's arrays
+TrainStep = Callable[[TrainState, Batch], tuple[TrainState, dict]]  # donates the state
+EvalStep = Callable[[dict, Batch], tuple[jax.Array, jax.Array]]  # -> (loss, accuracy [B])
+
+
+@dataclasses.dataclass
+class Steps:
+    """The jitted steps of a run on its mesh and the shardings of what they take."""
+
+    train_step: TrainStep
+    eval_step: EvalStep
+    state_shardings: TrainState
+    batch_shardings: dict
+
+
+def jit_steps(config: Config, mesh: Mesh, graphdef, params: nnx.State, optimizer) -> Steps:
+    """The train and eval steps of ``config`` jitted for ``mesh``: the batch placed by
+    ``batch_shardings``, parameters and optimizer state by the layers' partitioning metadata
+    (whole on every device when the mesh has only a data axis). ``params`` may be abstract
+    (``nnx.eval_shape``); call the steps with ``mesh`` set (``jax.set_mesh``)."""
+    train = config.train
+    replicated = NamedSharding(mesh, P())
+    param_shardings = mesh_lib.param_shardings(mesh, params)
+    opt_state = jax.eval_shape(optimizer.init, nnx.to_pure_dict(params))
+    state_shardings = TrainState(
+        replicated,
+        param_shardings,
+        mesh_lib.opt_state_shardings(mesh, optimizer, opt_state, param_shardings),
+    )
+    batch_shardings = mesh_lib.batch_shardings(mesh)
+    schedule = learning_rate_schedule(train)
+    train_step = jax.jit(
+        make_train_step(graphdef, optimizer, schedule, logits_at_labels=train.logits_at_labels),
+        in_shardings=(state_shardings, batch_shardings),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=0,
+    )
+    eval_step = jax.jit(
+        make_eval_step(graphdef, logits_at_labels=train.logits_at_labels),
+        in_shardings=(state_shardings.params, batch_shardings),
+        out_shardings=replicated,  # every process reads the whole per-example accuracy
+    )
+    return Steps(train_step, eval_step, state_shardings, batch_shardings)
+
+
+def train_setup(config: Config, mesh: Mesh, *, abstract: bool = False) -> tuple[Steps, TrainState]:
+    """The jitted steps and the initial state of ``config`` on ``mesh``: placed arrays, or
+    with ``abstract`` their shapes and shardings (``jax.ShapeDtypeStruct``s), nothing
+    allocated."""
+    seed = config.train.seed
+
+    def build():
+        return LanguageModel(config.model, rngs=nnx.Rngs(seed))
+
+    graphdef, params = nnx.split(nnx.eval_shape(build) if abstract else build())
+    optimizer = make_optimizer(config.train, params)
+    steps = jit_steps(config, mesh, graphdef, params, optimizer)
+    pure = nnx.to_pure_dict(params)
+    if abstract:
+        abstract_state = TrainState(
+            jax.ShapeDtypeStruct((), jnp.int32), pure, jax.eval_shape(optimizer.init, pure)
+        )
+        return steps, jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            abstract_state,
+            steps.state_shardings,
+        )
+    state = TrainState(jnp.zeros((), jnp.int32), pure, optimizer.init(pure))
+    return steps, jax.device_put(state, steps.state_shardings)
+
+
+def on_mesh(mesh: Mesh, fn: Callable) -> Callable:
+    """``fn`` called with ``mesh`` in context, so that the layers see its ``seq`` axis while
+    ``jax.jit`` traces them."""
+
+    def call(*args):
+        with jax.set_mesh(mesh):
+            return fn(*args)
+
+    return call
