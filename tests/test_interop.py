@@ -22,11 +22,11 @@ from gdn_jax import GatedDeltaNet  # noqa: E402
 from gdn_jax.interop import (  # noqa: E402
     export_fla_layer,
     export_qwen3_next_layer,
-    gdn_cache_to_qwen3_next,
+    gdn_jax_cache_to_qwen3_next,
     load_fla_layer,
     load_layer,
     load_qwen3_next_layer,
-    qwen3_next_cache_to_gdn,
+    qwen3_next_cache_to_gdn_jax,
     qwen3_next_layer_prefixes,
     read_safetensors,
 )
@@ -182,17 +182,19 @@ def assert_family_decoding_matches(family, reference, config):
 
     y, gdn_cache = prefill(layer, jnp.asarray(prompt))
     assert_relative_rms(y, expected[0], jnp.float32, "prefill")
-    conv, state = family.gdn_cache_to(gdn_cache)
+    conv, state = family.cache_from_gdn_jax(gdn_cache)
     # The oldest column of transformers' conv state is never read again; gdn_jax keeps W-1.
     assert_relative_rms(conv[..., 1:], torch_conv[..., 1:], jnp.float32, "conv cache")
     assert_relative_rms(state, torch_state, jnp.float32, "recurrent state")
     # transformers' cache -> gdn_jax -> transformers is bit-exact (but for that column).
-    conv_back, state_back = family.gdn_cache_to(family.cache_to_gdn(torch_conv, torch_state))
+    conv_back, state_back = family.cache_from_gdn_jax(
+        family.cache_to_gdn_jax(torch_conv, torch_state)
+    )
     np.testing.assert_array_equal(conv_back[..., 1:], torch_conv[..., 1:])
     np.testing.assert_array_equal(state_back, torch_state)
 
     assert_decoding_matches(
-        layer, (gdn_cache, family.cache_to_gdn(torch_conv, torch_state)), tokens, expected
+        layer, (gdn_cache, family.cache_to_gdn_jax(torch_conv, torch_state)), tokens, expected
     )
 
 
@@ -207,7 +209,7 @@ def test_prefill_cache_and_decoding_equal_transformers():
 
     y, gdn_cache = prefill(layer, jnp.asarray(prompt))
     assert_relative_rms(y, expected[0], jnp.float32, "prefill")
-    conv, state = gdn_cache_to_qwen3_next(gdn_cache)
+    conv, state = gdn_jax_cache_to_qwen3_next(gdn_cache)
     assert conv.shape == torch_conv.shape and state.shape == torch_state.shape
     # The oldest column of transformers' conv state is never read again; gdn_jax keeps W-1.
     assert_relative_rms(conv[..., 1:], torch_conv[..., 1:], jnp.float32, "conv cache")
@@ -215,7 +217,7 @@ def test_prefill_cache_and_decoding_equal_transformers():
 
     # Decode from gdn_jax's own prefill cache and from transformers' cache, converted.
     assert_decoding_matches(
-        layer, (gdn_cache, qwen3_next_cache_to_gdn(torch_conv, torch_state)), tokens, expected
+        layer, (gdn_cache, qwen3_next_cache_to_gdn_jax(torch_conv, torch_state)), tokens, expected
     )
 
 
@@ -366,7 +368,7 @@ def test_cache_round_trip_is_exact():
     layer = gdn_layer()
     # Jitted: eagerly, every primitive of the prefill is a program to compile (84).
     _, cache = nnx.jit(lambda layer, x: layer.prefill(x))(layer, jnp.asarray(hidden(10, 2, 11, 32)))
-    back = qwen3_next_cache_to_gdn(*gdn_cache_to_qwen3_next(cache))
+    back = qwen3_next_cache_to_gdn_jax(*gdn_jax_cache_to_qwen3_next(cache))
     for a, b in zip(back.conv, cache.conv, strict=True):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(back.state, cache.state)
@@ -438,11 +440,11 @@ def test_malformed_caches_are_refused():
     with pytest.raises(
         ValueError, match=r"conv_state must be \[B, channels, W\].*\(2, 96, 4\) and \(3, 2, 8, 8\)"
     ):
-        qwen3_next_cache_to_gdn(np.zeros((2, 96, 4)), np.zeros((3, 2, 8, 8)))
+        qwen3_next_cache_to_gdn_jax(np.zeros((2, 96, 4)), np.zeros((3, 2, 8, 8)))
     with pytest.raises(ValueError, match=r"conv_state \(2, 90, 4\) does not fit"):
-        qwen3_next_cache_to_gdn(np.zeros((2, 90, 4)), np.zeros((2, 2, 8, 8)))
+        qwen3_next_cache_to_gdn_jax(np.zeros((2, 90, 4)), np.zeros((2, 2, 8, 8)))
     with pytest.raises(ValueError, match=r"RecurrentCache with convolution histories"):
-        gdn_cache_to_qwen3_next(gdn_layer(use_short_conv=False).init_cache(1))
+        gdn_jax_cache_to_qwen3_next(gdn_layer(use_short_conv=False).init_cache(1))
 
 
 def test_read_safetensors_errors(tmp_path):

@@ -36,6 +36,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDel
 from gdn_jax import GatedDeltaNet
 from gdn_jax.interop import (
     FAMILIES,
+    MODEL_TYPES,
     layer_prefixes,
     load_layer,
 )
@@ -211,7 +212,7 @@ def test_multimodal_configs_read_their_text_config():
     assert layer_prefixes(composite) == {0: "model.language_model.layers.0.linear_attn."}
     assert QWEN3_5.layer_kwargs(composite) == QWEN3_5.layer_kwargs(text)
     for model_type in ("qwen3_5_moe", "qwen4_exp", "lara_mini"):
-        assert FAMILIES[model_type] is QWEN3_5
+        assert MODEL_TYPES[model_type] is QWEN3_5
 
 
 # --- malformed input: one ValueError naming the tensor or argument, nothing built ---------

@@ -236,7 +236,7 @@ def test_round_trips_are_exact(name):
     rng = np.random.default_rng(10)
     empty = layer.init_cache(2)
     cache = jax.tree.map(lambda z: jnp.asarray(rng.standard_normal(z.shape), z.dtype), empty)
-    cache_back = family.cache_to_gdn(*family.gdn_cache_to(cache))
+    cache_back = family.cache_to_gdn_jax(*family.cache_from_gdn_jax(cache))
     for a, b in zip(cache_back.conv, cache.conv, strict=True):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(cache_back.state, cache.state)

@@ -281,7 +281,7 @@ def test_every_mixer_implements_the_declared_interface():
     from gdn_jax.layers import TokenMixer
     from gdn_jax.models import MIXERS, ModelConfig, build_mixer
 
-    config = ModelConfig(vocab_size=50, d_model=16, mixers=MIXERS, chunk_size=16)
+    config = ModelConfig(vocab_size=50, d_model=16, mixers=tuple(MIXERS), chunk_size=16)
     for name in MIXERS:
         mixer = build_mixer(config, name, rngs=nnx.Rngs(0))
         assert isinstance(mixer, TokenMixer), name

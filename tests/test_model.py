@@ -110,7 +110,9 @@ def test_generation_arguments_are_checked(model):
 
 
 def test_every_mixer_name_builds_its_layer():
-    model = LanguageModel(ModelConfig(vocab_size=50, d_model=16, mixers=MIXERS), rngs=nnx.Rngs(0))
+    model = LanguageModel(
+        ModelConfig(vocab_size=50, d_model=16, mixers=tuple(MIXERS)), rngs=nnx.Rngs(0)
+    )
     built = [type(block.mixer).__name__ for block in model.blocks]
     assert built == [
         "GatedDeltaNet", "DeltaNet", "GatedLinearAttention", "LinearAttention",

@@ -59,10 +59,3 @@ BAILING_HYBRID = KDAFamily(
     bounded=True,
     view=bailing_hybrid_config,
 )
-
-bailing_hybrid_layer_kwargs = BAILING_HYBRID.layer_kwargs
-load_bailing_hybrid_layer = BAILING_HYBRID.load
-export_bailing_hybrid_layer = BAILING_HYBRID.export
-bailing_hybrid_cache_to_gdn = BAILING_HYBRID.cache_to_gdn
-gdn_cache_to_bailing_hybrid = BAILING_HYBRID.gdn_cache_to
-bailing_hybrid_layer_prefixes = BAILING_HYBRID.layer_prefixes

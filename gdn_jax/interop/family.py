@@ -66,6 +66,8 @@ class Family(abc.ABC):
       module: the layer's name in checkpoints' tensor names (``model.layers.{i}.{module}.``).
       layers_stem: where the decoder layers lie in a checkpoint; ``None`` means
         ``model.layers``, or ``model.language_model.layers`` for a multimodal config.
+      also_model_types: the other ``model_type`` values (besides ``name``) of configs the
+        family reads, e.g. siblings and the ``*_text`` of a multimodal config's text part.
     """
 
     layer_class: ClassVar[type]  # the gdn_jax layer a family's layers load as
@@ -80,6 +82,11 @@ class Family(abc.ABC):
     unsqueezed: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     module: str = "linear_attn"
     layers_stem: str | None = None
+    also_model_types: tuple[str, ...] = ()
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        return (self.name, *self.also_model_types)
 
     @abc.abstractmethod
     def config_kwargs(self, fn: str, config: Mapping) -> dict:
@@ -150,7 +157,7 @@ class Family(abc.ABC):
         }
 
     @no_type_check  # a public entry point: checks.py names its bad arguments
-    def cache_to_gdn(self, conv_state, recurrent_state) -> RecurrentCache:
+    def cache_to_gdn_jax(self, conv_state, recurrent_state) -> RecurrentCache:
         """transformers' per-layer decoding cache as gdn_jax's ``RecurrentCache``.
 
         Args:
@@ -158,14 +165,14 @@ class Family(abc.ABC):
             convolution (only the last ``W - 1`` reach a later output; gdn_jax keeps those).
           recurrent_state: ``[B, HV, K, V]`` (gdn_jax's state is its transpose).
         """
-        return _cache_to_gdn(f"{self.name}_cache_to_gdn", conv_state, recurrent_state)
+        return _cache_to_gdn_jax(f"{self.name}_cache_to_gdn_jax", conv_state, recurrent_state)
 
     @no_type_check  # a public entry point: checks.py names its bad arguments
-    def gdn_cache_to(self, cache: RecurrentCache) -> tuple[np.ndarray, np.ndarray]:
+    def cache_from_gdn_jax(self, cache: RecurrentCache) -> tuple[np.ndarray, np.ndarray]:
         """gdn_jax's ``RecurrentCache`` as transformers' ``(conv_state [B, channels, W],
         recurrent_state [B, HV, K, V])``. The oldest column of ``conv_state``, which no
         later output reads, is zero."""
-        return _gdn_cache_to(f"gdn_cache_to_{self.name}", cache)
+        return _cache_from_gdn_jax(f"gdn_jax_cache_to_{self.name}", cache)
 
     @no_type_check  # a public entry point: checks.py names its bad arguments
     def layer_prefixes(self, config) -> dict[int, str]:
@@ -279,7 +286,7 @@ def _join(family: Family, name: str, pieces: list[np.ndarray], heads: int) -> np
     return np.ascontiguousarray(joined)
 
 
-def _cache_to_gdn(fn: str, conv_state, recurrent_state) -> RecurrentCache:
+def _cache_to_gdn_jax(fn: str, conv_state, recurrent_state) -> RecurrentCache:
     conv, state = np.asarray(conv_state), np.asarray(recurrent_state)
     if conv.ndim != 3 or state.ndim != 4 or conv.shape[0] != state.shape[0]:
         raise ValueError(
@@ -301,7 +308,7 @@ def _cache_to_gdn(fn: str, conv_state, recurrent_state) -> RecurrentCache:
     )
 
 
-def _gdn_cache_to(fn: str, cache: RecurrentCache) -> tuple[np.ndarray, np.ndarray]:
+def _cache_from_gdn_jax(fn: str, cache: RecurrentCache) -> tuple[np.ndarray, np.ndarray]:
     if not isinstance(cache, RecurrentCache) or cache.conv is None:
         raise ValueError(
             f"{fn}: cache must be a RecurrentCache with convolution histories (a layer with "

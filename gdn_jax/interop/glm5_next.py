@@ -35,6 +35,8 @@ _TENSORS, _STORED_AS = kda_tensors(low_rank_gates=True)
 GLM5_NEXT = KDAFamily(
     name="glm5_next",
     title="GLM-5 Next",
+    # A config.json with GLM-5 Next's text fields at the top level reads as glm5_next.
+    also_model_types=("glm5_next_text",),
     tensors=_TENSORS,
     stored_as=_STORED_AS,
     stored_in_parts={"conv1d.weight": QKV_CONV},
@@ -43,10 +45,3 @@ GLM5_NEXT = KDAFamily(
     bounded=True,
     view=glm5_next_config,
 )
-
-glm5_next_layer_kwargs = GLM5_NEXT.layer_kwargs
-load_glm5_next_layer = GLM5_NEXT.load
-export_glm5_next_layer = GLM5_NEXT.export
-glm5_next_cache_to_gdn = GLM5_NEXT.cache_to_gdn
-gdn_cache_to_glm5_next = GLM5_NEXT.gdn_cache_to
-glm5_next_layer_prefixes = GLM5_NEXT.layer_prefixes

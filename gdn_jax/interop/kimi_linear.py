@@ -74,10 +74,3 @@ KIMI_LINEAR = KDAFamily(
     interval_default=None,
     view=kimi_linear_config,
 )
-
-kimi_linear_layer_kwargs = KIMI_LINEAR.layer_kwargs
-load_kimi_linear_layer = KIMI_LINEAR.load
-export_kimi_linear_layer = KIMI_LINEAR.export
-kimi_linear_cache_to_gdn = KIMI_LINEAR.cache_to_gdn
-gdn_cache_to_kimi_linear = KIMI_LINEAR.gdn_cache_to
-kimi_linear_layer_prefixes = KIMI_LINEAR.layer_prefixes

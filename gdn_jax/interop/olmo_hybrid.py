@@ -26,10 +26,3 @@ OLMO_HYBRID = GatedDeltaNetFamily(
     interval_default=None,
     stored_in_parts={"conv1d.weight": QKV_CONV},
 )
-
-olmo_hybrid_layer_kwargs = OLMO_HYBRID.layer_kwargs
-load_olmo_hybrid_layer = OLMO_HYBRID.load
-export_olmo_hybrid_layer = OLMO_HYBRID.export
-olmo_hybrid_cache_to_gdn = OLMO_HYBRID.cache_to_gdn
-gdn_cache_to_olmo_hybrid = OLMO_HYBRID.gdn_cache_to
-olmo_hybrid_layer_prefixes = OLMO_HYBRID.layer_prefixes

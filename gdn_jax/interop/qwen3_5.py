@@ -17,6 +17,14 @@ from gdn_jax.interop.gdn_family import GatedDeltaNetFamily
 QWEN3_5 = GatedDeltaNetFamily(
     name="qwen3_5",
     title="Qwen3.5",
+    also_model_types=(
+        "qwen3_5_text",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+        "qwen4_exp",
+        "qwen4_exp_text",
+        "lara_mini",
+    ),  # fmt: skip
     tensors={
         "in_proj_qkv.weight": ("q_proj.weight", "k_proj.weight", "v_proj.weight"),
         "in_proj_z.weight": ("g_proj.weight",),
@@ -29,10 +37,3 @@ QWEN3_5 = GatedDeltaNetFamily(
         "out_proj.weight": ("o_proj.weight",),
     },
 )
-
-qwen3_5_layer_kwargs = QWEN3_5.layer_kwargs
-load_qwen3_5_layer = QWEN3_5.load
-export_qwen3_5_layer = QWEN3_5.export
-qwen3_5_cache_to_gdn = QWEN3_5.cache_to_gdn
-gdn_cache_to_qwen3_5 = QWEN3_5.gdn_cache_to
-qwen3_5_layer_prefixes = QWEN3_5.layer_prefixes

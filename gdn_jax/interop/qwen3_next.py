@@ -29,10 +29,3 @@ QWEN3_NEXT = GatedDeltaNetFamily(
     },
     per_key_head=frozenset({"in_proj_qkvz.weight", "in_proj_ba.weight"}),
 )
-
-qwen3_next_layer_kwargs = QWEN3_NEXT.layer_kwargs
-load_qwen3_next_layer = QWEN3_NEXT.load
-export_qwen3_next_layer = QWEN3_NEXT.export
-qwen3_next_cache_to_gdn = QWEN3_NEXT.cache_to_gdn
-gdn_cache_to_qwen3_next = QWEN3_NEXT.gdn_cache_to
-qwen3_next_layer_prefixes = QWEN3_NEXT.layer_prefixes

@@ -1,7 +1,16 @@
 """Language models built from the layers."""
 
-from gdn_jax.models.config import MIXERS, ModelConfig
+from gdn_jax.models.config import ModelConfig
 from gdn_jax.models.generate import generate
-from gdn_jax.models.lm import Block, LanguageModel, build_mixer
+from gdn_jax.models.lm import Block, LanguageModel
+from gdn_jax.models.mixers import MIXERS, MixerSpec, build_mixer
 
-__all__ = ["MIXERS", "Block", "LanguageModel", "ModelConfig", "build_mixer", "generate"]
+__all__ = [
+    "MIXERS",
+    "Block",
+    "LanguageModel",
+    "MixerSpec",
+    "ModelConfig",
+    "build_mixer",
+    "generate",
+]

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Literal, get_args, no_type_check
+from typing import Literal, no_type_check
 
 import jax
 import jax.numpy as jnp
 
+from gdn_jax.models.mixers import MIXERS
 from gdn_jax.ops.checks import Impl, Schedule, is_real_number
 
-# "kda" is Kimi Delta Attention, the delta rule with one decay per key channel.
-# "attention_conv" is attention with the recurrent mixers' short convolutions on q, k and v:
-# the control that separates what the convolution contributes to recall from the mixer.
-Mixer = Literal["gdn", "deltanet", "gated_linear", "linear", "kda", "attention", "attention_conv"]
-MIXERS: tuple[str, ...] = get_args(Mixer)
+# The names of the registered mixers (models/mixers.py), in the registry's order.
+Mixer = Literal[tuple(MIXERS)]
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
@@ -28,8 +26,8 @@ class ModelConfig:
     vocab_size: int = 8192
     # Width D of the residual stream.
     d_model: int = 64
-    # Token mixer of each layer, from MIXERS; the number of layers is len(mixers). A hybrid
-    # stack is a mixed list, e.g. ("gdn", "gdn", "attention").
+    # Token mixer of each layer, a name of models.mixers.MIXERS; the number of layers is
+    # len(mixers). A hybrid stack is a mixed list, e.g. ("gdn", "gdn", "attention").
     mixers: tuple[Mixer, ...] = ("gdn", "gdn")
     # Query/key heads H of every mixer.
     num_heads: int = 2
@@ -108,10 +106,10 @@ class ModelConfig:
             if not isinstance(getattr(self, field), bool):
                 fail(field, "must be true or false")
         if not self.mixers:
-            fail("mixers", f"needs at least one layer, each one of {MIXERS}")
+            fail("mixers", f"needs at least one layer, each one of {tuple(MIXERS)}")
         for name in self.mixers:
             if name not in MIXERS:
-                fail("mixers", f"unknown mixer {name!r}; allowed: {MIXERS}")
+                fail("mixers", f"unknown mixer {name!r}; allowed: {tuple(MIXERS)}")
         if self.head_dim is None and self.d_model % self.num_heads:
             fail("num_heads", f"must divide d_model={self.d_model} when head_dim is None")
         for field in ("dtype", "param_dtype"):

@@ -1,4 +1,4 @@
-"""A causal language model whose blocks use any registered token mixer."""
+"""A causal language model whose blocks use any registered token mixer (``mixers.py``)."""
 
 from __future__ import annotations
 
@@ -7,74 +7,10 @@ import functools
 import jax.numpy as jnp
 from flax import nnx
 
-from gdn_jax.layers import (
-    DeltaNet,
-    GatedDeltaNet,
-    GatedLinearAttention,
-    KimiDeltaAttention,
-    LinearAttention,
-    SoftmaxAttention,
-    SwiGLU,
-    TokenMixer,
-)
-from gdn_jax.models.config import Mixer, ModelConfig
+from gdn_jax.layers import SwiGLU
+from gdn_jax.models.config import ModelConfig
+from gdn_jax.models.mixers import build_mixer
 from gdn_jax.ops import checks
-
-RECURRENT_MIXERS = {
-    "gdn": GatedDeltaNet,
-    "deltanet": DeltaNet,
-    "gated_linear": GatedLinearAttention,
-    "linear": LinearAttention,
-}
-
-
-def build_mixer(config: ModelConfig, name: Mixer, *, rngs: nnx.Rngs) -> TokenMixer:
-    """The mixer registry: a name from ``MIXERS`` to a layer built from ``config``."""
-    common = dict(
-        dtype=config.jnp_dtype,
-        param_dtype=config.jnp_param_dtype,
-        kernel_init=nnx.initializers.normal(config.init_std),
-        rngs=rngs,
-    )
-    if name in ("attention", "attention_conv"):
-        return SoftmaxAttention(
-            config.d_model,
-            config.num_heads,
-            config.key_head_dim,
-            window=config.window,
-            rope_theta=config.rope_theta,
-            use_short_conv=name == "attention_conv",
-            conv_size=config.conv_size,
-            **common,
-        )
-    recurrent = dict(
-        expand_v=config.expand_v,
-        num_v_heads=config.num_v_heads,
-        use_gate=config.use_gate,
-        use_short_conv=config.use_short_conv,
-        conv_size=config.conv_size,
-        norm_eps=config.norm_eps,
-        chunk_size=config.chunk_size,
-        impl=config.impl,
-        schedule=config.schedule,
-        **common,
-    )
-    if name == "kda":
-        return KimiDeltaAttention(
-            config.d_model,
-            config.num_heads,
-            config.key_head_dim,
-            allow_neg_eigval=config.allow_neg_eigval,
-            **recurrent,
-        )
-    layer = RECURRENT_MIXERS[name]
-    return layer(
-        config.d_model,
-        config.num_heads,
-        config.key_head_dim,
-        allow_neg_eigval=config.allow_neg_eigval and layer.delta,  # model-wide, where it applies
-        **recurrent,
-    )
 
 
 class Block(nnx.Module):

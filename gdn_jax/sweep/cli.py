@@ -16,7 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
-from gdn_jax.models.config import MIXERS
+from gdn_jax.models.mixers import MIXERS
 from gdn_jax.sweep.cells import Plan, grid, refused_sets
 from gdn_jax.sweep.results import FAILED, Results, SweepError
 from gdn_jax.sweep.runner import TRAINER, Job, Stop, run_jobs
@@ -39,7 +39,7 @@ def parse_args(argv):
     parser = Parser(prog=PROG, description="Sweep MQAR recall over mixers, pairs and widths.")
     add = parser.add_argument
     add("--config", default=DEFAULT_CONFIG, help="base config (path or packaged name)")
-    add("--mixers", nargs="+", default=list(MIXERS), choices=MIXERS)
+    add("--mixers", nargs="+", default=list(MIXERS), choices=list(MIXERS))
     add("--kv-pairs", nargs="+", type=int, default=[16, 32, 64])
     add("--d-models", nargs="+", type=int, default=[64])
     add("--learning-rates", nargs="+", type=float, default=[1e-3, 3e-3, 1e-2])

@@ -13,7 +13,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from gdn_jax.models.config import MIXERS
+from gdn_jax.models.mixers import MIXERS
 from gdn_jax.sweep.cells import Cell
 from gdn_jax.sweep.results import FAILED, FINISHED
 from gdn_jax.training.files import write_whole

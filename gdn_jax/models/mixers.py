@@ -1,0 +1,124 @@
+"""The mixer registry: every token mixer a ``LanguageModel`` layer can be, by name.
+
+A mixer is one layer module (a ``layers.TokenMixer``) plus one entry in ``MIXERS``: how to
+build it from a ``ModelConfig`` and one line that says what it is. The config's allowed
+names (``ModelConfig.mixers``), ``build_mixer``, the sweep's ``--mixers`` and the tests that
+every mixer must pass (``tests/models/test_mixers.py``) all read this table;
+docs/architecture.md says how to add one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from flax import nnx
+
+from gdn_jax.layers import (
+    DeltaNet,
+    GatedDeltaNet,
+    GatedLinearAttention,
+    KimiDeltaAttention,
+    LinearAttention,
+    SoftmaxAttention,
+    TokenMixer,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MixerSpec:
+    """One registered mixer: ``build(config, common)`` makes the layer from a
+    ``ModelConfig`` and the keyword arguments every mixer takes (``common_kwargs``)."""
+
+    build: Callable[..., TokenMixer]
+    summary: str  # what it is, in a line (the README's table of configs says the same)
+
+
+def recurrent_kwargs(config) -> dict:
+    """What every recurrent mixer takes from the config besides its head layout."""
+    return dict(
+        expand_v=config.expand_v,
+        num_v_heads=config.num_v_heads,
+        use_gate=config.use_gate,
+        use_short_conv=config.use_short_conv,
+        conv_size=config.conv_size,
+        norm_eps=config.norm_eps,
+        chunk_size=config.chunk_size,
+        impl=config.impl,
+        schedule=config.schedule,
+    )
+
+
+def recurrent(layer, *, negative_eigenvalues: bool) -> Callable[..., TokenMixer]:
+    """The builder of a recurrent ``layer``; ``negative_eigenvalues``: whether it takes the
+    model-wide ``allow_neg_eigval`` (the mixers with a delta correction)."""
+
+    def build(config, common):
+        extra = dict(allow_neg_eigval=config.allow_neg_eigval) if negative_eigenvalues else {}
+        heads = (config.d_model, config.num_heads, config.key_head_dim)
+        return layer(*heads, **recurrent_kwargs(config), **extra, **common)
+
+    return build
+
+
+def attention(*, short_conv: bool) -> Callable[..., TokenMixer]:
+    def build(config, common):
+        return SoftmaxAttention(
+            config.d_model,
+            config.num_heads,
+            config.key_head_dim,
+            window=config.window,
+            rope_theta=config.rope_theta,
+            use_short_conv=short_conv,
+            conv_size=config.conv_size,
+            **common,
+        )
+
+    return build
+
+
+MIXERS: dict[str, MixerSpec] = {
+    "gdn": MixerSpec(
+        recurrent(GatedDeltaNet, negative_eigenvalues=True),
+        "Gated DeltaNet: decay and delta correction",
+    ),
+    "deltanet": MixerSpec(
+        recurrent(DeltaNet, negative_eigenvalues=True),
+        "DeltaNet: delta correction, no decay (`log_alpha = 0`)",
+    ),
+    "gated_linear": MixerSpec(
+        recurrent(GatedLinearAttention, negative_eigenvalues=False),
+        "gated linear attention, Mamba2-style scalar decay, no delta",
+    ),
+    "linear": MixerSpec(
+        recurrent(LinearAttention, negative_eigenvalues=False),
+        "plain linear attention: neither",
+    ),
+    "kda": MixerSpec(
+        recurrent(KimiDeltaAttention, negative_eigenvalues=True),
+        "Kimi Delta Attention: delta correction, one decay per key channel",
+    ),
+    "attention": MixerSpec(
+        attention(short_conv=False), "causal softmax attention with rotary embeddings"
+    ),
+    # The control that separates what the convolution contributes to recall from the mixer.
+    "attention_conv": MixerSpec(
+        attention(short_conv=True),
+        "attention with the short convolutions of the recurrent mixers",
+    ),
+}
+
+
+def common_kwargs(config, rngs: nnx.Rngs) -> dict:
+    """The dtypes, the projections' initialisation and the random streams of every mixer."""
+    return dict(
+        dtype=config.jnp_dtype,
+        param_dtype=config.jnp_param_dtype,
+        kernel_init=nnx.initializers.normal(config.init_std),
+        rngs=rngs,
+    )
+
+
+def build_mixer(config, name: str, *, rngs: nnx.Rngs) -> TokenMixer:
+    """The mixer ``name`` (a key of ``MIXERS``) built from ``config``."""
+    return MIXERS[name].build(config, common_kwargs(config, rngs))
