@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from gdn_jax.layers.params import COLUMNS, PER_HEAD, SEQ_AXIS, conv_init, param
-from gdn_jax.ops.conv import causal_depthwise_conv
-from gdn_jax.ops.sequence_parallel import halo_from_previous
+from gdn_jax.ops.conv import short_conv, short_convs_seq_parallel
 from gdn_jax.ops.varlen import segment_positions
 
 
@@ -35,17 +32,6 @@ class ShortConvolution(nnx.Module):
         return self.weight[...].astype(self.dtype), bias
 
 
-def short_conv(weight, bias, x, history, same_segment):
-    """``(silu(conv(x)) [B, T, D], history [B, W-1, D])``: ``causal_depthwise_conv`` over each
-    row of ``x [B, T, D]`` from its ``history`` (zeros when None), then SiLU."""
-
-    def one(x, history):
-        return causal_depthwise_conv(x, weight, bias, history=history, same_segment=same_segment)
-
-    y, history = jax.vmap(one)(x, history)
-    return jax.nn.silu(y), history
-
-
 def convolve_qkv(convs, qkv, *, histories=None, cu_seqlens=None, seq_mesh=None):
     """Run the q, k and v short convolutions ``convs`` over ``qkv``, each ``[B, T, channels]``,
     from ``histories`` (the previous call's, or None for a fresh start); with packed
@@ -60,35 +46,11 @@ def convolve_qkv(convs, qkv, *, histories=None, cu_seqlens=None, seq_mesh=None):
         lags = jnp.arange(conv_size - 1, 0, -1, dtype=jnp.int32)[:, None]
         same_segment = offset[None, :] >= lags  # tap j looks back W-1-j tokens
     if seq_mesh is not None:
-        return _convolve_seq_parallel(convs, qkv, same_segment, seq_mesh), None
+        filters = [conv.filters() for conv in convs]
+        return short_convs_seq_parallel(filters, qkv, same_segment, seq_mesh, SEQ_AXIS), None
     histories = (None, None, None) if histories is None else histories
     outs = [
         conv(z, history=h, same_segment=same_segment)
         for conv, z, h in zip(convs, qkv, histories, strict=True)
     ]
     return tuple(y for y, _ in outs), tuple(h for _, h in outs)
-
-
-def _convolve_seq_parallel(convs, qkv, same_segment, mesh):
-    """``convolve_qkv`` with T split over ``SEQ_AXIS`` of ``mesh``: each shard convolves its
-    own tokens from the halo of the previous shard (zeros on the first)."""
-    width = convs[0].weight.shape[0]
-    filters = [conv.filters() for conv in convs]
-
-    def per_shard(filters, qkv, same_segment):
-        outs = []
-        for (weight, bias), x in zip(filters, qkv, strict=True):
-            halo = halo_from_previous(x.swapaxes(0, 1), width - 1, SEQ_AXIS).swapaxes(0, 1)
-            outs.append(short_conv(weight, bias, x, halo, same_segment)[0])
-        return tuple(outs)
-
-    tokens = P(None, SEQ_AXIS)
-    segments = None if same_segment is None else P(None, SEQ_AXIS)
-    run = jax.shard_map(
-        per_shard,
-        mesh=mesh,
-        in_specs=(P(), (tokens,) * 3, segments),
-        out_specs=(tokens,) * 3,
-        axis_names={SEQ_AXIS},
-    )
-    return run(filters, tuple(qkv), same_segment)

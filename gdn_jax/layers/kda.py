@@ -23,7 +23,6 @@ from jaxtyping import Array, Float
 from gdn_jax.layers.params import (
     COLUMNS,
     PER_HEAD,
-    ROWS,
     NoWeightDecay,
     a_log_init,
     bias_free_linear,
@@ -31,12 +30,7 @@ from gdn_jax.layers.params import (
     param,
     partitioned,
 )
-from gdn_jax.layers.recurrent_layer import (
-    RecurrentCache,
-    RecurrentLayer,
-    check_head_shapes,
-    short_convolutions,
-)
+from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer
 from gdn_jax.ops import checks, kda
 
 
@@ -112,63 +106,30 @@ class KimiDeltaAttention(RecurrentLayer):
         kernel_init=None,
         rngs: nnx.Rngs,
     ):
-        num_v_heads = num_heads if num_v_heads is None else num_v_heads
-        name = type(self).__name__
-        head_v_dim = check_head_shapes(
-            name,
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            num_v_heads=num_v_heads,
-            expand_v=expand_v,
-            conv_size=conv_size,
-            norm_eps=norm_eps,
-        )
-        checks.check_impl(name, impl)
-        checks.check_chunk_size(name, chunk_size)
-        checks.check_schedule(name, schedule)
-        checks.check_floating_dtype(name, dtype=dtype, param_dtype=param_dtype)
-        checks.check_lower_bound(name, "gate_lower_bound", gate_lower_bound)
-
-        self.hidden_size = hidden_size
-        self.num_heads, self.num_v_heads, self.head_dim = num_heads, num_v_heads, head_dim
-        self.head_v_dim = head_v_dim
-        self.key_dim, self.value_dim = num_heads * head_dim, num_v_heads * head_v_dim
-        self.gate_dim = num_v_heads * head_dim  # one decay per value head and key channel
-        self.allow_neg_eigval, self.use_gate = allow_neg_eigval, use_gate
+        checks.check_lower_bound(type(self).__name__, "gate_lower_bound", gate_lower_bound)
+        super().__init__(
+            hidden_size, num_heads, head_dim, expand_v=expand_v, num_v_heads=num_v_heads,
+            use_gate=use_gate, use_short_conv=use_short_conv, conv_size=conv_size,
+            conv_bias=conv_bias, allow_neg_eigval=allow_neg_eigval, norm_eps=norm_eps,
+            chunk_size=chunk_size, impl=impl, schedule=schedule, dtype=dtype,
+            param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs,
+        )  # fmt: skip
+        self.gate_dim = self.num_v_heads * head_dim  # one decay per value head and key channel
         self.low_rank_gates = low_rank_gates
         self.gate_lower_bound = None if gate_lower_bound is None else float(gate_lower_bound)
-        self.chunk_size, self.impl, self.conv_size = int(chunk_size), impl, conv_size
-        self.schedule = schedule
-
         linear = bias_free_linear(
             dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
         )
-        self.q_proj = linear(hidden_size, self.key_dim, COLUMNS)
-        self.k_proj = linear(hidden_size, self.key_dim, COLUMNS)
-        self.v_proj = linear(hidden_size, self.value_dim, COLUMNS)
-        if use_short_conv:
-            self.q_conv1d, self.k_conv1d, self.v_conv1d = short_convolutions(
-                self.key_dim,
-                self.value_dim,
-                conv_size=conv_size,
-                conv_bias=conv_bias,
-                dtype=dtype,
-                param_dtype=param_dtype,
-                rngs=rngs,
-            )
-        else:
-            self.q_conv1d = self.k_conv1d = self.v_conv1d = None
         # The low-rank factors' inner features are no heads: whole on every device.
-        rank = head_v_dim
+        rank = self.head_v_dim
         self.f_a_proj = linear(hidden_size, rank) if low_rank_gates else None
         self.f_b_proj = linear(rank, self.gate_dim, COLUMNS) if low_rank_gates else None
         self.f_proj = None if low_rank_gates else linear(hidden_size, self.gate_dim, COLUMNS)
-        self.b_proj = linear(hidden_size, num_v_heads, COLUMNS)
+        self.b_proj = linear(hidden_size, self.num_v_heads, COLUMNS)
         if gate_lower_bound is None:
-            a_log = a_log_init(rngs.params(), (num_v_heads,), param_dtype, minval=1.0)
+            a_log = a_log_init(rngs.params(), (self.num_v_heads,), param_dtype, minval=1.0)
         else:
-            a_log = jnp.zeros((num_v_heads,), param_dtype)
+            a_log = jnp.zeros((self.num_v_heads,), param_dtype)
         dt_bias = dt_bias_init(rngs.params(), (self.gate_dim,), param_dtype)
         self.A_log = param(a_log, PER_HEAD, NoWeightDecay)
         self.dt_bias = param(dt_bias, PER_HEAD, NoWeightDecay)
@@ -186,10 +147,6 @@ class KimiDeltaAttention(RecurrentLayer):
         )
         self.g_b_proj = gate_out(rank) if low_rank_output else None
         self.g_proj = gate_out(hidden_size) if use_gate and not low_rank_gates else None
-        self.o_norm = nnx.RMSNorm(
-            head_v_dim, epsilon=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs
-        )
-        self.o_proj = linear(self.value_dim, hidden_size, ROWS)
 
     def _gate_out(self, in_features, *, use_bias, dtype, param_dtype, kernel_init, rngs):
         """The output gate's projection into the value heads, with a zero bias when asked."""

@@ -18,7 +18,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from gdn_jax.layers.conv import ShortConvolution, convolve_qkv
-from gdn_jax.layers.params import SEQ_AXIS
+from gdn_jax.layers.params import COLUMNS, ROWS, SEQ_AXIS, bias_free_linear
 from gdn_jax.ops import checks
 
 
@@ -89,13 +89,84 @@ class RecurrentLayer(nnx.Module):
     """The ``TokenMixer`` methods of a recurrent mixer: ``x [B, T, hidden_size] -> [B, T,
     hidden_size]``, with a ``RecurrentCache`` for decoding.
 
-    A subclass sets ``hidden_size``, ``num_heads``, ``num_v_heads``, ``head_dim``,
-    ``head_v_dim``, ``key_dim = num_heads * head_dim``, ``value_dim = num_v_heads *
-    head_v_dim``, ``conv_size`` and ``impl``; builds the bias-free ``q_proj``, ``k_proj``,
-    ``v_proj`` and, with short convolutions, ``q_conv1d``, ``k_conv1d``, ``v_conv1d`` (else
-    None); and implements ``_mix(x, *, mask, cu_seqlens, cache, impl) -> (y, cache)``, which
-    gets q, k and v from ``_qkv``.
+    Its constructor checks and builds what every recurrent mixer has, with
+    flash-linear-attention's names: the bias-free ``q_proj``, ``k_proj`` and ``v_proj``,
+    the ``q_conv1d``, ``k_conv1d`` and ``v_conv1d`` short convolutions (None without
+    ``use_short_conv``), the per-head output norm ``o_norm`` and the bias-free ``o_proj``.
+    A subclass calls it first, then builds its gates (with ``params.bias_free_linear`` of
+    the same dtypes, initialisation and random streams), and implements ``_mix(x, *, mask, cu_seqlens,
+    cache, impl) -> (y, cache)``, which gets q, k and v from ``_qkv``. ``chunk_size``,
+    ``impl`` and ``schedule`` are its op's.
     """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        *,
+        expand_v: float,
+        num_v_heads: int | None,
+        use_gate: bool,
+        use_short_conv: bool,
+        conv_size: int,
+        conv_bias: bool,
+        allow_neg_eigval: bool,
+        norm_eps: float,
+        chunk_size: int,
+        impl: checks.Impl,
+        schedule: checks.Schedule,
+        dtype,
+        param_dtype,
+        kernel_init,
+        rngs: nnx.Rngs,
+    ):
+        num_v_heads = num_heads if num_v_heads is None else num_v_heads
+        name = type(self).__name__
+        head_v_dim = check_head_shapes(
+            name,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            num_v_heads=num_v_heads,
+            expand_v=expand_v,
+            conv_size=conv_size,
+            norm_eps=norm_eps,
+        )
+        checks.check_impl(name, impl)
+        self.chunk_size = checks.check_chunk_size(name, chunk_size)
+        checks.check_schedule(name, schedule)
+        checks.check_floating_dtype(name, dtype=dtype, param_dtype=param_dtype)
+
+        self.hidden_size = hidden_size
+        self.num_heads, self.num_v_heads, self.head_dim = num_heads, num_v_heads, head_dim
+        self.head_v_dim = head_v_dim
+        self.key_dim, self.value_dim = num_heads * head_dim, num_v_heads * head_v_dim
+        self.allow_neg_eigval, self.use_gate = allow_neg_eigval, use_gate
+        self.impl, self.schedule, self.conv_size = impl, schedule, conv_size
+
+        linear = bias_free_linear(
+            dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
+        )
+        self.q_proj = linear(hidden_size, self.key_dim, COLUMNS)
+        self.k_proj = linear(hidden_size, self.key_dim, COLUMNS)
+        self.v_proj = linear(hidden_size, self.value_dim, COLUMNS)
+        if use_short_conv:
+            self.q_conv1d, self.k_conv1d, self.v_conv1d = short_convolutions(
+                self.key_dim,
+                self.value_dim,
+                conv_size=conv_size,
+                conv_bias=conv_bias,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                rngs=rngs,
+            )
+        else:
+            self.q_conv1d = self.k_conv1d = self.v_conv1d = None
+        self.o_norm = nnx.RMSNorm(
+            head_v_dim, epsilon=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
+        self.o_proj = linear(self.value_dim, hidden_size, ROWS)
 
     def __call__(self, x, *, mask=None, cu_seqlens=None):
         """Mix ``x [B, T, D]``.

@@ -20,7 +20,6 @@ from flax import nnx
 from gdn_jax.layers.params import (
     COLUMNS,
     PER_HEAD,
-    ROWS,
     SEQ_AXIS,
     NoWeightDecay,
     a_log_init,
@@ -28,13 +27,7 @@ from gdn_jax.layers.params import (
     dt_bias_init,
     param,
 )
-from gdn_jax.layers.recurrent_layer import (
-    RecurrentCache,
-    RecurrentLayer,
-    check_head_shapes,
-    seq_parallel_mesh,
-    short_convolutions,
-)
+from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer, seq_parallel_mesh
 from gdn_jax.ops import checks, gated_delta_rule, gated_linear_attention
 from gdn_jax.ops.sequence_parallel import (
     gated_delta_rule_seq_parallel,
@@ -87,7 +80,6 @@ class RecurrentMixer(RecurrentLayer):
         kernel_init=None,
         rngs: nnx.Rngs,
     ):
-        num_v_heads = num_heads if num_v_heads is None else num_v_heads
         name = type(self).__name__
         checks.require(
             name,
@@ -95,65 +87,31 @@ class RecurrentMixer(RecurrentLayer):
             "build GatedDeltaNet, DeltaNet, GatedLinearAttention or LinearAttention, which "
             "say whether the mixer has a decay gate and a delta correction",
         )
-        head_v_dim = check_head_shapes(
-            name,
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            num_v_heads=num_v_heads,
-            expand_v=expand_v,
-            conv_size=conv_size,
-            norm_eps=norm_eps,
-        )
-        checks.check_impl(name, impl)
-        checks.check_chunk_size(name, chunk_size)
-        checks.check_schedule(name, schedule)
-        checks.check_floating_dtype(name, dtype=dtype, param_dtype=param_dtype)
         checks.require(
             name,
             self.delta or not allow_neg_eigval,
             f"allow_neg_eigval=True widens beta of the delta correction, which {name} does not "
             "have",
         )
-
-        self.hidden_size = hidden_size
-        self.num_heads, self.num_v_heads, self.head_dim = num_heads, num_v_heads, head_dim
-        self.head_v_dim = head_v_dim
-        self.key_dim, self.value_dim = num_heads * head_dim, num_v_heads * self.head_v_dim
-        self.allow_neg_eigval, self.use_gate = allow_neg_eigval, use_gate
-        self.chunk_size, self.impl, self.conv_size = int(chunk_size), impl, conv_size
-        self.schedule = schedule
-
+        super().__init__(
+            hidden_size, num_heads, head_dim, expand_v=expand_v, num_v_heads=num_v_heads,
+            use_gate=use_gate, use_short_conv=use_short_conv, conv_size=conv_size,
+            conv_bias=conv_bias, allow_neg_eigval=allow_neg_eigval, norm_eps=norm_eps,
+            chunk_size=chunk_size, impl=impl, schedule=schedule, dtype=dtype,
+            param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs,
+        )  # fmt: skip
         linear = bias_free_linear(
             dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
         )
-        self.q_proj = linear(hidden_size, self.key_dim, COLUMNS)
-        self.k_proj = linear(hidden_size, self.key_dim, COLUMNS)
-        self.v_proj = linear(hidden_size, self.value_dim, COLUMNS)
-        self.a_proj = linear(hidden_size, num_v_heads, COLUMNS) if self.decay else None
-        self.b_proj = linear(hidden_size, num_v_heads, COLUMNS) if self.delta else None
+        heads = self.num_v_heads
+        self.a_proj = linear(hidden_size, heads, COLUMNS) if self.decay else None
+        self.b_proj = linear(hidden_size, heads, COLUMNS) if self.delta else None
         if self.decay:
-            a_log = a_log_init(rngs.params(), (num_v_heads,), param_dtype)
-            dt_bias = dt_bias_init(rngs.params(), (num_v_heads,), param_dtype)
+            a_log = a_log_init(rngs.params(), (heads,), param_dtype)
+            dt_bias = dt_bias_init(rngs.params(), (heads,), param_dtype)
             self.A_log = param(a_log, PER_HEAD, NoWeightDecay)
             self.dt_bias = param(dt_bias, PER_HEAD, NoWeightDecay)
-        if use_short_conv:
-            self.q_conv1d, self.k_conv1d, self.v_conv1d = short_convolutions(
-                self.key_dim,
-                self.value_dim,
-                conv_size=conv_size,
-                conv_bias=conv_bias,
-                dtype=dtype,
-                param_dtype=param_dtype,
-                rngs=rngs,
-            )
-        else:
-            self.q_conv1d = self.k_conv1d = self.v_conv1d = None
         self.g_proj = linear(hidden_size, self.value_dim, COLUMNS) if use_gate else None
-        self.o_norm = nnx.RMSNorm(
-            self.head_v_dim, epsilon=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs
-        )
-        self.o_proj = linear(self.value_dim, hidden_size, ROWS)
 
     def _mix(self, x, *, mask, cu_seqlens, cache, impl):
         # A mesh in context (jax.set_mesh) with a "seq" axis splits T: the convolution takes

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, Int, Shaped
+from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.api import (
@@ -184,31 +184,6 @@ def seq_parallel_rule(
         empty = (cu[1:] == cu[:-1])[:, None, None]
         total = jnp.where(empty, initial_states, total)
     return y, total
-
-
-@no_type_check  # a public entry point: checks.py names its bad arguments
-def halo_from_previous(x: Shaped[Array, "T ..."], width: int, axis_name: str):
-    """Inside ``jax.shard_map``, given this shard's tokens ``x [T / n, ...]``: the last
-    ``width`` tokens of the previous shard along ``axis_name``, ``[width, ...]``, zeros on
-    shard 0.
-
-    This is the history a causal convolution of ``width + 1`` taps needs at the shard's
-    start (``conv.causal_depthwise_conv``'s ``history``). Only ``width`` tokens travel, one
-    hop to the right, so ``width`` must be at most ``T / n``. With packed sequences the
-    halo may belong to an earlier sequence; ``same_segment`` drops those taps as at any
-    other sequence start.
-    """
-    fn = "halo_from_previous"
-    checks.check_arrays(fn, x=x)
-    checks.check_positive_int(fn, width=width)
-    if x.ndim < 1 or width > x.shape[0]:
-        raise ValueError(
-            f"{fn}: width={width} must be at most the tokens per shard, x.shape[0], got "
-            f"x.shape={x.shape}"
-        )
-    size = jax.lax.axis_size(axis_name)
-    to_next = [(i, i + 1) for i in range(size - 1)]
-    return jax.lax.ppermute(x[x.shape[0] - width :], axis_name, to_next)
 
 
 def _check_mesh(fn, mesh, axis_name, seq_len):
