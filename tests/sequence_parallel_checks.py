@@ -44,11 +44,11 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from tolerance import assert_close  # noqa: E402
 
 import gdn_jax  # noqa: E402
-from gdn_jax.ops.conv import causal_depthwise_conv, halo_from_previous  # noqa: E402
-from gdn_jax.ops.sequence_parallel import (  # noqa: E402
+from gdn_jax.ops import (  # noqa: E402
     gated_delta_rule_seq_parallel,
     gated_linear_attention_seq_parallel,
 )
+from gdn_jax.ops.conv import causal_depthwise_conv, halo_from_previous  # noqa: E402
 
 # The standard of tests/conftest.py.
 jax.config.update("jax_enable_x64", True)

@@ -10,6 +10,7 @@ import pytest
 import gdn_jax
 from gdn_jax.ops.chunked import chunked_rule
 from gdn_jax.ops.recurrent import recurrent_rule
+from gdn_jax.ops.step import delta_step
 
 PACKAGE = Path(gdn_jax.__file__).parent
 
@@ -18,17 +19,15 @@ def test_core_shape_annotations_are_checked_in_the_test_session():
     """conftest.py runs jaxtyping's import hook over gdn_jax: a core called against its
     annotations fails at once rather than computing something."""
     q, v = jnp.zeros((8, 4)), jnp.zeros((8, 3))
-    gates, states = jnp.zeros(8), jnp.zeros((1, 3, 4))
+    gates, states = (jnp.zeros(8), jnp.zeros(8)), jnp.zeros((1, 3, 4))
     k_too_wide = jnp.zeros((8, 5))
     with pytest.raises(jaxtyping.TypeCheckError, match="k"):
-        chunked_rule(q, k_too_wide, v, gates, gates, states, chunk_size=16)
+        chunked_rule(q, k_too_wide, v, gates, states, chunk_size=16)
     with pytest.raises(jaxtyping.TypeCheckError, match="initial_states"):
-        recurrent_rule(q, q, v, gates, gates, jnp.zeros((1, 4, 3)))
+        recurrent_rule(q, q, v, gates, jnp.zeros((1, 4, 3)), step=delta_step)
     wrong_offsets = jnp.asarray([0, 8], jnp.int32)  # N+1 = 2 offsets, but N = 2 states
     with pytest.raises(jaxtyping.TypeCheckError, match="cu_seqlens"):
-        chunked_rule(
-            q, q, v, gates, gates, jnp.zeros((2, 3, 4)), chunk_size=16, cu_seqlens=wrong_offsets
-        )
+        chunked_rule(q, q, v, gates, jnp.zeros((2, 3, 4)), chunk_size=16, cu_seqlens=wrong_offsets)
 
 
 def private_uses(source: str) -> list[str]:

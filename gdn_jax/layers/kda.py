@@ -30,8 +30,8 @@ from gdn_jax.layers.params import (
     param,
     partitioned,
 )
-from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer
-from gdn_jax.ops import checks, kda
+from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer, seq_parallel_mesh
+from gdn_jax.ops import checks, kda, kda_seq_parallel
 
 
 def kda_log_decay(
@@ -76,9 +76,8 @@ class KimiDeltaAttention(RecurrentLayer):
     ``GatedDeltaNet``.
 
     A mesh ``model`` axis splits it by heads like ``GatedDeltaNet`` (the low-rank ``f_a_proj``
-    and ``g_a_proj`` are whole on every device). A mesh ``seq`` axis is left to XLA's
-    partitioner: unlike ``GatedDeltaNet``, this layer passes no state or halo between
-    sequence shards itself.
+    and ``g_a_proj`` are whole on every device), and a mesh ``seq`` axis by tokens: the state
+    and the convolution's halo cross the shard boundaries (``gdn_jax.ops.kda_seq_parallel``).
     """
 
     def __init__(
@@ -162,9 +161,14 @@ class KimiDeltaAttention(RecurrentLayer):
             rngs=rngs,
         )
 
+    def _rule_ops(self):
+        return kda, kda_seq_parallel
+
     def _mix(self, x, *, mask, cu_seqlens, cache, impl):
+        # A mesh in context (jax.set_mesh) with a "seq" axis splits T, as in GatedDeltaNet.
+        seq_mesh = seq_parallel_mesh() if impl == "chunked" and cache is None else None
         q, k, v, real, conv_cache = self._qkv(
-            x, mask=mask, cu_seqlens=cu_seqlens, cache=cache, seq_mesh=None
+            x, mask=mask, cu_seqlens=cu_seqlens, cache=cache, seq_mesh=seq_mesh
         )
         batch, seq_len, _ = x.shape
         beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
@@ -178,20 +182,10 @@ class KimiDeltaAttention(RecurrentLayer):
         )
         if real is not None:
             beta, log_alpha = jnp.where(real, beta, 0), jnp.where(real[..., None], log_alpha, 0)
-
-        o, state = kda(
-            q,
-            k,
-            v,
-            log_alpha,
-            beta,
-            initial_state=None if cache is None else cache.state,
-            use_qk_l2norm=True,
-            cu_seqlens=cu_seqlens,
-            impl=impl,
-            chunk_size=self.chunk_size,
-            schedule=self.schedule,
-        )
+        o, state = self._recurrence(
+            q, k, v, (log_alpha, beta), cu_seqlens=cu_seqlens, cache=cache, impl=impl,
+            seq_mesh=seq_mesh,
+        )  # fmt: skip
         o = self.o_norm(o)
         if self.use_gate:
             g = self.g_proj(x) if self.g_proj is not None else self.g_b_proj(self.g_a_proj(x))

@@ -209,6 +209,26 @@ class RecurrentLayer(nnx.Module):
         """One token per sequence, ``x [B, 1, D]``: ``(y [B, 1, D], cache)``, token by token."""
         return self._mix(x, mask=None, cu_seqlens=None, cache=cache, impl="recurrent")
 
+    def _rule_ops(self):
+        """``(op, seq_parallel_op)``: the layer's batched op and its sequence-parallel twin."""
+        raise NotImplementedError
+
+    def _recurrence(self, q, k, v, gates: tuple, *, cu_seqlens, cache, impl, seq_mesh):
+        """The layer's rule over q, k, v and its ``gates``: ``(o, state)``. With ``seq_mesh``
+        (a mesh in context that splits T) the rule passes its state across the shards; else
+        it starts from the cache's state (zeros without a cache)."""
+        op, seq_parallel_op = self._rule_ops()
+        options = dict(
+            chunk_size=self.chunk_size,
+            schedule=self.schedule,
+            cu_seqlens=cu_seqlens,
+            use_qk_l2norm=True,
+        )
+        if seq_mesh is not None:
+            return seq_parallel_op(q, k, v, *gates, mesh=seq_mesh, axis_name=SEQ_AXIS, **options)
+        initial_state = None if cache is None else cache.state
+        return op(q, k, v, *gates, initial_state=initial_state, impl=impl, **options)
+
     def _qkv(self, x, *, mask, cu_seqlens, cache, seq_mesh):
         """The rule's inputs from ``x [B, T, D]``, after checking ``x``, ``mask`` and ``cache``.
 

@@ -20,7 +20,6 @@ from flax import nnx
 from gdn_jax.layers.params import (
     COLUMNS,
     PER_HEAD,
-    SEQ_AXIS,
     NoWeightDecay,
     a_log_init,
     bias_free_linear,
@@ -28,9 +27,11 @@ from gdn_jax.layers.params import (
     param,
 )
 from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer, seq_parallel_mesh
-from gdn_jax.ops import checks, gated_delta_rule, gated_linear_attention
-from gdn_jax.ops.sequence_parallel import (
+from gdn_jax.ops import (
+    checks,
+    gated_delta_rule,
     gated_delta_rule_seq_parallel,
+    gated_linear_attention,
     gated_linear_attention_seq_parallel,
 )
 
@@ -113,6 +114,11 @@ class RecurrentMixer(RecurrentLayer):
             self.dt_bias = param(dt_bias, PER_HEAD, NoWeightDecay)
         self.g_proj = linear(hidden_size, self.value_dim, COLUMNS) if use_gate else None
 
+    def _rule_ops(self):
+        if self.delta:
+            return gated_delta_rule, gated_delta_rule_seq_parallel
+        return gated_linear_attention, gated_linear_attention_seq_parallel
+
     def _mix(self, x, *, mask, cu_seqlens, cache, impl):
         # A mesh in context (jax.set_mesh) with a "seq" axis splits T: the convolution takes
         # its halo and the rule its start state from the previous shard.
@@ -136,23 +142,10 @@ class RecurrentMixer(RecurrentLayer):
         if real is not None:
             beta, log_alpha = jnp.where(real, beta, 0), jnp.where(real, log_alpha, 0)
 
-        options = dict(
-            chunk_size=self.chunk_size,
-            schedule=self.schedule,
-            cu_seqlens=cu_seqlens,
-            use_qk_l2norm=True,
-        )
-        if seq_mesh is not None:
-            rule = (
-                gated_delta_rule_seq_parallel if self.delta else gated_linear_attention_seq_parallel
-            )
-            o, state = rule(q, k, v, log_alpha, beta, mesh=seq_mesh, axis_name=SEQ_AXIS, **options)
-        else:
-            rule = gated_delta_rule if self.delta else gated_linear_attention
-            initial_state = None if cache is None else cache.state
-            o, state = rule(
-                q, k, v, log_alpha, beta, initial_state=initial_state, impl=impl, **options
-            )
+        o, state = self._recurrence(
+            q, k, v, (log_alpha, beta), cu_seqlens=cu_seqlens, cache=cache, impl=impl,
+            seq_mesh=seq_mesh,
+        )  # fmt: skip
         o = self.o_norm(o)
         if self.use_gate:
             o = o * jax.nn.silu(self.g_proj(x)).reshape(o.shape)

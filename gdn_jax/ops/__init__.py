@@ -1,20 +1,27 @@
-"""Pure JAX functions for the gated delta rule and Kimi Delta Attention (KDA, its per-channel
-gated form); see ``gdn_jax`` for the dimension legend."""
+"""Pure JAX functions for the delta-rule family, one home per rule (``rules/``): the gated
+delta rule, gated linear attention, Kimi Delta Attention (KDA) and Gated DeltaNet-2 (GDN-2);
+see ``gdn_jax`` for the dimension legend."""
 
-from gdn_jax.ops.api import gated_delta_rule, gated_linear_attention, kda
-from gdn_jax.ops.chunked import gated_delta_rule_chunked
 from gdn_jax.ops.conv import halo_from_previous
-from gdn_jax.ops.kda_chunkwise import kda_chunked
-from gdn_jax.ops.kda_token import kda_step
 from gdn_jax.ops.normalize import l2_normalize
-from gdn_jax.ops.recurrent import gated_delta_rule_recurrent, kda_recurrent
-from gdn_jax.ops.sequence_parallel import (
+from gdn_jax.ops.rules import RULES
+from gdn_jax.ops.rules.gated_delta import (
+    gated_delta_rule,
+    gated_delta_rule_chunked,
+    gated_delta_rule_recurrent,
     gated_delta_rule_seq_parallel,
+    gated_delta_step,
+)
+from gdn_jax.ops.rules.gated_linear import (
+    gated_linear_attention,
     gated_linear_attention_seq_parallel,
 )
-from gdn_jax.ops.step import default_scale, gated_delta_step
+from gdn_jax.ops.rules.gdn2 import gdn2, gdn2_chunked, gdn2_recurrent, gdn2_seq_parallel, gdn2_step
+from gdn_jax.ops.rules.kda import kda, kda_chunked, kda_recurrent, kda_seq_parallel, kda_step
+from gdn_jax.ops.single_head import default_scale
 
 __all__ = [
+    "RULES",
     "default_scale",
     "gated_delta_rule",
     "gated_delta_rule_chunked",
@@ -23,10 +30,16 @@ __all__ = [
     "gated_delta_step",
     "gated_linear_attention",
     "gated_linear_attention_seq_parallel",
+    "gdn2",
+    "gdn2_chunked",
+    "gdn2_recurrent",
+    "gdn2_seq_parallel",
+    "gdn2_step",
     "halo_from_previous",
     "kda",
     "kda_chunked",
     "kda_recurrent",
+    "kda_seq_parallel",
     "kda_step",
     "l2_normalize",
 ]

@@ -28,12 +28,24 @@ Every decay is a product of per-token ``alpha`` over a segment of tokens, built 
 (``log2(C)`` products deep), never a ratio or a difference of running sums (as in
 ``decays.py``): factors in ``[0, 1]`` neither overflow nor cancel, so the -0.01 steps after
 a -1e4 reset stay exact, and the chunk takes one ``exp`` per gate.
+
+Backward. The scores' pullback mirrors their build, coarsest level first: a level's block
+``(X_2 * R) (K_1 * Cc)^T`` sends ``dL (K_1 * Cc)`` to ``X_2 * R`` and ``dL^T (X_2 * R)`` to
+``K_1 * Cc``, hence to ``x``, ``k`` and the factors ``R`` and ``Cc``; the diagonal sends
+``dM_tt k_t`` and ``dM_tt x_t``. A factor is ``exp`` of a sum of gates over a segment, so
+the gradient of gate ``s`` sums (cotangent x value) over the factors whose segment holds
+``s``: for ``R = exp(G_t - G_r)``, the tokens ``t >= s`` of a second half; for ``Cc =
+exp(G_r - G_i)``, the ``i < s`` of a first half; for ``exp(G_t)`` every ``t >= s``, for
+``exp(G_C - G_i)`` every ``i < s``, for ``exp(G_C)`` all. Every term of such a sum belongs
+to it, so none is added and cancelled again (``decays.chunk_decays_bwd`` says what that
+costs in float32).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
@@ -102,3 +114,65 @@ def channel_scores(
         bottom = jnp.concatenate([lower, pairs[:, 1]], axis=2)
         blocks = jnp.concatenate([top, bottom], axis=1)  # [NB, b, b]
     return blocks.reshape(chunk, chunk)
+
+
+def sums_along(x: Float[Array, "... n K"], *, reverse: bool, exclusive: bool):
+    """Cumulative sums of ``x`` along its axis ``n``, forward (``sum_{i <= s}``, or ``i <
+    s`` when ``exclusive``) or ``reverse`` (``sum_{t >= s}``, or ``t > s``), as one product
+    with a triangle of ones (XLA:CPU's cumsum is a slow reduce_window); HIGHEST keeps TPU
+    and GPU from rounding the terms to bf16 or tf32."""
+    n = x.shape[-2]
+    index = jnp.arange(n)
+    rows, cols = index[:, None], index[None, :]
+    if reverse:
+        keep = cols > rows if exclusive else cols >= rows
+    else:
+        keep = cols < rows if exclusive else cols <= rows
+    ones = keep.astype(x.dtype)
+    return jnp.einsum("st,...tk->...sk", ones, x, precision=jax.lax.Precision.HIGHEST)
+
+
+def channel_scores_bwd(
+    x: Float[Array, "C K"], k: Float[Array, "C K"], decays: ChannelDecays, d_scores
+) -> tuple[Float[Array, "C K"], Float[Array, "C K"], tuple[HalvingLevel, ...]]:
+    """The pullback of ``channel_scores(x, k, decays)`` for ``d_scores [C, C]``
+    (what lies above the diagonal is ignored): ``(dx, dk, d_levels)``, ``d_levels`` the
+    cotangents of each level's factors, in ``decays.levels``' order."""
+    chunk, key_dim = x.shape
+    blocks = d_scores[None]  # the diagonal blocks of the level, [NB, b, b]
+    d_x, d_k, d_levels = jnp.zeros_like(x), jnp.zeros_like(k), []
+    for level in reversed(decays.levels):
+        num, half = level.rows.shape[:2]
+        lower = blocks[:, half:, :half]  # [NB, b/2, b/2]
+        x_rows = x.reshape(num, 2, half, key_dim)[:, 1]
+        k_cols = k.reshape(num, 2, half, key_dim)[:, 0]
+        d_rows = jnp.einsum("jti,jik->jtk", lower, k_cols * level.cols)  # of x_rows * rows
+        d_cols = jnp.einsum("jti,jtk->jik", lower, x_rows * level.rows)  # of k_cols * cols
+        zeros = jnp.zeros_like(d_rows)
+        d_x = d_x + jnp.stack([zeros, d_rows * level.rows], 1).reshape(chunk, key_dim)
+        d_k = d_k + jnp.stack([d_cols * level.cols, zeros], 1).reshape(chunk, key_dim)
+        d_levels.append(HalvingLevel(d_rows * x_rows, d_cols * k_cols))
+        halves = jnp.stack([blocks[:, :half, :half], blocks[:, half:, half:]], axis=1)
+        blocks = halves.reshape(num * 2, half, half)
+    diagonal = blocks[:, 0, :]  # [C, 1]
+    return d_x + diagonal * k, d_k + diagonal * x, tuple(d_levels[::-1])
+
+
+def channel_decays_bwd(
+    decays: ChannelDecays,
+    d_from_start: Float[Array, "C K"],
+    d_to_end: Float[Array, "C K"],
+    d_whole: Float[Array, " K"],
+    d_levels: tuple[HalvingLevel, ...],
+) -> Float[Array, "C K"]:
+    """The gradient with respect to the gates ``log_alpha [C, K]`` from the cotangents of
+    every decay (module docstring)."""
+    chunk, key_dim = decays.from_start.shape
+    d = sums_along(d_from_start * decays.from_start, reverse=True, exclusive=False)
+    d = d + sums_along(d_to_end * decays.to_end, reverse=False, exclusive=True)
+    d = d + (d_whole * decays.whole)[None]
+    for level, d_level in zip(decays.levels, d_levels, strict=True):
+        second = sums_along(d_level.rows * level.rows, reverse=True, exclusive=False)
+        first = sums_along(d_level.cols * level.cols, reverse=False, exclusive=True)
+        d = d + jnp.stack([first, second], axis=1).reshape(chunk, key_dim)
+    return d

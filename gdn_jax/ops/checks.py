@@ -286,24 +286,29 @@ def check_schedule(fn: str, schedule) -> None:
         raise ValueError(f"{fn}: schedule={schedule!r} must be one of {SUPPORTED_SCHEDULES}")
 
 
-def check_log_alpha(fn: str, log_alpha, dims: dict[str, int], key_dim: int, per_channel: bool):
-    """``log_alpha`` holds one gate per position of ``dims`` (names to sizes, e.g. ``{"T":
-    100}``), and with ``per_channel`` one per key channel too (KDA's ``[..., K]``)."""
-    names, shape = list(dims), tuple(dims.values())
-    if per_channel:
-        names, shape = [*names, "K"], (*shape, key_dim)
-    layout = f"[{', '.join(names)}]" if names else "a scalar"
-    if per_channel:
-        layout += " (one gate per key channel)"
-    check_shape(fn, "log_alpha", log_alpha, shape, layout)
+def check_gates(fn: str, gates: dict, specs, dims: dict[str, int], key_dim: int, value_dim: int):
+    """Each gate of ``specs`` (``rule.GateSpec``s) in ``gates`` (name to array) holds one
+    number per position of ``dims`` (names to sizes, e.g. ``{"T": 100}``), and one per key
+    or value channel where its spec says so (KDA's ``log_alpha [..., K]``)."""
+    for spec in specs:
+        names, shape = list(dims), tuple(dims.values())
+        if spec.channels is not None:
+            size = key_dim if spec.channels == "K" else value_dim
+            names, shape = [*names, spec.channels], (*shape, size)
+        layout = f"[{', '.join(names)}]" if names else "a scalar"
+        if spec.channels is not None:
+            kind = "key" if spec.channels == "K" else "value"
+            layout += f" (one gate per {kind} channel)"
+        check_shape(fn, spec.name, gates[spec.name], shape, layout)
 
 
-def check_step(fn: str, state, q, k, v, log_alpha, beta, *, per_channel: bool = False) -> None:
-    """Shapes of the one-token contract: state [V, K], q, k [K], v [V], beta a scalar, and
-    log_alpha a scalar (an array or a Python number), or [K] with ``per_channel`` (KDA)."""
+def check_step(fn: str, state, q, k, v, gates: dict, specs) -> None:
+    """Shapes of the one-token contract: state [V, K], q, k [K], v [V], and each gate a
+    scalar (an array or a Python number), or one per key or value channel (``specs``)."""
     arrays = dict(state=state, q=q, k=k, v=v)
-    check_arrays(fn, **arrays, **(dict(log_alpha=log_alpha) if per_channel else {}))
-    check_floating(fn, **arrays, log_alpha=log_alpha, beta=beta)
+    per_channel = {s.name: gates[s.name] for s in specs if s.channels is not None}
+    check_arrays(fn, **arrays, **per_channel)
+    check_floating(fn, **arrays, **gates)
     check_same_dtype(fn, q=q, k=k, v=v)
     check_rank(fn, "q", q, 1, "[K]")
     check_rank(fn, "v", v, 1, "[V]")
@@ -312,17 +317,14 @@ def check_step(fn: str, state, q, k, v, log_alpha, beta, *, per_channel: bool = 
     (key_dim,), (value_dim,) = q.shape, v.shape
     check_shape(fn, "k", k, (key_dim,), "[K] like q")
     check_shape(fn, "state", state, (value_dim, key_dim), "[V, K]")
-    check_log_alpha(fn, log_alpha, {}, key_dim, per_channel)
-    check_shape(fn, "beta", beta, (), "a scalar")
+    check_gates(fn, gates, specs, {}, key_dim, value_dim)
 
 
-def check_single_head(
-    fn: str, q, k, v, log_alpha, beta, initial_state, *, per_channel: bool = False
-) -> None:
-    """Shapes of the one-head, one-sequence contract: q, k [T, K], v [T, V], beta [T],
-    log_alpha [T], or [T, K] with ``per_channel`` (KDA)."""
-    check_arrays(fn, q=q, k=k, v=v, log_alpha=log_alpha, beta=beta, initial_state=initial_state)
-    check_floating(fn, q=q, k=k, v=v, log_alpha=log_alpha, beta=beta, initial_state=initial_state)
+def check_single_head(fn: str, q, k, v, gates: dict, specs, initial_state) -> None:
+    """Shapes of the one-head, one-sequence contract: q, k [T, K], v [T, V] and each gate
+    [T], or [T, K] or [T, V] where its spec says so."""
+    check_arrays(fn, q=q, k=k, v=v, **gates, initial_state=initial_state)
+    check_floating(fn, q=q, k=k, v=v, **gates, initial_state=initial_state)
     check_same_dtype(fn, q=q, k=k, v=v)
     check_rank(fn, "q", q, 2, "[T, K]")
     check_rank(fn, "k", k, 2, "[T, K]")
@@ -333,8 +335,7 @@ def check_single_head(
     value_dim = v.shape[1]
     check_shape(fn, "k", k, (seq_len, key_dim), "[T, K] like q")
     check_shape(fn, "v", v, (seq_len, value_dim), "[T, V] with T of q")
-    check_log_alpha(fn, log_alpha, {"T": seq_len}, key_dim, per_channel)
-    check_shape(fn, "beta", beta, (seq_len,), "[T]")
+    check_gates(fn, gates, specs, {"T": seq_len}, key_dim, value_dim)
     if initial_state is not None:
         check_shape(fn, "initial_state", initial_state, (value_dim, key_dim), "[V, K]")
     if seq_len < 1:
@@ -362,14 +363,12 @@ def check_cu_seqlens(fn: str, cu_seqlens, seq_len: int) -> None:
         )
 
 
-def check_batched(
-    fn: str, q, k, v, log_alpha, beta, initial_state, cu_seqlens, *, per_channel: bool = False
-) -> None:
+def check_batched(fn: str, q, k, v, gates: dict, specs, initial_state, cu_seqlens) -> None:
     """The batched, multi-head contract: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` with HV a
-    multiple of H, beta ``[B, T, HV]``, log_alpha ``[B, T, HV]`` (``[B, T, HV, K]`` with
-    ``per_channel``, KDA), ``initial_state [B, HV, V, K]`` (``[N, HV, V, K]`` with packed
+    multiple of H, each gate ``[B, T, HV]`` (``[B, T, HV, K]`` or ``[B, T, HV, V]`` where its
+    spec says so), ``initial_state [B, HV, V, K]`` (``[N, HV, V, K]`` with packed
     ``cu_seqlens``, which need ``B == 1``)."""
-    arrays = dict(q=q, k=k, v=v, log_alpha=log_alpha, beta=beta, initial_state=initial_state)
+    arrays = dict(q=q, k=k, v=v, **gates, initial_state=initial_state)
     check_arrays(fn, **arrays)
     check_floating(fn, **arrays)
     check_same_dtype(fn, q=q, k=k, v=v)
@@ -382,8 +381,7 @@ def check_batched(
     check_shape(fn, "k", k, q.shape, "[B, T, H, K] like q")
     check_shape(fn, "v", v, (batch, seq_len, v_heads, value_dim), "[B, T, HV, V]")
     gate_dims = {"B": batch, "T": seq_len, "HV": v_heads}
-    check_log_alpha(fn, log_alpha, gate_dims, key_dim, per_channel)
-    check_shape(fn, "beta", beta, (batch, seq_len, v_heads), "[B, T, HV]")
+    check_gates(fn, gates, specs, gate_dims, key_dim, value_dim)
     require(
         fn,
         heads >= 1 and v_heads % heads == 0,

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import NamedTuple, no_type_check
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,20 +56,20 @@ from jaxtyping import Array, Float, Int
 from gdn_jax.ops import checks
 from gdn_jax.ops.blocks import scan_blocks, scan_blocks_backward
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR, ChunkDecays, chunk_decays, chunk_decays_bwd
-from gdn_jax.ops.step import checked_single_head
+from gdn_jax.ops.dispatch import run_schedule
 from gdn_jax.ops.varlen import pack_layout
 from gdn_jax.ops.wy import DELTA, WriteRule
 
 over_chunks = jax.vmap
 
 
-def in_dtype(dtype, *arrays):
+def cast_to(dtype, *arrays):
     """``arrays`` cast to ``dtype``: q, k and v stay in their input dtype until a chunk's
     work reads them."""
     return tuple(x.astype(dtype) for x in arrays)
 
 
-def in_dtypes(dtypes, arrays):
+def cast_back(arrays, dtypes):
     """Each of ``arrays`` cast to its own of ``dtypes`` (gradients back to their inputs')."""
     return tuple(x.astype(d) for x, d in zip(arrays, dtypes, strict=True))
 
@@ -82,27 +82,21 @@ def decayed(
     return x.astype(decay.dtype) * (decay[:, None] if decay.ndim == 1 else decay)
 
 
-def state_step(
+def state_pass(
     state: Float[Array, "V K"],
     w: Float[Array, "C K"] | None,
     u: Float[Array, "C V"],
-    k: Float[Array, "C K"],
-    q: Float[Array, "C K"],
-    from_start: Float[Array, " C"] | Float[Array, "C K"],
-    to_end: Float[Array, " C"] | Float[Array, "C K"],
+    k_to_end: Float[Array, "C K"],
+    q_from_start: Float[Array, "C K"],
     whole: Float[Array, ""] | Float[Array, " K"],
 ):
     """One chunk of the state pass, with every product that touches the state.
 
-    ``(S [V, K], w [C, K] or None, u [C, V], K, Q [C, K], exp(g), exp(g_C - g) [C],
-    exp(g_C)) -> (S' [V, K], (U [C, V] or (), diag(exp(g)) Q S^T [C, V]))``. The keys and
-    queries (in their input dtype) are cast and decayed here, where the products read them:
-    batched over all chunks they would be two more token-sized arrays. ``w`` and the queries
-    read the state in one product. Per-channel decays (KDA, ``kda_chunkwise.py``), ``[C, K]``
-    and ``exp(g_C) [K]``, decay the keys and queries channel by channel and the state as
-    ``S Diag(exp(g_C))``.
+    ``(S [V, K], w [C, K] or None, u [C, V], K decayed to the chunk's end, Q decayed from its
+    start, exp(g_C)) -> (S' [V, K], (U [C, V] or (), diag(exp(g)) Q S^T [C, V]))``. ``w`` and
+    the queries read the state in one product. Per-channel decays (KDA and GDN-2,
+    ``channel_chunked.py``), ``exp(g_C) [K]``, decay the state as ``S Diag(exp(g_C))``.
     """
-    k_to_end, q_from_start = decayed(k, to_end), decayed(q, from_start)
     faded = jnp.atleast_1d(whole)[None, :] * state  # [1, 1] or [1, K] against [V, K]
     if w is None:
         return faded + u.T @ k_to_end, ((), q_from_start @ state.T)
@@ -112,23 +106,39 @@ def state_step(
     return faded + corrections.T @ k_to_end, (corrections, reads[chunk:])
 
 
-def state_step_bwd(d_end, start, w, u, k, q, from_start, to_end, whole, d_u_intra, d_y):
-    """Pullback of ``state_step`` for one chunk, given its start state.
+def state_pass_bwd(d_end, start, w, u, k_to_end, q_from_start, whole, d_u_intra, d_y):
+    """Pullback of ``state_pass`` for one chunk, given its start state.
 
     ``d_end`` is the cotangent of the chunk's end state and ``d_u_intra`` that of ``U`` from
     the chunk's own outputs. Returns the start state's cotangent and the token-sized ``(U,
-    dU, d(K diag(exp(g_C - g))), d exp(g_C))``. The cotangents' products with the start
-    state, ``dY S`` and ``dw = -dU S``, need no carried state: ``chunk_grads`` forms them.
+    dU, d(K decayed to the end), d exp(g_C))``, the last shaped like ``whole``. The
+    cotangents' products with the start state, ``dY S`` and ``dw = -dU S``, need no carried
+    state: the chunk's gradients form them.
     """
-    k_to_end, q_from_start = decayed(k, to_end), decayed(q, from_start)
     corrections = u if w is None else u - w @ start.T
     d_u = d_u_intra + k_to_end @ d_end.T
+    faded = jnp.atleast_1d(whole)[None, :] * d_end
     if w is None:
-        d_start = whole * d_end + d_y.T @ q_from_start
+        d_start = faded + d_y.T @ q_from_start
     else:
         cotangents = jnp.concatenate([d_y, -d_u])
-        d_start = whole * d_end + cotangents.T @ jnp.concatenate([q_from_start, w])
-    return d_start, (corrections, d_u, corrections @ d_end, (d_end * start).sum())
+        d_start = faded + cotangents.T @ jnp.concatenate([q_from_start, w])
+    # One decay over the chunk (a scalar) or one per key channel (a column of the state).
+    d_whole = jnp.sum(d_end * start) if jnp.ndim(whole) == 0 else jnp.sum(d_end * start, 0)
+    return d_start, (corrections, d_u, corrections @ d_end, d_whole)
+
+
+def state_step(state, w, u, k, q, from_start, to_end, whole):
+    """``state_pass`` with the keys and queries (in their input dtype) cast and decayed
+    here, where the products read them: batched over all chunks they would be two more
+    token-sized arrays. Decays ``[C]`` (one per token) or ``[C, K]`` (per channel)."""
+    return state_pass(state, w, u, decayed(k, to_end), decayed(q, from_start), whole)
+
+
+def state_step_bwd(d_end, start, w, u, k, q, from_start, to_end, whole, d_u_intra, d_y):
+    """Pullback of ``state_step``: ``state_pass_bwd`` with the keys and queries decayed."""
+    k_to_end, q_from_start = decayed(k, to_end), decayed(q, from_start)
+    return state_pass_bwd(d_end, start, w, u, k_to_end, q_from_start, whole, d_u_intra, d_y)
 
 
 def chunk_output(
@@ -144,7 +154,7 @@ def chunk_output(
     return y_start + attn_CxC @ corrections
 
 
-def chunk_grads(rule: WriteRule, q, k, v, beta, decays, inverse, start, d):
+def chunk_grads(write: WriteRule, q, k, v, beta, decays, inverse, start, d):
     """Gradients of one chunk's q, k, v, beta and log_alpha from its inputs, decays, ``T``
     (``None`` without the delta correction), start state ``S`` and what the reverse state
     pass returned, ``d = (dY, U, dU, d(K diag(exp(g_C - g))), d exp(g_C))``.
@@ -159,7 +169,7 @@ def chunk_grads(rule: WriteRule, q, k, v, beta, decays, inverse, start, d):
     d_y_u = d_y @ corrections.T
     d_attn = d_y_u * decays.within
     d_y_start = d_y @ start
-    grads = rule.factors_bwd(k, v, beta, decays, inverse, start, corrections, d_u)
+    grads = write.factors_bwd(k, v, beta, decays, inverse, start, corrections, d_u)
     d_q = d_y_start * decays.from_start[:, None] + d_attn @ k
     d_k = d_attn.T @ q + d_k_to_end * decays.to_end[:, None] + grads.k
     if grads.gram is not None:
@@ -173,14 +183,14 @@ def chunk_grads(rule: WriteRule, q, k, v, beta, decays, inverse, start, d):
     return d_q, d_k, grads.v, grads.beta, chunk_decays_bwd(decays, d_decays)
 
 
-def chunk_prepare(rule: WriteRule, q, k, v, log_alpha, beta):
+def chunk_prepare(write: WriteRule, q, k, v, log_alpha, beta):
     """Stage 1 for one chunk: its decays and WY factors."""
     decays = chunk_decays(log_alpha)
-    return decays, rule.factors(k, v, beta, decays)
+    return decays, write.factors(k, v, beta, decays)
 
 
 def chunk_forward(
-    rule: WriteRule,
+    write: WriteRule,
     state: Float[Array, "V K"],
     q: Float[Array, "C K"],
     k: Float[Array, "C K"],
@@ -190,8 +200,8 @@ def chunk_forward(
 ) -> tuple[Float[Array, "V K"], Float[Array, "C V"]]:
     """All three stages for one chunk: ``(S, chunk inputs) -> (S', Y [C, V])``, with q, k
     and v in their input dtype."""
-    q, k, v = in_dtype(state.dtype, q, k, v)
-    decays, (w, u, _) = chunk_prepare(rule, q, k, v, log_alpha, beta)
+    q, k, v = cast_to(state.dtype, q, k, v)
+    decays, (w, u, _) = chunk_prepare(write, q, k, v, log_alpha, beta)
     new_state, (corrections, y_start) = state_step(
         state, w, u, k, q, decays.from_start, decays.to_end, decays.whole
     )
@@ -199,32 +209,32 @@ def chunk_forward(
     return new_state, chunk_output(q, k, decays, corrections, y_start)
 
 
-def chunk_backward_inputs(rule: WriteRule, q, k, v, log_alpha, beta, d_y):
+def chunk_backward_inputs(write: WriteRule, q, k, v, log_alpha, beta, d_y):
     """What the reverse state pass needs of one chunk: stage 1 again and the cotangent of
     ``U`` from the chunk's own outputs, ``(Q K^T * Gamma)^T dY``."""
-    decays, factors = chunk_prepare(rule, q, k, v, log_alpha, beta)
+    decays, factors = chunk_prepare(write, q, k, v, log_alpha, beta)
     return decays, factors, ((q @ k.T) * decays.within).T @ d_y
 
 
-def chunk_backward(rule: WriteRule, d_end, start, q, k, v, log_alpha, beta, d_y):
+def chunk_backward(write: WriteRule, d_end, start, q, k, v, log_alpha, beta, d_y):
     """The whole backward of one chunk: ``(dS', S, chunk inputs, dY) -> (dS, grads)``, with
     q, k and v and their gradients in their input dtype."""
     dtypes = (q.dtype, k.dtype, v.dtype)
-    q, k, v = in_dtype(start.dtype, q, k, v)
-    decays, (w, u, inverse), d_u_intra = chunk_backward_inputs(rule, q, k, v, log_alpha, beta, d_y)
+    q, k, v = cast_to(start.dtype, q, k, v)
+    decays, (w, u, inverse), d_u_intra = chunk_backward_inputs(write, q, k, v, log_alpha, beta, d_y)
     d_start, (corrections, d_u, d_k_to_end, d_whole) = state_step_bwd(
         d_end, start, w, u, k, q, *decays[1:], d_u_intra, d_y
     )
     d = (d_y, corrections, d_u, d_k_to_end, d_whole)
-    grads = chunk_grads(rule, q, k, v, beta, decays, inverse, start, d)
-    return d_start, (*in_dtypes(dtypes, grads[:3]), *grads[3:])
+    grads = chunk_grads(write, q, k, v, beta, decays, inverse, start, d)
+    return d_start, (*cast_back(grads[:3], dtypes), *grads[3:])
 
 
-def _hoisted_forward(rule, inputs, initial_states, resets, *, keep_starts):
+def _hoisted_forward(write, inputs, initial_states, resets, *, keep_starts):
     # The scan reads q and k in their input dtype; the batched stages cast them as they read.
     q_in, k_in = inputs[:2]
-    q, k, v = in_dtype(initial_states.dtype, *inputs[:3])
-    decays, (w, u, _) = over_chunks(functools.partial(chunk_prepare, rule))(q, k, v, *inputs[3:])
+    q, k, v = cast_to(initial_states.dtype, *inputs[:3])
+    decays, (w, u, _) = over_chunks(functools.partial(chunk_prepare, write))(q, k, v, *inputs[3:])
     blocks = (w, u, k_in, q_in, *decays[1:])
     out = scan_blocks(state_step, blocks, initial_states, resets, keep_starts=keep_starts)
     (corrections, y_start), *starts, finals = out
@@ -233,10 +243,10 @@ def _hoisted_forward(rule, inputs, initial_states, resets, *, keep_starts):
     return ys, finals, starts
 
 
-def _hoisted_backward(rule, inputs, starts, resets, d_ys, d_finals):
+def _hoisted_backward(write, inputs, starts, resets, d_ys, d_finals):
     q_in, k_in, _, log_alpha, beta = inputs
-    q, k, v = in_dtype(starts.dtype, *inputs[:3])
-    backward_inputs = over_chunks(functools.partial(chunk_backward_inputs, rule))
+    q, k, v = cast_to(starts.dtype, *inputs[:3])
+    backward_inputs = over_chunks(functools.partial(chunk_backward_inputs, write))
     decays, (w, u, inverse), d_u_intra = backward_inputs(q, k, v, log_alpha, beta, d_ys)
     xs = (starts, w, u, k_in, q_in, *decays[1:], d_u_intra, d_ys)
     (corrections, d_u, d_k_to_end, d_whole), d_initial = scan_blocks_backward(
@@ -249,24 +259,24 @@ def _hoisted_backward(rule, inputs, starts, resets, d_ys, d_finals):
     inputs, d_u = jax.lax.platform_dependent(
         inputs, d_u, cpu=lambda *a: a, default=lambda *a: jax.lax.optimization_barrier(a)
     )
-    q, k, v = in_dtype(starts.dtype, *inputs[:3])
+    q, k, v = cast_to(starts.dtype, *inputs[:3])
     decays, beta = over_chunks(chunk_decays)(inputs[3]), inputs[4]
     d = (d_ys, corrections, d_u, d_k_to_end, d_whole)
-    grads = over_chunks(functools.partial(chunk_grads, rule))(
+    grads = over_chunks(functools.partial(chunk_grads, write))(
         q, k, v, beta, decays, inverse, starts, d
     )
     dtypes = (x.dtype for x in inputs[:3])
-    return (*in_dtypes(dtypes, grads[:3]), *grads[3:]), d_initial
+    return (*cast_back(grads[:3], dtypes), *grads[3:]), d_initial
 
 
-def _in_scan_forward(rule, inputs, initial_states, resets, *, keep_starts):
-    step = functools.partial(chunk_forward, rule)
+def _in_scan_forward(write, inputs, initial_states, resets, *, keep_starts):
+    step = functools.partial(chunk_forward, write)
     ys, *starts, finals = scan_blocks(step, inputs, initial_states, resets, keep_starts=keep_starts)
     return ys, finals, starts
 
 
-def _in_scan_backward(rule, inputs, starts, resets, d_ys, d_finals):
-    step = functools.partial(chunk_backward, rule)
+def _in_scan_backward(write, inputs, starts, resets, d_ys, d_finals):
+    step = functools.partial(chunk_backward, write)
     return scan_blocks_backward(step, (starts, *inputs, d_ys), d_finals, resets)
 
 
@@ -280,10 +290,10 @@ SCHEDULES = {
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def chunked_core(rule, schedule, q, k, v, log_alpha, beta, initial_states, resets):
+def chunked_core(write, schedule, q, k, v, log_alpha, beta, initial_states, resets):
     """The chunked form for one head: q, k ``[NC, C, K]`` (q unscaled), v ``[NC, C, V]``,
     gates ``[NC, C]``, ``initial_states [N, V, K]``, ``resets`` as in ``blocks.scan_blocks``;
-    ``rule`` is ``wy.DELTA`` or ``wy.LINEAR``, ``schedule`` a key of ``SCHEDULES``. It
+    ``write`` is ``wy.DELTA`` or ``wy.LINEAR``, ``schedule`` a key of ``SCHEDULES``. It
     computes in the states' dtype; q, k and v may be narrower and are kept so (also as the
     residuals of the backward), their gradients in their own dtype.
 
@@ -291,74 +301,55 @@ def chunked_core(rule, schedule, q, k, v, log_alpha, beta, initial_states, reset
     """
     forward, _ = SCHEDULES[schedule]
     inputs = (q, k, v, log_alpha, beta)
-    ys, finals, _ = forward(rule, inputs, initial_states, resets, keep_starts=False)
+    ys, finals, _ = forward(write, inputs, initial_states, resets, keep_starts=False)
     return ys, finals
 
 
-def _chunked_core_fwd(rule, schedule, q, k, v, log_alpha, beta, initial_states, resets):
+def _chunked_core_fwd(write, schedule, q, k, v, log_alpha, beta, initial_states, resets):
     forward, _ = SCHEDULES[schedule]
     inputs = (q, k, v, log_alpha, beta)
-    ys, finals, (starts,) = forward(rule, inputs, initial_states, resets, keep_starts=True)
+    ys, finals, (starts,) = forward(write, inputs, initial_states, resets, keep_starts=True)
     return (ys, finals), (inputs, starts, resets)
 
 
-def _chunked_core_bwd(rule, schedule, residuals, cotangents):
+def _chunked_core_bwd(write, schedule, residuals, cotangents):
     _, backward = SCHEDULES[schedule]
     inputs, starts, resets = residuals
     (d_q, d_k, d_v, d_beta, d_log_alpha), d_initial = backward(
-        rule, inputs, starts, resets, *cotangents
+        write, inputs, starts, resets, *cotangents
     )
     return d_q, d_k, d_v, d_log_alpha, d_beta, d_initial, None
 
 
 chunked_core.defvjp(_chunked_core_fwd, _chunked_core_bwd)
 
-# What "auto" means on each platform the program is lowered for (``jax.lax.platform_dependent``
-# keys): in the scan on CPU, where it measured faster (docs/benchmarks.md), hoisted on GPU, TPU
-# and anything else.
-AUTO_SCHEDULES = {"cpu": "in_scan", "default": "hoisted"}
-
-
-def run_schedule(schedules: dict[str, Callable], schedule: checks.Schedule, *args):
-    """``schedules[schedule](*args)``, with ``"auto"`` resolved by the platform the program
-    is lowered for, not the host that traces it (``AUTO_SCHEDULES``): traced on a CPU and
-    compiled for a TPU, it is ``"hoisted"``.
-
-    A schedule's forward and backward sit whole inside its branch of
-    ``jax.lax.platform_dependent``, so both follow one choice. Both branches are traced; a
-    lowering for one platform keeps only that platform's.
-    """
-    if schedule != "auto":
-        return schedules[schedule](*args)
-    branches = {platform: schedules[choice] for platform, choice in AUTO_SCHEDULES.items()}
-    return jax.lax.platform_dependent(*args, **branches)
-
 
 def chunked_rule(
     q: Float[Array, "T K"],
     k: Float[Array, "T K"],
     v: Float[Array, "T V"],
-    log_alpha: Float[Array, " T"],
-    beta: Float[Array, " T"],
+    gates: tuple,
     initial_states: Float[Array, "N V K"],
     *,
     chunk_size: int,
     cu_seqlens: Int[Array, " N+1"] | None = None,
-    rule: WriteRule = DELTA,
+    write: WriteRule = DELTA,
     schedule: checks.Schedule = "auto",
 ) -> tuple[Float[Array, "T V"], Float[Array, "N V K"]]:
-    """Lay the tokens out in chunks, run ``chunked_core`` with ``rule`` and ``schedule``, and
-    back; the chunked twin of ``recurrent.recurrent_rule``.
+    """Lay the tokens out in chunks, run ``chunked_core`` with ``write`` and ``schedule``, and
+    back: the chunked form of one head (``rule.Rule.chunked``) with ``gates = (log_alpha
+    [T], beta [T])``.
 
     The gates and states are in the compute dtype, q, k and v in it or narrower, and ``q``
-    is not scaled (the callers scale ``y``): q, k ``[T, K]``, v ``[T, V]``, gates ``[T]``,
+    is not scaled (the callers scale ``y``): q, k ``[T, K]``, v ``[T, V]``,
     ``initial_states [N, V, K]``. The layout is ``chunk_layout``'s. Returns ``(y [T, V],
     finals [N, V, K])``.
     """
+    log_alpha, beta = gates
     log_alpha = jnp.maximum(log_alpha, LOG_ALPHA_FLOOR)
     layout = chunk_layout(q.shape[0], chunk_size, cu_seqlens)
     chunks = (layout.to_chunks(x) for x in (q, k, v, log_alpha, beta))
-    cores = {name: functools.partial(chunked_core, rule, name) for name in SCHEDULES}
+    cores = {name: functools.partial(chunked_core, write, name) for name in SCHEDULES}
     ys, finals = run_schedule(cores, schedule, *chunks, initial_states, layout.resets)
     return layout.from_chunks(ys), finals
 
@@ -394,54 +385,3 @@ def chunk_layout(seq_len: int, chunk_size: int, cu_seqlens=None) -> ChunkLayout:
         return y.reshape(num_chunks * chunk_size, -1)[:seq_len]
 
     return ChunkLayout(to_chunks, from_chunks, None)
-
-
-@no_type_check  # a public entry point: checks.py names its bad arguments
-def gated_delta_rule_chunked(
-    q: Float[Array, "T K"],
-    k: Float[Array, "T K"],
-    v: Float[Array, "T V"],
-    log_alpha: Float[Array, " T"],
-    beta: Float[Array, " T"],
-    *,
-    scale: float | None = None,
-    initial_state: Float[Array, "V K"] | None = None,
-    chunk_size: int = 64,
-    schedule: checks.Schedule = "auto",
-) -> tuple[Float[Array, "T V"], Float[Array, "V K"]]:
-    """One head, one sequence, chunkwise; the same contract as ``gated_delta_rule_recurrent``.
-
-    Any ``T >= 1`` works (the tail chunk is padded with tokens that neither decay nor write).
-    Gradients reach q, k, v, log_alpha, beta and initial_state through a hand-written VJP
-    that stores the inputs and one ``[V, K]`` state per chunk, never one per token.
-
-    Args:
-      q, k: ``[T, K]``; v: ``[T, V]``; all three in one floating dtype.
-      log_alpha: ``[T]`` decay gates in log space (``<= 0``; ``-inf`` is a full reset).
-      beta: ``[T]`` writing strengths, already activated.
-      scale: query scale; ``None`` means ``K ** -0.5``.
-      initial_state: ``[V, K]`` or ``None`` (zeros).
-      chunk_size: ``C``, one of 16, 32, 64, 128.
-      schedule: where each chunk's own work runs. ``"hoisted"`` batches it over all chunks
-        outside the sequential scan, which then holds only state-sized products (the shape
-        accelerators need); ``"in_scan"`` runs it chunk by chunk inside the scan, which keeps
-        a chunk's intermediates in cache on CPU; ``"auto"`` is ``"in_scan"`` when compiled for
-        CPU and ``"hoisted"`` for any other platform, including a TPU compiled for ahead of
-        time from a CPU host. Both compute the same function and gradients.
-
-    Returns:
-      ``(y [T, V], final_state [V, K])``: ``y`` in the input dtype, the state in float32
-      (float64 for float64 input). A NaN in k, v or a gate at token t makes ``y`` NaN from
-      the start of t's chunk on, not from t as in the recurrent form (module docstring).
-    """
-    fn = "gated_delta_rule_chunked"
-    chunk_size = checks.check_chunk_size(fn, chunk_size)
-    checks.check_schedule(fn, schedule)
-    checks.check_reverse_mode(
-        fn, "gated_delta_rule_recurrent", q=q, k=k, v=v, log_alpha=log_alpha, beta=beta,
-        initial_state=initial_state,
-    )  # fmt: skip
-    return checked_single_head(
-        fn, chunked_rule, q, k, v, log_alpha, beta, initial_state,
-        scale=scale, chunk_size=chunk_size, schedule=schedule,
-    )  # fmt: skip

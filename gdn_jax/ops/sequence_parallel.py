@@ -48,16 +48,9 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
-from gdn_jax.ops.api import (
-    DELTA_RULE,
-    LINEAR_RULE,
-    Rule,
-    over_batch_and_heads,
-    prepare_batched,
-)
-from gdn_jax.ops.chunked import chunked_rule
-from gdn_jax.ops.step import scaled_outputs
-from gdn_jax.ops.wy import DELTA, WriteRule
+from gdn_jax.ops.api import over_batch_and_heads, prepare_batched
+from gdn_jax.ops.rule import Rule
+from gdn_jax.ops.single_head import scaled_outputs
 
 
 def _compose(first, second):
@@ -91,24 +84,24 @@ def seq_parallel_rule(
     q: Float[Array, "T K"],
     k: Float[Array, "T K"],
     v: Float[Array, "T V"],
-    log_alpha: Float[Array, " T"],
-    beta: Float[Array, " T"],
+    gates: tuple,
     initial_states: Float[Array, "N V K"],
     *,
+    rule: Rule,
     axis_name: str,
     chunk_size: int,
     cu_seqlens: Int[Array, " N+1"] | None = None,
-    rule: WriteRule = DELTA,
     schedule: checks.Schedule = "auto",
 ) -> tuple[Float[Array, "T V"], Float[Array, "N V K"]]:
-    """One head over one shard of the tokens, called inside ``jax.shard_map``; the
-    sequence-parallel twin of ``chunked.chunked_rule``, with its arguments and results.
+    """One head of ``rule`` over one shard of the tokens, called inside ``jax.shard_map``;
+    the sequence-parallel twin of ``rule.chunked``, with its arguments and results.
 
     The gates and states are in the compute dtype, q, k and v in it or narrower, and ``q`` is
-    not scaled (``chunked_rule``'s contract): q, k ``[T / n, K]``, v ``[T / n, V]``, gates
-    ``[T / n]`` are this shard's tokens; ``initial_states [N, V, K]`` and ``cu_seqlens
-    [N+1]`` (global offsets) are the same on every shard. ``T / n`` need not be a multiple
-    of ``chunk_size``.
+    not scaled: q, k ``[T / n, K]``, v ``[T / n, V]`` and the gates are this shard's tokens;
+    ``initial_states [N, V, K]`` and ``cu_seqlens [N+1]`` (global offsets) are the same on
+    every shard. ``T / n`` need not be a multiple of ``chunk_size``. A write gate per value
+    channel (GDN-2's ``w``) reaches the stacked state's values only: the transition rows,
+    whose values are zero, get gates of one.
 
     Returns ``(y [T / n, V], finals [N, V, K])``; ``finals`` is the same on every shard.
     """
@@ -119,6 +112,12 @@ def seq_parallel_rule(
     first = shard * local_len
     identity = jnp.eye(key_dim, dtype=dtype)
     stacked_v = jnp.concatenate([v, jnp.zeros((local_len, key_dim), v.dtype)], axis=1)
+    stacked_gates = tuple(
+        jnp.concatenate([gate, jnp.ones((local_len, key_dim), gate.dtype)], axis=1)
+        if spec.channels == "V"
+        else gate
+        for spec, gate in zip(rule.gates, gates, strict=True)
+    )
 
     # The values part starts from the known initial states, the transition part from I, and
     # each from zero where the other applies. Masking the values part alone keeps the
@@ -145,18 +144,10 @@ def seq_parallel_rule(
         local_cu = jnp.clip(cu - first, 0, local_len)
     starts = jnp.concatenate([values, transition], axis=1)
 
-    ys, finals = chunked_rule(
-        q,
-        k,
-        stacked_v,
-        log_alpha,
-        beta,
-        starts,
-        chunk_size=chunk_size,
-        cu_seqlens=local_cu,
-        rule=rule,
-        schedule=schedule,
-    )
+    ys, finals = rule.chunked(
+        q, k, stacked_v, stacked_gates, starts,
+        chunk_size=chunk_size, cu_seqlens=local_cu, schedule=schedule,
+    )  # fmt: skip
 
     if cu_seqlens is None:
         carry = finals[0]
@@ -202,87 +193,15 @@ def _check_mesh(fn, mesh, axis_name, seq_len):
         )
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
-def gated_delta_rule_seq_parallel(
-    q: Float[Array, "B T H K"],
-    k: Float[Array, "B T H K"],
-    v: Float[Array, "B T HV V"],
-    log_alpha: Float[Array, "B T HV"],
-    beta: Float[Array, "B T HV"],
-    *,
-    mesh: Mesh | AbstractMesh,
-    axis_name: str = "seq",
-    scale: float | None = None,
-    initial_state: Float[Array, "_ HV V K"] | None = None,
-    chunk_size: int = 64,
-    schedule: checks.Schedule = "auto",
-    cu_seqlens: Int[Array, " _"] | None = None,
-    use_qk_l2norm: bool = False,
-) -> tuple[Float[Array, "B T HV V"], Float[Array, "_ HV V K"]]:
-    """``api.gated_delta_rule`` (chunked) with ``T`` split over the mesh axis ``axis_name``.
-
-    The arguments and results are those of ``gated_delta_rule``, and so are the values, up to
-    float rounding. Device ``i`` along ``axis_name`` holds tokens ``i T/n : (i+1) T/n``; the
-    devices exchange one ``[V + K, K]`` state per head and sequence, never activations.
-    The other axes of ``mesh`` are left to the compiler (``shard_map`` is manual over
-    ``axis_name`` only), so a batch sharded over a data axis stays sharded.
-
-    Args:
-      q, k, v, log_alpha, beta, scale, initial_state, chunk_size, schedule, use_qk_l2norm:
-        as in ``gated_delta_rule``. ``T`` must be divisible by the size ``n`` of the axis;
-        ``T / n`` need not be a multiple of ``chunk_size``.
-      mesh: a ``jax.sharding.Mesh`` with an axis ``axis_name``.
-      axis_name: the mesh axis that splits ``T``.
-      cu_seqlens: ``[N+1]`` global offsets of packed sequences (``B == 1``); a sequence may
-        cross any number of shard boundaries. It may be traced.
-
-    Returns:
-      ``(o [B, T, HV, V], final_state)``: ``o`` in the input dtype, sharded like ``q``;
-      ``final_state`` float32 (float64 for float64 input), ``[B, HV, V, K]`` or ``[N, HV, V,
-      K]``, the same on every device of the axis.
-    """
-    options = dict(mesh=mesh, axis_name=axis_name, scale=scale, initial_state=initial_state)
-    options.update(chunk_size=chunk_size, schedule=schedule, cu_seqlens=cu_seqlens)
-    options.update(use_qk_l2norm=use_qk_l2norm)
-    fn = "gated_delta_rule_seq_parallel"
-    return _seq_parallel(fn, DELTA_RULE, q, k, v, log_alpha, beta, **options)
-
-
-@no_type_check  # a public entry point: checks.py names its bad arguments
-def gated_linear_attention_seq_parallel(
-    q: Float[Array, "B T H K"],
-    k: Float[Array, "B T H K"],
-    v: Float[Array, "B T HV V"],
-    log_alpha: Float[Array, "B T HV"],
-    beta: Float[Array, "B T HV"],
-    *,
-    mesh: Mesh | AbstractMesh,
-    axis_name: str = "seq",
-    scale: float | None = None,
-    initial_state: Float[Array, "_ HV V K"] | None = None,
-    chunk_size: int = 64,
-    schedule: checks.Schedule = "auto",
-    cu_seqlens: Int[Array, " _"] | None = None,
-    use_qk_l2norm: bool = False,
-) -> tuple[Float[Array, "B T HV V"], Float[Array, "_ HV V K"]]:
-    """``api.gated_linear_attention`` (no delta correction) with ``T`` split over the mesh
-    axis ``axis_name``; arguments and results as in ``gated_delta_rule_seq_parallel``."""
-    options = dict(mesh=mesh, axis_name=axis_name, scale=scale, initial_state=initial_state)
-    options.update(chunk_size=chunk_size, schedule=schedule, cu_seqlens=cu_seqlens)
-    options.update(use_qk_l2norm=use_qk_l2norm)
-    fn = "gated_linear_attention_seq_parallel"
-    return _seq_parallel(fn, LINEAR_RULE, q, k, v, log_alpha, beta, **options)
-
-
-def _seq_parallel(
-    fn,
+@no_type_check  # the body of the public *_seq_parallel ops: checks.py names bad arguments
+def seq_parallel(
     rule: Rule,
     q,
     k,
     v,
-    log_alpha,
-    beta,
+    gates: tuple,
     *,
+    fn: str,
     mesh,
     axis_name,
     scale,
@@ -292,43 +211,45 @@ def _seq_parallel(
     cu_seqlens,
     use_qk_l2norm,
 ):
-    checks.check_batched(fn, q, k, v, log_alpha, beta, initial_state, cu_seqlens)
+    """``rule``'s batched op (``api.batched``, chunked) with ``T`` split over the mesh axis
+    ``axis_name``; the body of every ``*_seq_parallel`` op, whose errors name ``fn``.
+
+    The arguments and results are those of the batched op, and so are the values, up to
+    float rounding. Device ``i`` along ``axis_name`` holds tokens ``i T/n : (i+1) T/n``; the
+    devices exchange one ``[V + K, K]`` state per head and sequence, never activations.
+    The other axes of ``mesh`` are left to the compiler (``shard_map`` is manual over
+    ``axis_name`` only), so a batch sharded over a data axis stays sharded. ``T`` must be
+    divisible by the size ``n`` of the axis; ``cu_seqlens`` holds global offsets, and a
+    sequence may cross any number of shard boundaries.
+    """
+    named = dict(zip(rule.gate_names, gates, strict=True))
+    checks.check_batched(fn, q, k, v, named, rule.gates, initial_state, cu_seqlens)
     _check_mesh(fn, mesh, axis_name, q.shape[1])
     checks.check_scale(fn, scale)
     chunk_size = checks.check_chunk_size(fn, chunk_size)
     checks.check_schedule(fn, schedule)
-    arrays = dict(q=q, k=k, v=v, log_alpha=log_alpha, beta=beta, initial_state=initial_state)
+    arrays = dict(q=q, k=k, v=v, **named, initial_state=initial_state)
     checks.check_reverse_mode(fn, 'the one-device op with impl="recurrent"', **arrays)
-    inputs = prepare_batched(
-        q,
-        k,
-        v,
-        log_alpha,
-        beta,
-        initial_state,
-        use_qk_l2norm=use_qk_l2norm,
-        cu_seqlens=cu_seqlens,
+    q, k, v, gates, states = prepare_batched(
+        q, k, v, gates, initial_state, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens
     )
     one_head = functools.partial(
-        seq_parallel_rule,
-        axis_name=axis_name,
-        chunk_size=chunk_size,
-        rule=rule.chunk,
+        seq_parallel_rule, rule=rule, axis_name=axis_name, chunk_size=chunk_size,
         schedule=schedule,
-    )
+    )  # fmt: skip
 
-    def per_shard(q, k, v, log_alpha, beta, initial_state, *cu):
-        return over_batch_and_heads(one_head, q, k, v, log_alpha, beta, initial_state, *cu)
+    def per_shard(q, k, v, gates, states, *cu):
+        return over_batch_and_heads(one_head, q, k, v, gates, states, *cu, share_qk=rule.shares_qk)
 
     tokens = P(None, axis_name)
     # The states and offsets are the same on every shard.
-    replicated = inputs[5:] if cu_seqlens is None else (*inputs[5:], cu_seqlens)
+    replicated = (states,) if cu_seqlens is None else (states, cu_seqlens)
     run = jax.shard_map(
         per_shard,
         mesh=mesh,
-        in_specs=(tokens,) * 5 + (P(),) * len(replicated),
+        in_specs=(tokens, tokens, tokens, (tokens,) * len(gates), *(P(),) * len(replicated)),
         out_specs=(tokens, P()),
         axis_names={axis_name},
     )
-    out, final = run(*inputs[:5], *replicated)
+    out, final = run(q, k, v, gates, *replicated)
     return scaled_outputs(out, q.shape[-1], scale, v.dtype), final

@@ -1,5 +1,9 @@
 """What one chunk writes, as WY factors that need no state: ``U = u - w S^T``.
 
+Every rule of the family writes its corrections this way; ``two_products`` and its backward
+are the shared part, ``DELTA`` and ``LINEAR`` the scalar-decay rules' (the per-channel ones,
+KDA and GDN-2, build their system in ``channel_chunked.py``).
+
 Inside a chunk starting from state ``S`` (Yang et al., 2025, Sec. 3.3), token ``t`` writes
 the correction ``U_t = beta_t (v_t - alpha_t S_{t-1} k_t)`` along ``k_t``. Substituting
 ``S_{t-1}`` gives a unit lower-triangular system for all corrections at once (the UT transform)
@@ -19,6 +23,7 @@ strict lower triangle, since ``d(I + A)^{-1} = -T dA T``. Neither ``w`` nor ``u`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -40,13 +45,27 @@ class FactorGrads(NamedTuple):
     from_start: Float[Array, " C"]
 
 
+def two_products(strict, erase, write):
+    """``(w = T erase [C, K], u = T write [C, V], T [C, C])`` for ``T = (I + strict)^{-1}``,
+    ``strict`` strictly lower triangular: the WY factors of every delta rule of the family,
+    whatever its decays. They are two products with ``T``: one with ``[erase | write]``
+    made XLA:TPU keep the product and its two halves at once, and ran slower on CPU."""
+    inverse = unit_lower_inverse(strict)
+    return inverse @ erase, inverse @ write, inverse
+
+
+def two_products_bwd(inverse, start, corrections, d_corrections):
+    """``(d_write, d_erase, d_strict)`` from the cotangent ``dU`` of the corrections ``U = u
+    - w S^T`` (module docstring), given ``T``, the start state ``S`` and ``U``."""
+    d_write = inverse.T @ d_corrections
+    return d_write, -(d_write @ start), -jnp.tril(d_write @ corrections.T, -1)
+
+
 def delta_factors(k, v, beta, decays: ChunkDecays):
-    """``(w [C, K], u [C, V], T [C, C])`` for k ``[C, K]``, v ``[C, V]``, beta ``[C]``. ``w``
-    and ``u`` are two products with ``T``: one with ``[k | v]`` made XLA:TPU keep the product
-    and its two halves at once, and ran slower on CPU."""
-    inverse = unit_lower_inverse(jnp.tril(beta[:, None] * (k @ k.T) * decays.within, -1))
-    w = inverse @ (k * (beta * decays.from_start)[:, None])
-    return w, inverse @ (v * beta[:, None]), inverse
+    """``(w [C, K], u [C, V], T [C, C])`` for k ``[C, K]``, v ``[C, V]``, beta ``[C]``: the
+    erase vectors ``diag(beta exp(g)) K``, the writes ``diag(beta) V``."""
+    strict = jnp.tril(beta[:, None] * (k @ k.T) * decays.within, -1)
+    return two_products(strict, k * (beta * decays.from_start)[:, None], v * beta[:, None])
 
 
 def delta_factors_bwd(
@@ -58,9 +77,7 @@ def delta_factors_bwd(
     program unless they are kept apart, as the hoisted backward does off CPU, which forms it
     again after its loop rather than keep a ``[C, C]`` array per chunk through it."""
     gram = k @ k.T
-    d_v_beta = inverse.T @ d_corrections
-    d_k_beta = -(d_v_beta @ start)
-    d_strict = -jnp.tril(d_v_beta @ corrections.T, -1)
+    d_v_beta, d_k_beta, d_strict = two_products_bwd(inverse, start, corrections, d_corrections)
     d_decayed = d_strict * decays.within  # cotangent of beta_t * (k k^T)_ti
     d_k_proj = (d_k_beta * k).sum(1)
     return FactorGrads(
@@ -96,10 +113,11 @@ def linear_factors_bwd(
 
 
 class WriteRule(NamedTuple):
-    """How a chunk's tokens write to the state: its factors and their backward."""
+    """How a chunk's tokens write to the state, for the scalar-decay rules of
+    ``chunked.py``: their factors and the factors' backward."""
 
-    factors: object
-    factors_bwd: object
+    factors: Callable
+    factors_bwd: Callable
 
 
 DELTA = WriteRule(delta_factors, delta_factors_bwd)

@@ -1,0 +1,281 @@
+"""The channel-gated delta rules chunk by chunk, in stages, with a hand-derived backward:
+Kimi Delta Attention (KDA) and Gated DeltaNet-2 (GDN-2).
+
+Per head and token, with per-channel log-decays ``g_t [K]``, an erase gate ``b_t`` (``[K]``,
+or one number) and a write gate ``w_t`` (``[V]``, or one number)::
+
+    S_t = S_{t-1} Diag(alpha_t) + U_t k_t^T,   U_t = w_t * v_t - S_{t-1} Diag(alpha_t) (b_t * k_t)
+
+GDN-2 has both gates per channel; KDA is ``b_t = w_t = beta_t``; with equal channels of
+``g`` it is the gated delta rule (whose scalar decays ``chunked.py`` runs faster). With
+``e_t = b_t * k_t`` (what a token erases along) and ``x_t = w_t * v_t`` (what it writes), a
+chunk of ``C`` tokens from state ``S``, ``G_t`` the decays summed from its start
+(``channel_decays.py``), is the same problem as the gated delta rule's (``wy.py``), the
+decays inside the channel sums:
+
+1. Decays and WY factors: ``(I + A) U = X - (E * exp(G)) S^T`` with ``A_ti = sum_c e_tc k_ic
+   exp(G_tc - G_ic)`` for ``i < t`` (``channel_decays.channel_scores``, which no gate can
+   overflow), so for ``T = (I + A)^{-1}``: ``U = u - w S^T``, ``u = T X``, ``w = T (E *
+   exp(G))`` (``wy.two_products``).
+2. The state pass, the only sequential part (``chunked.state_pass``):
+   ``[w; Q * exp(G)] S^T``, ``U = u - w S^T``, ``S' = S Diag(exp(G_C)) + U^T (K * exp(G_C -
+   G))``.
+3. The outputs: ``Y = (Q * exp(G)) S^T + M U``, ``M_ti = sum_c q_tc k_ic exp(G_tc - G_ic)``
+   for ``i <= t``.
+
+Backward, written by hand in the same stages (derivation, for cotangents ``dY`` and ``dS'``):
+``dU = M^T dY + (K * exp(G_C - G)) dS'^T``; the start state's cotangent ``dS = dY^T (Q *
+exp(G)) + dS' Diag(exp(G_C)) - dU^T w``; these two need the carried ``dS'`` and run in the
+reverse state pass (``chunked.state_pass_bwd``), which also returns ``U dS'`` (the
+cotangent of the decayed keys) and ``d exp(G_C) = sum_v dS' * S``. The rest needs only the
+chunk's start state: ``dM = dY U^T`` on ``i <= t``; the WY pullback (``wy.two_products_bwd``)
+``dX = T^T dU``, ``d(E * exp(G)) = -dX S``, ``dA = -(dX U^T)`` on ``i < t`` (``d(I + A)^{-1}
+= -T dA T``); ``d(Q * exp(G)) = dY S``; then ``dM`` and ``dA`` through the scores to ``q``,
+``e``, ``k`` and the decay factors, ``e = b * k`` and ``x = w * v`` to the gates, and every
+decay factor's cotangent to ``g`` (``channel_decays.channel_scores_bwd`` and
+``channel_decays_bwd``). Between the forward and the backward only the inputs, in their own
+dtype, and one ``[V, K]`` state per chunk are kept.
+
+As in ``chunked.py``, stages 1 and 3 and the gradients run hoisted out of the scan over
+chunks and batched (``"hoisted"``: only state-sized products in the loops; the keys and
+queries enter them already decayed) or inside it, chunk by chunk (``"in_scan"``). A NaN in
+k, v or a gate reaches the outputs from the start of its chunk on.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from gdn_jax.ops import checks
+from gdn_jax.ops.blocks import scan_blocks, scan_blocks_backward
+from gdn_jax.ops.channel_decays import (
+    ChannelDecays,
+    HalvingLevel,
+    channel_decays,
+    channel_decays_bwd,
+    channel_scores,
+    channel_scores_bwd,
+)
+from gdn_jax.ops.chunked import (
+    cast_back,
+    cast_to,
+    chunk_layout,
+    over_chunks,
+    state_pass,
+    state_pass_bwd,
+)
+from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
+from gdn_jax.ops.dispatch import run_schedule
+from gdn_jax.ops.wy import two_products, two_products_bwd
+
+Gate = Float[Array, " C"] | Float[Array, "C D"]  # one number per token, or one per channel
+
+
+def gated(x: Float[Array, "C D"], gate: Gate) -> Float[Array, "C D"]:
+    """``x`` times its gate, one number per row or one per entry."""
+    return x * (gate[:, None] if gate.ndim == 1 else gate)
+
+
+def gated_bwd(x, gate: Gate, d) -> tuple[Float[Array, "C D"], Gate]:
+    """The pullback of ``gated(x, gate)``: ``(dx, d gate)``."""
+    return gated(d, gate), (d * x).sum(1) if gate.ndim == 1 else d * x
+
+
+class Factors(NamedTuple):
+    """Stage 1 of one chunk: its decays, erase vectors ``e = b * k`` and WY factors."""
+
+    decays: ChannelDecays
+    erase: Float[Array, "C K"]
+    w: Float[Array, "C K"]
+    u: Float[Array, "C V"]
+    inverse: Float[Array, "C C"]  # T = (I + A)^{-1}
+
+
+def clamped(log_alpha):
+    """The gates with ``-inf`` (and anything below ``LOG_ALPHA_FLOOR``) as a full reset that
+    keeps the decays' products finite. Inside the core, so that no clamped copy of the gates
+    is kept for the backward, which passes no gradient to a clamped gate."""
+    return jnp.maximum(log_alpha, LOG_ALPHA_FLOOR)
+
+
+def chunk_factors(k, v, log_alpha, erase_gate: Gate, write_gate: Gate | None) -> Factors:
+    """Stage 1 for one chunk (inputs in the compute dtype); ``write_gate=None`` writes with
+    the erase gate (KDA's ``beta``)."""
+    write_gate = erase_gate if write_gate is None else write_gate
+    decays = channel_decays(clamped(log_alpha))
+    erase = gated(k, erase_gate)
+    strict = jnp.tril(channel_scores(erase, k, decays), -1)
+    w, u, inverse = two_products(strict, erase * decays.from_start, gated(v, write_gate))
+    return Factors(decays, erase, w, u, inverse)
+
+
+def chunk_forward(state, q, k, v, log_alpha, erase_gate, write_gate):
+    """All three stages for one chunk: ``(S, chunk inputs) -> (S', Y [C, V])``, with q, k
+    and v in their input dtype."""
+    q, k, v = cast_to(state.dtype, q, k, v)
+    f = chunk_factors(k, v, log_alpha, erase_gate, write_gate)
+    k_to_end, q_from_start = k * f.decays.to_end, q * f.decays.from_start
+    new_state, (corrections, y_start) = state_pass(
+        state, f.w, f.u, k_to_end, q_from_start, f.decays.whole
+    )
+    return new_state, y_start + channel_scores(q, k, f.decays) @ corrections
+
+
+def backward_inputs(q, k, v, log_alpha, erase_gate, write_gate, d_y):
+    """What the reverse state pass needs of one chunk: stage 1 again, the decayed keys and
+    queries, and the cotangent of ``U`` from the chunk's own outputs, ``M^T dY``."""
+    f = chunk_factors(k, v, log_alpha, erase_gate, write_gate)
+    k_to_end, q_from_start = k * f.decays.to_end, q * f.decays.from_start
+    d_u_intra = channel_scores(q, k, f.decays).T @ d_y
+    return f, k_to_end, q_from_start, d_u_intra
+
+
+def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d):
+    """Gradients of one chunk's q, k, v, log_alpha and gates from its inputs (compute
+    dtype), ``T``, start state ``S`` and what the reverse state pass returned, ``d = (dY, U,
+    dU, d(K decayed to the end), d exp(G_C))``. The decays and scores are formed again."""
+    d_y, corrections, d_u, d_k_to_end, d_whole = d
+    decays = channel_decays(clamped(log_alpha))
+    erase = gated(k, erase_gate)
+    d_write, d_erase_decayed, d_strict = two_products_bwd(inverse, start, corrections, d_u)
+    d_q_from_start = d_y @ start
+    d_scores = jnp.tril(d_y @ corrections.T)
+    d_q, d_k_qk, levels_qk = channel_scores_bwd(q, k, decays, d_scores)
+    d_erase, d_k_ek, levels_ek = channel_scores_bwd(erase, k, decays, d_strict)
+    d_erase = d_erase + d_erase_decayed * decays.from_start
+    d_k_erase, d_erase_gate = gated_bwd(k, erase_gate, d_erase)
+    d_v, d_write_gate = gated_bwd(v, erase_gate if write_gate is None else write_gate, d_write)
+    if write_gate is None:  # one gate erases and writes
+        d_erase_gate, d_write_gate = d_erase_gate + d_write_gate, None
+    d_q = d_q + d_q_from_start * decays.from_start
+    d_k = d_k_qk + d_k_ek + d_k_erase + d_k_to_end * decays.to_end
+    levels = tuple(
+        HalvingLevel(a.rows + b.rows, a.cols + b.cols)
+        for a, b in zip(levels_qk, levels_ek, strict=True)
+    )
+    d_from_start = d_q_from_start * q + d_erase_decayed * erase
+    d_log_alpha = channel_decays_bwd(decays, d_from_start, d_k_to_end * k, d_whole, levels)
+    d_log_alpha = jnp.where(log_alpha > LOG_ALPHA_FLOOR, d_log_alpha, 0)
+    return d_q, d_k, d_v, d_log_alpha, d_erase_gate, d_write_gate
+
+
+def chunk_backward(d_end, start, q, k, v, log_alpha, erase_gate, write_gate, d_y):
+    """The whole backward of one chunk: ``(dS', S, chunk inputs, dY) -> (dS, grads)``, with
+    q, k and v and their gradients in their input dtype."""
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    q, k, v = cast_to(start.dtype, q, k, v)
+    gates = (log_alpha, erase_gate, write_gate)
+    f, k_to_end, q_from_start, d_u_intra = backward_inputs(q, k, v, *gates, d_y)
+    d_start, (corrections, d_u, d_k_to_end, d_whole) = state_pass_bwd(
+        d_end, start, f.w, f.u, k_to_end, q_from_start, f.decays.whole, d_u_intra, d_y
+    )
+    d = (d_y, corrections, d_u, d_k_to_end, d_whole)
+    grads = chunk_grads(q, k, v, *gates, f.inverse, start, d)
+    return d_start, (*cast_back(grads[:3], dtypes), *grads[3:])
+
+
+def _hoisted_forward(inputs, initial_states, resets, *, keep_starts):
+    q, k, v = cast_to(initial_states.dtype, *inputs[:3])
+    f = over_chunks(chunk_factors)(k, v, *inputs[3:])
+    k_to_end, q_from_start = k * f.decays.to_end, q * f.decays.from_start
+    blocks = (f.w, f.u, k_to_end, q_from_start, f.decays.whole)
+    out = scan_blocks(state_pass, blocks, initial_states, resets, keep_starts=keep_starts)
+    (corrections, y_start), *starts, finals = out
+    scores = over_chunks(channel_scores)(q, k, f.decays)
+    return y_start + scores @ corrections, finals, starts
+
+
+def _hoisted_backward(inputs, starts, resets, d_ys, d_finals):
+    q, k, v = cast_to(starts.dtype, *inputs[:3])
+    f, k_to_end, q_from_start, d_u_intra = over_chunks(backward_inputs)(q, k, v, *inputs[3:], d_ys)
+    xs = (starts, f.w, f.u, k_to_end, q_from_start, f.decays.whole, d_u_intra, d_ys)
+    (corrections, d_u, d_k_to_end, d_whole), d_initial = scan_blocks_backward(
+        state_pass_bwd, xs, d_finals, resets
+    )
+    # As in chunked.py: off CPU a barrier keeps XLA from keeping the decays and scores of
+    # stage 1 through the loop for chunk_grads, which forms them again after it.
+    inputs, d_u = jax.lax.platform_dependent(
+        inputs, d_u, cpu=lambda *a: a, default=lambda *a: jax.lax.optimization_barrier(a)
+    )
+    q, k, v = cast_to(starts.dtype, *inputs[:3])
+    d = (d_ys, corrections, d_u, d_k_to_end, d_whole)
+    grads = over_chunks(chunk_grads)(q, k, v, *inputs[3:], f.inverse, starts, d)
+    dtypes = (x.dtype for x in inputs[:3])
+    return (*cast_back(grads[:3], dtypes), *grads[3:]), d_initial
+
+
+def _in_scan_forward(inputs, initial_states, resets, *, keep_starts):
+    ys, *starts, finals = scan_blocks(
+        chunk_forward, inputs, initial_states, resets, keep_starts=keep_starts
+    )
+    return ys, finals, starts
+
+
+def _in_scan_backward(inputs, starts, resets, d_ys, d_finals):
+    return scan_blocks_backward(chunk_backward, (starts, *inputs, d_ys), d_finals, resets)
+
+
+SCHEDULES = {
+    "hoisted": (_hoisted_forward, _hoisted_backward),
+    "in_scan": (_in_scan_forward, _in_scan_backward),
+}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def channel_core(schedule, q, k, v, log_alpha, erase_gate, write_gate, initial_states, resets):
+    """The chunked form for one head in ``schedule`` (a key of ``SCHEDULES``): q, k ``[NC,
+    C, K]`` (q unscaled), v ``[NC, C, V]``, log_alpha ``[NC, C, K]``, the gates ``[NC, C]``
+    or ``[NC, C, K]`` (erase) and ``[NC, C, V]`` (write), ``initial_states [N, V, K]``,
+    ``resets`` as in ``blocks.scan_blocks``. Returns ``(y [NC, C, V], finals [N, V, K])``."""
+    forward, _ = SCHEDULES[schedule]
+    inputs = (q, k, v, log_alpha, erase_gate, write_gate)
+    ys, finals, _ = forward(inputs, initial_states, resets, keep_starts=False)
+    return ys, finals
+
+
+def _channel_core_fwd(schedule, q, k, v, log_alpha, erase_gate, write_gate, initial_states, resets):
+    forward, _ = SCHEDULES[schedule]
+    inputs = (q, k, v, log_alpha, erase_gate, write_gate)
+    ys, finals, (starts,) = forward(inputs, initial_states, resets, keep_starts=True)
+    return (ys, finals), (inputs, starts, resets)
+
+
+def _channel_core_bwd(schedule, residuals, cotangents):
+    _, backward = SCHEDULES[schedule]
+    inputs, starts, resets = residuals
+    grads, d_initial = backward(inputs, starts, resets, *cotangents)
+    return (*grads, d_initial, None)
+
+
+channel_core.defvjp(_channel_core_fwd, _channel_core_bwd)
+
+
+def channel_chunked_rule(
+    q: Float[Array, "T K"],
+    k: Float[Array, "T K"],
+    v: Float[Array, "T V"],
+    gates: tuple,
+    initial_states: Float[Array, "N V K"],
+    *,
+    chunk_size: int,
+    cu_seqlens: Int[Array, " N+1"] | None = None,
+    schedule: checks.Schedule = "auto",
+) -> tuple[Float[Array, "T V"], Float[Array, "N V K"]]:
+    """Lay the tokens out in chunks, run ``channel_core`` in ``schedule``, and back: the
+    chunked form of one head (``rule.Rule.chunked``) with ``gates = (log_alpha [T, K], b
+    [T, K], w [T, V])`` (GDN-2) or ``(log_alpha [T, K], beta [T])`` (KDA: one gate erases
+    and writes) in the compute dtype, q, k and v in it or narrower (``q`` unscaled),
+    ``initial_states [N, V, K]``. The layout is ``chunked.chunk_layout``'s. Returns ``(y [T,
+    V], finals [N, V, K])``."""
+    log_alpha, erase_gate, *write_gate = gates
+    layout = chunk_layout(q.shape[0], chunk_size, cu_seqlens)
+    write = layout.to_chunks(write_gate[0]) if write_gate else None
+    chunks = [layout.to_chunks(x) for x in (q, k, v, log_alpha, erase_gate)] + [write]
+    cores = {name: functools.partial(channel_core, name) for name in SCHEDULES}
+    ys, finals = run_schedule(cores, schedule, *chunks, initial_states, layout.resets)
+    return layout.from_chunks(ys), finals

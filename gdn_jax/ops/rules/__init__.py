@@ -1,0 +1,14 @@
+"""The rule registry: every recurrence of the family, one home module each (its math, its
+public ops and its ``rule.Rule``) and one entry in ``RULES``.
+
+The tests that every rule must pass (``tests/ops/test_head_layouts.py`` and the rule tests
+that iterate over ``RULES``) read this table; docs/architecture.md says how to add a rule.
+"""
+
+from gdn_jax.ops.rule import Rule
+from gdn_jax.ops.rules.gated_delta import GATED_DELTA
+from gdn_jax.ops.rules.gated_linear import GATED_LINEAR
+from gdn_jax.ops.rules.gdn2 import GDN2
+from gdn_jax.ops.rules.kda import KDA
+
+RULES: dict[str, Rule] = {rule.name: rule for rule in (GATED_DELTA, GATED_LINEAR, KDA, GDN2)}

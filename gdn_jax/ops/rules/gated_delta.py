@@ -1,0 +1,227 @@
+"""The gated delta rule (Gated DeltaNet; Yang, Kautz & Hatamizadeh, ICLR 2025, Eq. 10):
+
+    S_t = alpha_t S_{t-1} + beta_t (v_t - alpha_t S_{t-1} k_t) k_t^T,    y_t = S_t (scale q_t)
+
+per head, with ``alpha_t = exp(log_alpha_t)`` one number per head and token and the state
+``S [V, K]``: decay, then correct along the key, then read with the query. Its chunked form,
+with one decay per token, is ``chunked.py``'s.
+"""
+
+from __future__ import annotations
+
+from typing import no_type_check
+
+from jax.sharding import AbstractMesh, Mesh
+from jaxtyping import Array, Float, Int
+
+from gdn_jax.ops import checks
+from gdn_jax.ops.api import batched
+from gdn_jax.ops.chunked import chunked_rule
+from gdn_jax.ops.rule import GateSpec, Rule
+from gdn_jax.ops.sequence_parallel import seq_parallel
+from gdn_jax.ops.single_head import chunked_single_head, recurrent_single_head
+from gdn_jax.ops.step import checked_step, delta_step
+
+GATED_DELTA = Rule(
+    name="gated_delta_rule",
+    gates=(GateSpec("log_alpha"), GateSpec("beta")),
+    step=delta_step,
+    chunked=chunked_rule,
+    shares_qk=True,
+)
+
+
+@no_type_check  # a public entry point: checks.py names its bad arguments
+def gated_delta_step(
+    state: Float[Array, "V K"],
+    q: Float[Array, " K"],
+    k: Float[Array, " K"],
+    v: Float[Array, " V"],
+    log_alpha: Float[Array, ""],
+    beta: Float[Array, ""],
+    *,
+    scale: float | None = None,
+) -> tuple[Float[Array, "V K"], Float[Array, " V"]]:
+    """Advance one head's memory by one token and read it: what a decoder calls per token.
+
+    Args:
+      state: memory ``[V, K]``, one row per value feature (flash-linear-attention stores the
+        transpose, ``[K, V]``).
+      q, k: query and key ``[K]``.
+      v: value ``[V]``; q, k and v share one dtype.
+      log_alpha: scalar decay gate in log space, ``<= 0``: a 0-d floating array or a Python
+        number.
+      beta: scalar writing strength, already activated (in ``[0, 1]``, up to 2 with negative
+        eigenvalues), as an array or a Python number like ``log_alpha``.
+      scale: query scale; ``None`` means ``K ** -0.5``.
+
+    Returns:
+      ``(new_state, y)``: the state in float32 (float64 for float64 input) and ``y [V]`` in
+      the dtype of ``v``.
+    """
+    gates = (log_alpha, beta)
+    return checked_step("gated_delta_step", GATED_DELTA, state, q, k, v, gates, scale=scale)
+
+
+@no_type_check  # a public entry point: checks.py names its bad arguments
+def gated_delta_rule_recurrent(
+    q: Float[Array, "T K"],
+    k: Float[Array, "T K"],
+    v: Float[Array, "T V"],
+    log_alpha: Float[Array, " T"],
+    beta: Float[Array, " T"],
+    *,
+    scale: float | None = None,
+    initial_state: Float[Array, "V K"] | None = None,
+) -> tuple[Float[Array, "T V"], Float[Array, "V K"]]:
+    """One head, one sequence, one token at a time: the readable reference form.
+
+    Args:
+      q, k: ``[T, K]``; v: ``[T, V]``; all three in one floating dtype.
+      log_alpha: ``[T]`` decay gates in log space (``<= 0``).
+      beta: ``[T]`` writing strengths, already activated.
+      scale: query scale; ``None`` means ``K ** -0.5``.
+      initial_state: ``[V, K]`` or ``None`` (zeros).
+
+    Returns:
+      ``(y [T, V], final_state [V, K])``: ``y`` in the input dtype, the state in float32
+      (float64 for float64 input).
+    """
+    fn = "gated_delta_rule_recurrent"
+    gates = (log_alpha, beta)
+    return recurrent_single_head(fn, GATED_DELTA, q, k, v, gates, initial_state, scale=scale)
+
+
+@no_type_check  # a public entry point: checks.py names its bad arguments
+def gated_delta_rule_chunked(
+    q: Float[Array, "T K"],
+    k: Float[Array, "T K"],
+    v: Float[Array, "T V"],
+    log_alpha: Float[Array, " T"],
+    beta: Float[Array, " T"],
+    *,
+    scale: float | None = None,
+    initial_state: Float[Array, "V K"] | None = None,
+    chunk_size: int = 64,
+    schedule: checks.Schedule = "auto",
+) -> tuple[Float[Array, "T V"], Float[Array, "V K"]]:
+    """One head, one sequence, chunkwise; the same contract as ``gated_delta_rule_recurrent``.
+
+    Any ``T >= 1`` works (the tail chunk is padded with tokens that neither decay nor write).
+    Gradients reach q, k, v, log_alpha, beta and initial_state through a hand-written VJP
+    that stores the inputs and one ``[V, K]`` state per chunk, never one per token.
+
+    Args:
+      q, k: ``[T, K]``; v: ``[T, V]``; all three in one floating dtype.
+      log_alpha: ``[T]`` decay gates in log space (``<= 0``; ``-inf`` is a full reset).
+      beta: ``[T]`` writing strengths, already activated.
+      scale: query scale; ``None`` means ``K ** -0.5``.
+      initial_state: ``[V, K]`` or ``None`` (zeros).
+      chunk_size: ``C``, one of 16, 32, 64, 128.
+      schedule: where each chunk's own work runs. ``"hoisted"`` batches it over all chunks
+        outside the sequential scan, which then holds only state-sized products (the shape
+        accelerators need); ``"in_scan"`` runs it chunk by chunk inside the scan, which keeps
+        a chunk's intermediates in cache on CPU; ``"auto"`` is ``"in_scan"`` when compiled for
+        CPU and ``"hoisted"`` for any other platform, including a TPU compiled for ahead of
+        time from a CPU host. Both compute the same function and gradients.
+
+    Returns:
+      ``(y [T, V], final_state [V, K])``: ``y`` in the input dtype, the state in float32
+      (float64 for float64 input). A NaN in k, v or a gate at token t makes ``y`` NaN from
+      the start of t's chunk on, not from t as in the recurrent form (``chunked.py``).
+    """
+    return chunked_single_head(
+        "gated_delta_rule_chunked", GATED_DELTA, q, k, v, (log_alpha, beta), initial_state,
+        scale=scale, chunk_size=chunk_size, schedule=schedule,
+        recurrent="gated_delta_rule_recurrent",
+    )  # fmt: skip
+
+
+@no_type_check  # a public entry point: checks.py names its bad arguments
+def gated_delta_rule(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T HV V"],
+    log_alpha: Float[Array, "B T HV"],
+    beta: Float[Array, "B T HV"],
+    *,
+    scale: float | None = None,
+    initial_state: Float[Array, "B HV V K"] | None = None,
+    impl: checks.Impl = "chunked",
+    chunk_size: int = 64,
+    schedule: checks.Schedule = "auto",
+    cu_seqlens: Int[Array, " N+1"] | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV V K"]]:
+    """The gated delta rule over a batch of sequences and heads.
+
+    Per value head and sequence this is ``gated_delta_rule_chunked`` (or ``_recurrent``).
+
+    Args:
+      q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; one floating dtype for all three.
+        ``HV`` is a multiple of ``H``: value head ``i`` reads query/key head ``i // (HV // H)``.
+      log_alpha, beta: ``[B, T, HV]``, log-space decay (``<= 0``) and activated strength.
+      scale: query scale; ``None`` means ``K ** -0.5``.
+      initial_state: ``[B, HV, V, K]``, or ``[N, HV, V, K]`` with ``cu_seqlens``; ``None`` is
+        zeros. flash-linear-attention's states are ``[.., K, V]``: pass ``swapaxes(-1, -2)``.
+      impl: ``"chunked"`` (train with this) or ``"recurrent"`` (the token-by-token reference).
+      chunk_size: 16, 32, 64 or 128 (chunked only).
+      schedule: ``"auto"``, ``"hoisted"`` or ``"in_scan"`` (chunked only), as in
+        ``gated_delta_rule_chunked``.
+      cu_seqlens: ``[N+1]`` int offsets of ``N`` sequences packed along ``T`` (needs ``B == 1``).
+        Each sequence starts from its own initial state and returns its own final state, as
+        if run alone. It may be traced; its values are checked only when concrete.
+      use_qk_l2norm: L2-normalise q and k over ``K`` (eps 1e-6) inside the op.
+
+    Returns:
+      ``(o [B, T, HV, V], final_state)``: ``o`` in the input dtype; ``final_state`` float32
+      (float64 for float64 input), ``[B, HV, V, K]`` or ``[N, HV, V, K]`` with ``cu_seqlens``.
+    """
+    return batched(
+        GATED_DELTA, q, k, v, (log_alpha, beta),
+        scale=scale, initial_state=initial_state, impl=impl, chunk_size=chunk_size,
+        schedule=schedule, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+    )  # fmt: skip
+
+
+@no_type_check  # a public entry point: checks.py names its bad arguments
+def gated_delta_rule_seq_parallel(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T HV V"],
+    log_alpha: Float[Array, "B T HV"],
+    beta: Float[Array, "B T HV"],
+    *,
+    mesh: Mesh | AbstractMesh,
+    axis_name: str = "seq",
+    scale: float | None = None,
+    initial_state: Float[Array, "_ HV V K"] | None = None,
+    chunk_size: int = 64,
+    schedule: checks.Schedule = "auto",
+    cu_seqlens: Int[Array, " _"] | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[Float[Array, "B T HV V"], Float[Array, "_ HV V K"]]:
+    """``gated_delta_rule`` (chunked) with ``T`` split over the mesh axis ``axis_name``
+    (``sequence_parallel.seq_parallel``): each device holds ``T / n`` consecutive tokens, and
+    the devices exchange one ``[V + K, K]`` state per head and sequence, never activations.
+
+    Args:
+      q, k, v, log_alpha, beta, scale, initial_state, chunk_size, schedule, use_qk_l2norm:
+        as in ``gated_delta_rule``. ``T`` must be divisible by the size ``n`` of the axis;
+        ``T / n`` need not be a multiple of ``chunk_size``.
+      mesh: a ``jax.sharding.Mesh`` with an axis ``axis_name``.
+      axis_name: the mesh axis that splits ``T``.
+      cu_seqlens: ``[N+1]`` global offsets of packed sequences (``B == 1``); a sequence may
+        cross any number of shard boundaries. It may be traced.
+
+    Returns:
+      ``(o [B, T, HV, V], final_state)``: ``o`` in the input dtype, sharded like ``q``;
+      ``final_state`` float32 (float64 for float64 input), ``[B, HV, V, K]`` or ``[N, HV, V,
+      K]``, the same on every device of the axis.
+    """
+    return seq_parallel(
+        GATED_DELTA, q, k, v, (log_alpha, beta,),
+        fn="gated_delta_rule_seq_parallel", mesh=mesh, axis_name=axis_name, scale=scale,
+        initial_state=initial_state, chunk_size=chunk_size, schedule=schedule,
+        cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+    )  # fmt: skip

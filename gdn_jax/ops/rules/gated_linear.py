@@ -1,0 +1,84 @@
+"""Gated linear attention, the gated delta rule without its delta correction:
+
+    S_t = alpha_t S_{t-1} + beta_t v_t k_t^T,    y_t = S_t (scale q_t)
+
+With ``log_alpha`` it is gated linear attention with a scalar gate per head (Mamba-2's form);
+with ``log_alpha = 0`` and ``beta = 1`` plain causal linear attention. Its chunked form is
+``chunked.py``'s with the ``wy.LINEAR`` write rule.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import no_type_check
+
+from jax.sharding import AbstractMesh, Mesh
+from jaxtyping import Array, Float, Int
+
+from gdn_jax.ops import checks
+from gdn_jax.ops.api import batched
+from gdn_jax.ops.chunked import chunked_rule
+from gdn_jax.ops.rule import GateSpec, Rule
+from gdn_jax.ops.sequence_parallel import seq_parallel
+from gdn_jax.ops.step import linear_step
+from gdn_jax.ops.wy import LINEAR
+
+GATED_LINEAR = Rule(
+    name="gated_linear_attention",
+    gates=(GateSpec("log_alpha"), GateSpec("beta")),
+    step=linear_step,
+    chunked=functools.partial(chunked_rule, write=LINEAR),
+    shares_qk=True,
+)
+
+
+@no_type_check  # a public entry point: checks.py names its bad arguments
+def gated_linear_attention(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T HV V"],
+    log_alpha: Float[Array, "B T HV"],
+    beta: Float[Array, "B T HV"],
+    *,
+    scale: float | None = None,
+    initial_state: Float[Array, "B HV V K"] | None = None,
+    impl: checks.Impl = "chunked",
+    chunk_size: int = 64,
+    schedule: checks.Schedule = "auto",
+    cu_seqlens: Int[Array, " N+1"] | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV V K"]]:
+    """Gated linear attention over a batch of sequences and heads. Arguments, layouts and
+    results are those of ``gated_delta_rule``."""
+    return batched(
+        GATED_LINEAR, q, k, v, (log_alpha, beta),
+        scale=scale, initial_state=initial_state, impl=impl, chunk_size=chunk_size,
+        schedule=schedule, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+    )  # fmt: skip
+
+
+@no_type_check  # a public entry point: checks.py names its bad arguments
+def gated_linear_attention_seq_parallel(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T HV V"],
+    log_alpha: Float[Array, "B T HV"],
+    beta: Float[Array, "B T HV"],
+    *,
+    mesh: Mesh | AbstractMesh,
+    axis_name: str = "seq",
+    scale: float | None = None,
+    initial_state: Float[Array, "_ HV V K"] | None = None,
+    chunk_size: int = 64,
+    schedule: checks.Schedule = "auto",
+    cu_seqlens: Int[Array, " _"] | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[Float[Array, "B T HV V"], Float[Array, "_ HV V K"]]:
+    """``gated_linear_attention`` with ``T`` split over the mesh axis ``axis_name``;
+    arguments and results as in ``gated_delta_rule_seq_parallel``."""
+    return seq_parallel(
+        GATED_LINEAR, q, k, v, (log_alpha, beta,),
+        fn="gated_linear_attention_seq_parallel", mesh=mesh, axis_name=axis_name, scale=scale,
+        initial_state=initial_state, chunk_size=chunk_size, schedule=schedule,
+        cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+    )  # fmt: skip

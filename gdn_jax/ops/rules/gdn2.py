@@ -1,0 +1,186 @@
+"""Gated DeltaNet-2 (GDN-2; "Gated DeltaNet-2: Decoupling Erase and Write in Linear
+Attention", NVlabs, arXiv 2605.22791): KDA's scalar ``beta`` split into a channel-wise erase
+gate ``b`` on the key axis and a channel-wise write gate ``w`` on the value axis,
+
+    S_t = S_{t-1} Diag(alpha_t) - (S_{t-1} Diag(alpha_t) (b_t * k_t)) k_t^T + (w_t * v_t) k_t^T,
+    y_t = S_t (scale q_t),     alpha_t = exp(log_alpha_t) in (0, 1]^K,
+
+with ``b_t`` in ``[0, 1]^K`` (``[0, 2]^K`` with negative eigenvalues) and ``w_t`` in
+``[0, 1]^V``. ``b = w = beta`` (broadcast) is KDA exactly, and all channels of ``log_alpha``
+equal as well is the gated delta rule. flash-linear-attention's ``naive_recurrent_gdn2``
+(fla-core 0.6.0) is the same recurrence on the transposed state ``[K, V]``. Its chunked form
+is ``channel_chunked.py``'s.
+"""
+
+from __future__ import annotations
+
+from typing import no_type_check
+
+from jax.sharding import AbstractMesh, Mesh
+from jaxtyping import Array, Float, Int
+
+from gdn_jax.ops import checks
+from gdn_jax.ops.api import batched
+from gdn_jax.ops.channel_chunked import channel_chunked_rule
+from gdn_jax.ops.rule import GateSpec, Rule
+from gdn_jax.ops.sequence_parallel import seq_parallel
+from gdn_jax.ops.single_head import chunked_single_head, recurrent_single_head
+from gdn_jax.ops.step import checked_step, erase_write_step
+
+GDN2 = Rule(
+    name="gdn2",
+    gates=(GateSpec("log_alpha", "K"), GateSpec("b", "K"), GateSpec("w", "V")),
+    step=erase_write_step,
+    chunked=channel_chunked_rule,
+    shares_qk=False,
+)
+
+
+@no_type_check  # a public entry point: checks.py names its bad arguments
+def gdn2_step(
+    state: Float[Array, "V K"],
+    q: Float[Array, " K"],
+    k: Float[Array, " K"],
+    v: Float[Array, " V"],
+    log_alpha: Float[Array, " K"],
+    b: Float[Array, " K"],
+    w: Float[Array, " V"],
+    *,
+    scale: float | None = None,
+) -> tuple[Float[Array, "V K"], Float[Array, " V"]]:
+    """Advance one head's GDN-2 memory by one token and read it: what a decoder calls.
+
+    Args:
+      state: memory ``[V, K]`` (flash-linear-attention stores the transpose, ``[K, V]``).
+      q, k: query and key ``[K]``; v: value ``[V]``; q, k and v share one dtype.
+      log_alpha: ``[K]`` decay gates in log space, ``<= 0``, one per key channel.
+      b: ``[K]`` erase gates, already activated; w: ``[V]`` write gates, already activated.
+      scale: query scale; ``None`` means ``K ** -0.5``.
+
+    Returns:
+      ``(new_state, y)``: the state in float32 (float64 for float64 input) and ``y [V]`` in
+      the dtype of ``v``.
+    """
+    return checked_step("gdn2_step", GDN2, state, q, k, v, (log_alpha, b, w), scale=scale)
+
+
+@no_type_check  # a public entry point: checks.py names its bad arguments
+def gdn2_recurrent(
+    q: Float[Array, "T K"],
+    k: Float[Array, "T K"],
+    v: Float[Array, "T V"],
+    log_alpha: Float[Array, "T K"],
+    b: Float[Array, "T K"],
+    w: Float[Array, "T V"],
+    *,
+    scale: float | None = None,
+    initial_state: Float[Array, "V K"] | None = None,
+) -> tuple[Float[Array, "T V"], Float[Array, "V K"]]:
+    """Gated DeltaNet-2 for one head and one sequence, one token at a time.
+
+    Args:
+      q, k: ``[T, K]``; v: ``[T, V]``; all three in one floating dtype.
+      log_alpha: ``[T, K]`` decay gates in log space (``<= 0``), one per key channel.
+      b: ``[T, K]`` erase gates; w: ``[T, V]`` write gates; both already activated.
+      scale: query scale; ``None`` means ``K ** -0.5``.
+      initial_state: ``[V, K]`` or ``None``.
+
+    Returns:
+      ``(y [T, V], final_state [V, K])``: ``y`` in the input dtype, the state in float32
+      (float64 for float64 input).
+    """
+    gates = (log_alpha, b, w)
+    return recurrent_single_head("gdn2_recurrent", GDN2, q, k, v, gates, initial_state, scale=scale)
+
+
+@no_type_check  # a public entry point: checks.py names its bad arguments
+def gdn2_chunked(
+    q: Float[Array, "T K"],
+    k: Float[Array, "T K"],
+    v: Float[Array, "T V"],
+    log_alpha: Float[Array, "T K"],
+    b: Float[Array, "T K"],
+    w: Float[Array, "T V"],
+    *,
+    scale: float | None = None,
+    initial_state: Float[Array, "V K"] | None = None,
+    chunk_size: int = 64,
+    schedule: checks.Schedule = "auto",
+) -> tuple[Float[Array, "T V"], Float[Array, "V K"]]:
+    """Gated DeltaNet-2 for one head and one sequence, chunkwise; the contract of
+    ``gdn2_recurrent``, with ``chunk_size`` and ``schedule`` as in ``kda_chunked``.
+
+    Any ``T >= 1`` works. Gradients reach every input through a hand-written VJP that keeps
+    the inputs and one ``[V, K]`` state per chunk (``channel_chunked.py``).
+    """
+    return chunked_single_head(
+        "gdn2_chunked", GDN2, q, k, v, (log_alpha, b, w), initial_state,
+        scale=scale, chunk_size=chunk_size, schedule=schedule, recurrent="gdn2_recurrent",
+    )  # fmt: skip
+
+
+@no_type_check  # a public entry point: checks.py names its bad arguments
+def gdn2(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T HV V"],
+    log_alpha: Float[Array, "B T HV K"],
+    b: Float[Array, "B T HV K"],
+    w: Float[Array, "B T HV V"],
+    *,
+    scale: float | None = None,
+    initial_state: Float[Array, "B HV V K"] | None = None,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: Int[Array, " N+1"] | None = None,
+    impl: checks.Impl = "chunked",
+    chunk_size: int = 64,
+    schedule: checks.Schedule = "auto",
+) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV V K"]]:
+    """Gated DeltaNet-2 over a batch of sequences and heads: per value head and sequence
+    ``gdn2_chunked`` (or ``gdn2_recurrent``).
+
+    Args:
+      q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; one floating dtype for all three.
+        ``HV`` is a multiple of ``H``: value head ``i`` reads query/key head ``i // (HV // H)``.
+      log_alpha: ``[B, T, HV, K]`` log-space decays (``<= 0``; ``-inf`` resets a channel).
+      b: ``[B, T, HV, K]`` erase gates; w: ``[B, T, HV, V]`` write gates; both activated.
+      scale, initial_state, use_qk_l2norm, cu_seqlens, impl, chunk_size, schedule: as in
+        ``gated_delta_rule``.
+
+    Returns:
+      ``(o [B, T, HV, V], final_state)``: ``o`` in the input dtype; ``final_state`` float32
+      (float64 for float64 input), ``[B, HV, V, K]`` or ``[N, HV, V, K]`` with ``cu_seqlens``.
+    """
+    return batched(
+        GDN2, q, k, v, (log_alpha, b, w),
+        scale=scale, initial_state=initial_state, impl=impl, chunk_size=chunk_size,
+        schedule=schedule, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+    )  # fmt: skip
+
+
+@no_type_check  # a public entry point: checks.py names its bad arguments
+def gdn2_seq_parallel(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T H K"],
+    v: Float[Array, "B T HV V"],
+    log_alpha: Float[Array, "B T HV K"],
+    b: Float[Array, "B T HV K"],
+    w: Float[Array, "B T HV V"],
+    *,
+    mesh: Mesh | AbstractMesh,
+    axis_name: str = "seq",
+    scale: float | None = None,
+    initial_state: Float[Array, "_ HV V K"] | None = None,
+    chunk_size: int = 64,
+    schedule: checks.Schedule = "auto",
+    cu_seqlens: Int[Array, " _"] | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[Float[Array, "B T HV V"], Float[Array, "_ HV V K"]]:
+    """``gdn2`` with ``T`` split over the mesh axis ``axis_name``; arguments and results as in
+    ``gated_delta_rule_seq_parallel``."""
+    return seq_parallel(
+        GDN2, q, k, v, (log_alpha, b, w,),
+        fn="gdn2_seq_parallel", mesh=mesh, axis_name=axis_name, scale=scale,
+        initial_state=initial_state, chunk_size=chunk_size, schedule=schedule,
+        cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+    )  # fmt: skip

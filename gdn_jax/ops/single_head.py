@@ -1,0 +1,83 @@
+"""What every public form of one head and one sequence does around its core: the checks, the
+inputs in the compute dtype, and the outputs scaled and cast back."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+
+from gdn_jax.ops import checks
+from gdn_jax.ops.recurrent import recurrent_rule
+
+
+def default_scale(key_dim: int) -> float:
+    """The query scale every op uses when ``scale=None``: ``K ** -0.5``, as in attention."""
+    return key_dim**-0.5
+
+
+def scaled_outputs(y, key_dim: int, scale: float | None, dtype):
+    """The outputs ``y`` of unscaled queries, scaled and in ``dtype``: every form reads the
+    state with ``q`` as given and scales after, ``S (scale q) = scale (S q)``; ``scale=None``
+    means ``default_scale(key_dim)``."""
+    scale = default_scale(key_dim) if scale is None else scale
+    return (scale * y).astype(dtype)
+
+
+def compute_dtype(*arrays) -> jnp.dtype:
+    """float32, or float64 when any input array is float64: the state never drops below
+    float32. Python numbers (scalar gates) are weakly typed and do not decide it."""
+    if any(getattr(x, "dtype", None) == jnp.float64 for x in arrays):
+        return jnp.dtype(jnp.float64)
+    return jnp.dtype(jnp.float32)
+
+
+def core_inputs(q, k, v, gates: tuple, initial_state):
+    """One head's inputs as the cores take them: q, k and v as jax arrays in their own dtype
+    (the cores cast them where they compute), the gates in the compute dtype, and the initial
+    state (zeros when None) as a batch of one, ``[1, V, K]``. ``q`` is not scaled: the
+    callers scale the outputs, ``S (scale q) = scale (S q)``."""
+    key_dim, value_dim = q.shape[-1], v.shape[-1]
+    compute = compute_dtype(q, *gates, initial_state)
+    if initial_state is None:
+        initial_state = jnp.zeros((value_dim, key_dim), compute)
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    gates = tuple(jnp.asarray(x, compute) for x in gates)
+    return q, k, v, gates, jnp.asarray(initial_state, compute)[None]
+
+
+def checked_single_head(fn, rule, core, q, k, v, gates: tuple, initial_state, *, scale, **options):
+    """``core`` behind the one-sequence checks of ``rule``'s gates, for the public
+    single-head forms: ``core(q, k, v, gates, initial_states [1, V, K], **options) -> (y,
+    finals)`` is a one-head form (recurrent or chunked); returns ``(y [T, V], final_state
+    [V, K])`` with ``y`` scaled and in the dtype of ``v``."""
+    named = dict(zip(rule.gate_names, gates, strict=True))
+    checks.check_single_head(fn, q, k, v, named, rule.gates, initial_state)
+    checks.check_scale(fn, scale)
+    y, finals = core(*core_inputs(q, k, v, gates, initial_state), **options)
+    return scaled_outputs(y, q.shape[-1], scale, v.dtype), finals[0]
+
+
+def recurrent_single_head(fn, rule, q, k, v, gates: tuple, initial_state, *, scale):
+    """``rule``'s token step scanned over one sequence (``recurrent.recurrent_rule``), for
+    its public ``*_recurrent`` form."""
+    core = functools.partial(recurrent_rule, step=rule.step)
+    return checked_single_head(fn, rule, core, q, k, v, gates, initial_state, scale=scale)
+
+
+def chunked_single_head(
+    fn, rule, q, k, v, gates: tuple, initial_state, *, scale, chunk_size, schedule, recurrent
+):
+    """``rule``'s chunked form over one sequence, for its public ``*_chunked`` form;
+    ``recurrent`` names the form to use for forward-mode autodiff instead."""
+    chunk_size = checks.check_chunk_size(fn, chunk_size)
+    checks.check_schedule(fn, schedule)
+    if not rule.forward_mode:
+        named = dict(zip(rule.gate_names, gates, strict=True))
+        checks.check_reverse_mode(
+            fn, recurrent, q=q, k=k, v=v, **named, initial_state=initial_state
+        )
+    return checked_single_head(
+        fn, rule, rule.chunked, q, k, v, gates, initial_state,
+        scale=scale, chunk_size=chunk_size, schedule=schedule,
+    )  # fmt: skip
