@@ -7,8 +7,9 @@
     python benchmarks/bench_ops.py --ops gdn kda --seq-lens 4096 --no-recurrent \\
         --schedules auto                                         # KDA next to Gated DeltaNet
 
-``--ops`` picks the recurrences: ``gdn`` (``gated_delta_rule``, one gate per head and token)
-and ``kda`` (``kda``, one gate per key channel too); the baseline runs the first of them.
+``--ops`` picks the recurrences: ``gdn`` (``gated_delta_rule``, one gate per head and token),
+``kda`` (``kda``, one decay per key channel) and ``gdn2`` (``gdn2``, per-channel erase and
+write gates too); the baseline runs each of them that it has.
 
 ``--schedules`` picks the chunked schedules to time (``in_scan``, ``hoisted``, ``auto``);
 ``--xla-defaults`` leaves out the XLA options of ``gdn_jax.training.xla_flags``.
@@ -88,21 +89,29 @@ def chunked_forward_flops(shape, seq_len, chunk):
     return batch * heads * num_chunks * per_chunk
 
 
-# The batched entry point of each recurrence, and whether its gates are per key channel.
-OPS = {"gdn": ("gated_delta_rule", False), "kda": ("kda", True)}
+# The batched entry point of each recurrence and the trailing axis of each of its gates
+# after log_alpha's and beta's [B, T, H]: None, "K" (one per key channel) or "V".
+OPS = {
+    "gdn": ("gated_delta_rule", (None, None)),
+    "kda": ("kda", ("K", None)),
+    "gdn2": ("gdn2", ("K", "K", "V")),
+}
 
 
-def inputs(shape, seq_len, per_channel):
+def inputs(shape, seq_len, op):
+    """q, k, v and the gates of ``op``: log-decays in [-0.5, -0.01], the others in [0, 1]."""
     batch, heads, key, value = shape
     rng = np.random.default_rng(0)
     q = rng.standard_normal((batch, seq_len, heads, key))
     k = rng.standard_normal((batch, seq_len, heads, key))
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
     v = rng.standard_normal((batch, seq_len, heads, value))
-    channels = (key,) if per_channel else ()
-    log_alpha = rng.uniform(-0.5, -0.01, (batch, seq_len, heads, *channels))
-    beta = rng.uniform(0.0, 1.0, (batch, seq_len, heads))
-    return tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v, log_alpha, beta))
+    gates = []
+    for i, channels in enumerate(OPS[op][1]):
+        tail = {None: (), "K": (key,), "V": (value,)}[channels]
+        low, high = (-0.5, -0.01) if i == 0 else (0.0, 1.0)
+        gates.append(rng.uniform(low, high, (batch, seq_len, heads, *tail)))
+    return tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v, *gates))
 
 
 class Row(NamedTuple):
@@ -132,7 +141,8 @@ def programs(package, op, impl, chunk, schedule):
     def loss(*args):
         return jnp.sum(forward(*args) ** 2)
 
-    return jax.jit(forward), jax.jit(jax.grad(loss, argnums=range(5)))
+    arity = 3 + len(OPS[op][1])
+    return jax.jit(forward), jax.jit(jax.grad(loss, argnums=range(arity)))
 
 
 def main():
@@ -186,12 +196,12 @@ def main():
             runs.append((op, "recurrent", gdn_jax, "recurrent", 64, None))
         for chunk in args.chunk_sizes:
             for schedule in args.schedules:
-                if baseline is not None and op == args.ops[0]:
+                if baseline is not None and hasattr(baseline, OPS[op][0]):
                     label = f"chunked@{args.baseline} {schedule}"
                     runs.append((op, label, baseline, "chunked", chunk, schedule))
                 runs.append((op, f"chunked {schedule}", gdn_jax, "chunked", chunk, schedule))
     for seq_len in args.seq_lens:
-        data = {op: inputs(shape, seq_len, OPS[op][1]) for op in args.ops}
+        data = {op: inputs(shape, seq_len, op) for op in args.ops}
         rows = []
         for op, label, package, impl, chunk, schedule in runs:
             forward, grad = programs(package, op, impl, chunk, schedule)

@@ -2,7 +2,8 @@
 
     python benchmarks/bench_tpu_op.py --baseline f73a0a5       # the table in docs/benchmarks.md
 
-For each schedule it compiles ``gated_delta_rule``'s forward and its forward+backward (the
+For each of ``--ops`` (``gdn``, ``kda``, ``gdn2``: ``bench_ops.OPS``) and each schedule it
+compiles the op's forward and its forward+backward (the
 gradient of ``sum(y)`` with respect to every input) for one chip of ``--topology`` with
 libtpu's compiler (``gdn_jax.tpu_compile``: no TPU needed), at ``--shape B T H K`` (K = V)
 and chunk ``--chunk-size``, q, k, v and the gates in ``--dtype``, and prints the compiled
@@ -19,6 +20,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from bench_ops import OPS
 from revision import import_revision
 
 import gdn_jax
@@ -43,14 +45,27 @@ def fusions_per_body(hlo: str) -> list[int]:
     return [counts[body] for body in BODY.findall(hlo)]
 
 
-def programs(package, schedule, chunk_size):
+def programs(package, op, schedule, chunk_size):
+    entry = getattr(package, OPS[op][0])
+
     def forward(*args):
-        return package.gated_delta_rule(*args, chunk_size=chunk_size, schedule=schedule)[0]
+        return entry(*args, chunk_size=chunk_size, schedule=schedule)[0]
 
     def loss(*args):
         return jnp.sum(forward(*args).astype(jnp.float32))
 
-    return {"fwd": forward, "fwd+bwd": jax.grad(loss, argnums=range(5))}
+    arity = 3 + len(OPS[op][1])
+    return {"fwd": forward, "fwd+bwd": jax.grad(loss, argnums=range(arity))}
+
+
+def abstract_inputs(op, batch, seq_len, heads, dim, dtype):
+    """Shapes of ``op``'s inputs: q, k, v ``[B, T, H, K]`` (K = V) and its gates."""
+    tails = {None: (), "K": (dim,), "V": (dim,)}
+    inputs = [jax.ShapeDtypeStruct((batch, seq_len, heads, dim), dtype)] * 3
+    return inputs + [
+        jax.ShapeDtypeStruct((batch, seq_len, heads, *tails[channels]), dtype)
+        for channels in OPS[op][1]
+    ]
 
 
 def main():
@@ -61,31 +76,38 @@ def main():
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--schedules", nargs="+", default=["hoisted", "in_scan"])
     parser.add_argument("--baseline", help="git revision to compile as well")
+    parser.add_argument("--ops", nargs="+", choices=sorted(OPS), default=["gdn"])
     args = parser.parse_args()
     tpu_compile.quiet_libtpu(tpu_compile.parse_topology(args.topology))
     device = tpu_compile.topology_devices(args.topology)[0]
     batch, seq_len, heads, dim = args.shape
     dtype = jnp.dtype(args.dtype)
-    inputs = [jax.ShapeDtypeStruct((batch, seq_len, heads, dim), dtype)] * 3
-    inputs += [jax.ShapeDtypeStruct((batch, seq_len, heads), dtype)] * 2
     print(
         f"# {args.topology}, one chip; B, T, H, K=V = {tuple(args.shape)}, C = "
         f"{args.chunk_size}, {dtype.name} inputs; jax {jax.__version__}\n"
     )
-    print("| code | schedule | program | temp MiB | while loops | fusions per loop body |")
-    print("|---|---|---|---:|---:|---|")
+    print("| op | code | schedule | program | temp MiB | while loops | fusions per loop body |")
+    print("|---|---|---|---|---:|---:|---|")
     packages = [("now", gdn_jax)]
     if args.baseline:
         packages.insert(0, (args.baseline, import_revision(args.baseline)))
-    for schedule in args.schedules:
-        for label, package in packages:
-            for name, fn in programs(package, schedule, args.chunk_size).items():
-                compiled = tpu_compile.compile_for(fn, *inputs, device=device)
-                hlo = compiled.as_text()
-                temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
-                loops = len(BODY.findall(hlo))
-                fusions = ", ".join(map(str, fusions_per_body(hlo)))
-                print(f"| {label} | {schedule} | {name} | {temp:.0f} | {loops} | {fusions} |")
+    for op in args.ops:
+        inputs = abstract_inputs(op, batch, seq_len, heads, dim, dtype)
+        for schedule in args.schedules:
+            for label, package in packages:
+                if not hasattr(package, OPS[op][0]):
+                    continue
+                for name, fn in programs(package, op, schedule, args.chunk_size).items():
+                    compiled = tpu_compile.compile_for(fn, *inputs, device=device)
+                    hlo = compiled.as_text()
+                    temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
+                    loops = len(BODY.findall(hlo))
+                    fusions = ", ".join(map(str, fusions_per_body(hlo)))
+                    print(
+                        f"| {op} | {label} | {schedule} | {name} | {temp:.0f} | {loops} | "
+                        f"{fusions} |",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

@@ -21,10 +21,10 @@ from gdn_jax.ops.single_head import compute_dtype, scaled_outputs
 
 
 def prepare_batched(q, k, v, gates: tuple, initial_state, *, use_qk_l2norm, cu_seqlens):
-    """The batched inputs as the one-head forms take them: q, k and v in their own dtype (the
-    forms cast them where they compute, so that no compute-dtype copy of them is kept), q and
-    k L2-normalised in the compute dtype (float32, or float64 for float64 input) when asked,
-    the gates in the compute dtype, and the initial states (zeros when None) ``[B, HV, V, K]``,
+    """The batched inputs as the one-head forms take them: q, k, v and the gates in their own
+    dtype (the forms cast them where they compute, so that no compute-dtype copy of them is
+    kept), q and k L2-normalised in the compute dtype (float32, or float64 for float64 input)
+    when asked, and the initial states (zeros when None) in it, ``[B, HV, V, K]``,
     or ``[N, HV, V, K]`` for packed ``cu_seqlens``. ``q`` is not scaled: ``y`` is linear in
     it, so the callers scale the outputs."""
     key_dim, (v_heads, value_dim) = q.shape[-1], v.shape[2:]
@@ -34,8 +34,7 @@ def prepare_batched(q, k, v, gates: tuple, initial_state, *, use_qk_l2norm, cu_s
         q, k = l2_normalize(q.astype(compute)), l2_normalize(k.astype(compute))
     if initial_state is None:
         initial_state = jnp.zeros((num_states, v_heads, value_dim, key_dim), compute)
-    gates = tuple(x.astype(compute) for x in gates)
-    return q, k, v, gates, initial_state.astype(compute)
+    return q, k, v, tuple(gates), initial_state.astype(compute)
 
 
 def over_batch_and_heads(

@@ -55,7 +55,6 @@ from gdn_jax.ops import checks
 from gdn_jax.ops.blocks import scan_blocks, scan_blocks_backward
 from gdn_jax.ops.channel_decays import (
     ChannelDecays,
-    HalvingLevel,
     channel_decays,
     channel_decays_bwd,
     channel_scores,
@@ -65,6 +64,7 @@ from gdn_jax.ops.chunked import (
     cast_back,
     cast_to,
     chunk_layout,
+    dtypes_of,
     over_chunks,
     state_pass,
     state_pass_bwd,
@@ -74,6 +74,8 @@ from gdn_jax.ops.dispatch import run_schedule
 from gdn_jax.ops.wy import two_products, two_products_bwd
 
 Gate = Float[Array, " C"] | Float[Array, "C D"]  # one number per token, or one per channel
+EraseGate = Float[Array, " C"] | Float[Array, "C K"]
+WriteGate = Float[Array, " C"] | Float[Array, "C V"]
 
 
 def gated(x: Float[Array, "C D"], gate: Gate) -> Float[Array, "C D"]:
@@ -87,126 +89,138 @@ def gated_bwd(x, gate: Gate, d) -> tuple[Float[Array, "C D"], Gate]:
 
 
 class Factors(NamedTuple):
-    """Stage 1 of one chunk: its decays, erase vectors ``e = b * k`` and WY factors."""
+    """Stage 1 of one chunk: its decays, erase vectors ``e = b * k``, WY factors and the
+    decayed query-key scores ``M`` of its outputs."""
 
     decays: ChannelDecays
     erase: Float[Array, "C K"]
     w: Float[Array, "C K"]
     u: Float[Array, "C V"]
     inverse: Float[Array, "C C"]  # T = (I + A)^{-1}
+    scores: Float[Array, "C C"]  # M
 
 
 def clamped(log_alpha):
     """The gates with ``-inf`` (and anything below ``LOG_ALPHA_FLOOR``) as a full reset that
-    keeps the decays' products finite. Inside the core, so that no clamped copy of the gates
-    is kept for the backward, which passes no gradient to a clamped gate."""
+    keeps the decays finite. Inside the core, so that no clamped copy of the gates is kept
+    for the backward, which passes no gradient to a clamped gate."""
     return jnp.maximum(log_alpha, LOG_ALPHA_FLOOR)
 
 
-def chunk_factors(k, v, log_alpha, erase_gate: Gate, write_gate: Gate | None) -> Factors:
+def chunk_factors(
+    q, k, v, log_alpha, erase_gate: EraseGate, write_gate: WriteGate | None
+) -> Factors:
     """Stage 1 for one chunk (inputs in the compute dtype); ``write_gate=None`` writes with
-    the erase gate (KDA's ``beta``)."""
+    the erase gate (KDA's ``beta``). Both scores come from one pass over the levels."""
     write_gate = erase_gate if write_gate is None else write_gate
-    decays = channel_decays(clamped(log_alpha))
+    log_alpha = clamped(log_alpha)
+    decays = channel_decays(log_alpha)
     erase = gated(k, erase_gate)
-    strict = jnp.tril(channel_scores(erase, k, decays), -1)
-    w, u, inverse = two_products(strict, erase * decays.from_start, gated(v, write_gate))
-    return Factors(decays, erase, w, u, inverse)
+    scores, erase_scores = channel_scores((q, erase), k, log_alpha)
+    w, u, inverse = two_products(
+        jnp.tril(erase_scores, -1), erase * decays.from_start, gated(v, write_gate)
+    )
+    return Factors(decays, erase, w, u, inverse, scores)
 
 
 def chunk_forward(state, q, k, v, log_alpha, erase_gate, write_gate):
     """All three stages for one chunk: ``(S, chunk inputs) -> (S', Y [C, V])``, with q, k
     and v in their input dtype."""
-    q, k, v = cast_to(state.dtype, q, k, v)
-    f = chunk_factors(k, v, log_alpha, erase_gate, write_gate)
+    q, k, v, *gates = cast_to(state.dtype, q, k, v, log_alpha, erase_gate, write_gate)
+    f = chunk_factors(q, k, v, *gates)
     k_to_end, q_from_start = k * f.decays.to_end, q * f.decays.from_start
     new_state, (corrections, y_start) = state_pass(
         state, f.w, f.u, k_to_end, q_from_start, f.decays.whole
     )
-    return new_state, y_start + channel_scores(q, k, f.decays) @ corrections
+    return new_state, y_start + f.scores @ corrections
 
 
 def backward_inputs(q, k, v, log_alpha, erase_gate, write_gate, d_y):
     """What the reverse state pass needs of one chunk: stage 1 again, the decayed keys and
     queries, and the cotangent of ``U`` from the chunk's own outputs, ``M^T dY``."""
-    f = chunk_factors(k, v, log_alpha, erase_gate, write_gate)
+    f = chunk_factors(q, k, v, log_alpha, erase_gate, write_gate)
     k_to_end, q_from_start = k * f.decays.to_end, q * f.decays.from_start
-    d_u_intra = channel_scores(q, k, f.decays).T @ d_y
-    return f, k_to_end, q_from_start, d_u_intra
+    return f, k_to_end, q_from_start, f.scores.T @ d_y
 
 
 def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d):
     """Gradients of one chunk's q, k, v, log_alpha and gates from its inputs (compute
     dtype), ``T``, start state ``S`` and what the reverse state pass returned, ``d = (dY, U,
-    dU, d(K decayed to the end), d exp(G_C))``. The decays and scores are formed again."""
+    dU, d(K decayed to the end), d exp(G_C))``. The decays and the levels are formed again."""
     d_y, corrections, d_u, d_k_to_end, d_whole = d
-    decays = channel_decays(clamped(log_alpha))
+    gates = clamped(log_alpha)
+    decays = channel_decays(gates)
     erase = gated(k, erase_gate)
     d_write, d_erase_decayed, d_strict = two_products_bwd(inverse, start, corrections, d_u)
     d_q_from_start = d_y @ start
     d_scores = jnp.tril(d_y @ corrections.T)
-    d_q, d_k_qk, levels_qk = channel_scores_bwd(q, k, decays, d_scores)
-    d_erase, d_k_ek, levels_ek = channel_scores_bwd(erase, k, decays, d_strict)
+    (d_q, d_erase), d_k, d_levels = channel_scores_bwd((q, erase), k, gates, (d_scores, d_strict))
     d_erase = d_erase + d_erase_decayed * decays.from_start
     d_k_erase, d_erase_gate = gated_bwd(k, erase_gate, d_erase)
     d_v, d_write_gate = gated_bwd(v, erase_gate if write_gate is None else write_gate, d_write)
     if write_gate is None:  # one gate erases and writes
         d_erase_gate, d_write_gate = d_erase_gate + d_write_gate, None
     d_q = d_q + d_q_from_start * decays.from_start
-    d_k = d_k_qk + d_k_ek + d_k_erase + d_k_to_end * decays.to_end
-    levels = tuple(
-        HalvingLevel(a.rows + b.rows, a.cols + b.cols)
-        for a, b in zip(levels_qk, levels_ek, strict=True)
-    )
+    d_k = d_k + d_k_erase + d_k_to_end * decays.to_end
     d_from_start = d_q_from_start * q + d_erase_decayed * erase
-    d_log_alpha = channel_decays_bwd(decays, d_from_start, d_k_to_end * k, d_whole, levels)
+    d_log_alpha = d_levels + channel_decays_bwd(decays, d_from_start, d_k_to_end * k, d_whole)
     d_log_alpha = jnp.where(log_alpha > LOG_ALPHA_FLOOR, d_log_alpha, 0)
     return d_q, d_k, d_v, d_log_alpha, d_erase_gate, d_write_gate
 
 
 def chunk_backward(d_end, start, q, k, v, log_alpha, erase_gate, write_gate, d_y):
-    """The whole backward of one chunk: ``(dS', S, chunk inputs, dY) -> (dS, grads)``, with
-    q, k and v and their gradients in their input dtype."""
-    dtypes = (q.dtype, k.dtype, v.dtype)
-    q, k, v = cast_to(start.dtype, q, k, v)
-    gates = (log_alpha, erase_gate, write_gate)
+    """The whole backward of one chunk: ``(dS', S, chunk inputs, dY) -> (dS, grads)``, the
+    inputs and their gradients in the inputs' dtype."""
+    inputs = (q, k, v, log_alpha, erase_gate, write_gate)
+    q, k, v, *gates = cast_to(start.dtype, *inputs)
     f, k_to_end, q_from_start, d_u_intra = backward_inputs(q, k, v, *gates, d_y)
     d_start, (corrections, d_u, d_k_to_end, d_whole) = state_pass_bwd(
         d_end, start, f.w, f.u, k_to_end, q_from_start, f.decays.whole, d_u_intra, d_y
     )
     d = (d_y, corrections, d_u, d_k_to_end, d_whole)
     grads = chunk_grads(q, k, v, *gates, f.inverse, start, d)
-    return d_start, (*cast_back(grads[:3], dtypes), *grads[3:])
+    return d_start, cast_back(grads, dtypes_of(inputs))
+
+
+# Chunks whose gradients the hoisted backward forms together, after its loop.
+GRADS_GROUP = 16
 
 
 def _hoisted_forward(inputs, initial_states, resets, *, keep_starts):
-    q, k, v = cast_to(initial_states.dtype, *inputs[:3])
-    f = over_chunks(chunk_factors)(k, v, *inputs[3:])
+    q, k, v, *gates = cast_to(initial_states.dtype, *inputs)
+    f = over_chunks(chunk_factors)(q, k, v, *gates)
     k_to_end, q_from_start = k * f.decays.to_end, q * f.decays.from_start
     blocks = (f.w, f.u, k_to_end, q_from_start, f.decays.whole)
     out = scan_blocks(state_pass, blocks, initial_states, resets, keep_starts=keep_starts)
     (corrections, y_start), *starts, finals = out
-    scores = over_chunks(channel_scores)(q, k, f.decays)
-    return y_start + scores @ corrections, finals, starts
+    return y_start + f.scores @ corrections, finals, starts
 
 
 def _hoisted_backward(inputs, starts, resets, d_ys, d_finals):
-    q, k, v = cast_to(starts.dtype, *inputs[:3])
-    f, k_to_end, q_from_start, d_u_intra = over_chunks(backward_inputs)(q, k, v, *inputs[3:], d_ys)
+    q, k, v, *gates = cast_to(starts.dtype, *inputs)
+    f, k_to_end, q_from_start, d_u_intra = over_chunks(backward_inputs)(q, k, v, *gates, d_ys)
     xs = (starts, f.w, f.u, k_to_end, q_from_start, f.decays.whole, d_u_intra, d_ys)
     (corrections, d_u, d_k_to_end, d_whole), d_initial = scan_blocks_backward(
         state_pass_bwd, xs, d_finals, resets
     )
-    # As in chunked.py: off CPU a barrier keeps XLA from keeping the decays and scores of
-    # stage 1 through the loop for chunk_grads, which forms them again after it.
-    inputs, d_u = jax.lax.platform_dependent(
+    # As in chunked.py: off CPU a barrier keeps XLA from keeping the decays of stage 1
+    # through the loop for chunk_grads, which forms them again after it.
+    kept, d_u = jax.lax.platform_dependent(
         inputs, d_u, cpu=lambda *a: a, default=lambda *a: jax.lax.optimization_barrier(a)
     )
-    q, k, v = cast_to(starts.dtype, *inputs[:3])
+    q, k, v, *gates = cast_to(starts.dtype, *kept)
     d = (d_ys, corrections, d_u, d_k_to_end, d_whole)
-    grads = over_chunks(chunk_grads)(q, k, v, *inputs[3:], f.inverse, starts, d)
-    dtypes = (x.dtype for x in inputs[:3])
-    return (*cast_back(grads[:3], dtypes), *grads[3:]), d_initial
+    # The gradients of GRADS_GROUP chunks at a time: all at once, the levels' factors and
+    # their cotangents, some thirty [C, K] arrays a chunk, would hold 3.8 GB on a v5e chip
+    # at B=2, T=8192, H=16, K=V=128 (docs/benchmarks.md).
+    # Each group's gradients leave it in the inputs' dtype (no float32 copy of them all).
+    dtypes = dtypes_of(inputs)
+    grads = jax.lax.map(
+        lambda xs: cast_back(chunk_grads(*xs), dtypes),
+        (q, k, v, *gates, f.inverse, starts, d),
+        batch_size=GRADS_GROUP,
+    )
+    return grads, d_initial
 
 
 def _in_scan_forward(inputs, initial_states, resets, *, keep_starts):

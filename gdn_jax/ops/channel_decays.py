@@ -1,33 +1,36 @@
-"""Per-key-channel decays inside one chunk, and the intra-chunk scores they weight (KDA).
+"""Per-key-channel decays inside one chunk, and the intra-chunk scores they weight (KDA and
+GDN-2).
 
 With log-gates ``g [C, K]``, one per token and key channel, write ``G_t = g_1 + ... + g_t``
-(per channel, from the chunk's start). The chunked form of Kimi Delta Attention needs
+(per channel, from the chunk's start). The channel-gated chunked form needs
 
     exp(G_t)         from the chunk's start through token t     [C, K]
     exp(G_C - G_i)   from token i to the chunk's end            [C, K]
     exp(G_C)         over the whole chunk                       [K]
     M_ti = sum_c x_tc k_ic exp(G_tc - G_ic)   for i <= t        [C, C]
 
-for ``x = q`` (the outputs) and ``x = k`` (the WY system). ``M`` sums over channels a decay
-that differs per channel, so it is one matmul of decayed factors only if the decay splits:
-``exp(G_t) exp(-G_i)`` would overflow once a chunk decays by more than e^88 (float32). So
-``M`` is built by halving. Split a block of ``b`` tokens into halves; for ``t`` in the second
-half and ``i`` in the first the half's boundary ``r`` (the first half's last token) lies
-between them:
+for ``x = q`` (the outputs) and ``x = e`` (the erase vectors, for the WY system). ``M`` sums
+over channels a decay that differs per channel, so it is one matmul of decayed factors only
+if the decay splits: ``exp(G_t) exp(-G_i)`` would overflow once a chunk decays by more than
+e^88 (float32). So ``M`` is built by halving. Split a block of ``b`` tokens into halves; for
+``t`` in the second half and ``i`` in the first the half's boundary ``r`` (the first half's
+last token) lies between them:
 
     exp(G_t - G_i) = exp(G_t - G_r) exp(G_r - G_i),   both factors in [0, 1],
 
 so the block's lower-left quarter is one matmul of ``x`` and ``k`` each decayed to the
 boundary, ``(X_2 * exp(G_2 - G_r)) (K_1 * exp(G_r - G_1))^T``, and the two diagonal
 quarters are the same problem at half the size, down to single tokens (``x_t . k_t``: no
-decay). Each of the ``log2(C)`` levels holds two ``[C/2, K]`` factors, so a chunk's largest
-arrays are ``[C, K]`` and ``M`` itself, never ``[C, C, K]``; the matmuls add up to the
-``2 C^2 K`` flops of one undecayed ``X K^T``.
+decay). The matmuls add up to the ``2 C^2 K`` flops of one undecayed ``X K^T``.
 
-Every decay is a product of per-token ``alpha`` over a segment of tokens, built by doubling
-(``log2(C)`` products deep), never a ratio or a difference of running sums (as in
-``decays.py``): factors in ``[0, 1]`` neither overflow nor cancel, so the -0.01 steps after
-a -1e4 reset stay exact, and the chunk takes one ``exp`` per gate.
+Every decay is the ``exp`` of a sum of the gates over its own segment of tokens (``(r, t]``
+for a level's rows, ``(i, r]`` for its columns, ``[0, t]``, ``(i, C)``), summed directly as
+a product with a triangle of ones, never a difference of running sums (``decays.py`` says
+why: float32 would lose the -0.01 steps after a -1e4 reset). Each level's two ``[C/2, K]``
+factors depend on the gates alone, so they are made where a level uses them and dropped
+after it: a chunk's largest arrays are ``[C, K]`` and ``M`` itself, never ``[C, C, K]`` nor
+all ``log2(C)`` levels at once (batched over every chunk, as the hoisted schedule runs it,
+those would be ``log2(C)`` copies of the keys).
 
 Backward. The scores' pullback mirrors their build, coarsest level first: a level's block
 ``(X_2 * R) (K_1 * Cc)^T`` sends ``dL (K_1 * Cc)`` to ``X_2 * R`` and ``dL^T (X_2 * R)`` to
@@ -50,70 +53,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 
-class HalvingLevel(NamedTuple):
-    """The factors of one level, blocks of ``b`` tokens (``C / b`` of them) split in halves."""
-
-    rows: Float[Array, "NB b2 K"]  # exp(G_t - G_r), t in a block's second half
-    cols: Float[Array, "NB b2 K"]  # exp(G_r - G_i), i in a block's first half
-
-
 class ChannelDecays(NamedTuple):
-    """The per-channel decays of one chunk of ``C`` tokens (a power of two)."""
+    """The decays of one chunk of ``C`` tokens (a power of two) from its start and to its
+    end; the halving levels' factors come from ``level_factors``."""
 
     from_start: Float[Array, "C K"]  # exp(G_t)
     to_end: Float[Array, "C K"]  # exp(G_C - G_i)
     whole: Float[Array, " K"]  # exp(G_C)
-    levels: tuple[HalvingLevel, ...]  # blocks of b = 2, 4, ..., C tokens
-
-
-def channel_decays(log_alpha: Float[Array, "C K"]) -> ChannelDecays:
-    """Every decay of one chunk from its gates ``log_alpha [C, K]`` (each ``<= 0``, finite).
-
-    The segment decays come by doubling from the per-token ``alpha = exp(log_alpha)``: with
-    ``prefix`` and ``suffix`` the decays from each aligned segment of ``h`` tokens' start
-    through ``t`` and from after ``t`` to its end, the segments of ``2 h`` scale their second
-    half's prefixes by the first half's whole decay and their first half's suffixes by the
-    second half's. At ``h`` these are a level's factors (``rows`` from the second halves'
-    prefixes, ``cols`` from the first halves' suffixes of the blocks of ``2 h``), at ``h = C``
-    the decays from the start and to the end.
-    """
-    chunk, key_dim = log_alpha.shape
-    prefix = jnp.exp(log_alpha).reshape(chunk, 1, key_dim)  # [segments, h, K] at h = 1
-    suffix = jnp.ones_like(prefix)
-    levels = []
-    while prefix.shape[0] > 1:
-        num, half = prefix.shape[:2]
-        prefix, suffix = (x.reshape(num // 2, 2, half, key_dim) for x in (prefix, suffix))
-        levels.append(HalvingLevel(prefix[:, 1], suffix[:, 0]))
-        first_whole, second_whole = prefix[:, 0, -1:], prefix[:, 1, -1:]
-        prefix = jnp.concatenate([prefix[:, 0], prefix[:, 1] * first_whole], axis=1)
-        suffix = jnp.concatenate([suffix[:, 0] * second_whole, suffix[:, 1]], axis=1)
-    return ChannelDecays(prefix[0], suffix[0], prefix[0, -1], tuple(levels))
-
-
-def channel_scores(
-    x: Float[Array, "C K"], k: Float[Array, "C K"], decays: ChannelDecays
-) -> Float[Array, "C C"]:
-    """``M_ti = sum_c x_tc k_ic exp(G_tc - G_ic)`` for ``i <= t``, zero above the diagonal,
-    for one row factor ``x`` (the queries or the keys).
-
-    The queries' and the keys' scores are two calls, not one on a stack ``[q; k]`` against
-    ``k``: autodiff sums the stacked factors' cotangents for the shared ``k`` as a reduce of a
-    product over the stack's axis, and XLA:CPU (jaxlib 0.10.2) hands such reduces to
-    YNNPACK, which segfaults or returns wrong values on some of their shapes
-    (``tests/test_head_layouts.py``)."""
-    chunk, key_dim = x.shape
-    blocks = (x * k).sum(-1)[:, None, None]  # [C, 1, 1]: the diagonal
-    for level in decays.levels:
-        num, half = level.rows.shape[:2]
-        x_rows = x.reshape(num, 2, half, key_dim)[:, 1] * level.rows
-        k_cols = k.reshape(num, 2, half, key_dim)[:, 0] * level.cols
-        lower = jnp.einsum("jtk,jik->jti", x_rows, k_cols)  # [NB, b/2, b/2]
-        pairs = blocks.reshape(num, 2, half, half)
-        top = jnp.concatenate([pairs[:, 0], jnp.zeros_like(lower)], axis=2)
-        bottom = jnp.concatenate([lower, pairs[:, 1]], axis=2)
-        blocks = jnp.concatenate([top, bottom], axis=1)  # [NB, b, b]
-    return blocks.reshape(chunk, chunk)
 
 
 def sums_along(x: Float[Array, "... n K"], *, reverse: bool, exclusive: bool):
@@ -132,30 +78,103 @@ def sums_along(x: Float[Array, "... n K"], *, reverse: bool, exclusive: bool):
     return jnp.einsum("st,...tk->...sk", ones, x, precision=jax.lax.Precision.HIGHEST)
 
 
-def channel_scores_bwd(
-    x: Float[Array, "C K"], k: Float[Array, "C K"], decays: ChannelDecays, d_scores
-) -> tuple[Float[Array, "C K"], Float[Array, "C K"], tuple[HalvingLevel, ...]]:
-    """The pullback of ``channel_scores(x, k, decays)`` for ``d_scores [C, C]``
-    (what lies above the diagonal is ignored): ``(dx, dk, d_levels)``, ``d_levels`` the
-    cotangents of each level's factors, in ``decays.levels``' order."""
-    chunk, key_dim = x.shape
-    blocks = d_scores[None]  # the diagonal blocks of the level, [NB, b, b]
-    d_x, d_k, d_levels = jnp.zeros_like(x), jnp.zeros_like(k), []
-    for level in reversed(decays.levels):
-        num, half = level.rows.shape[:2]
-        lower = blocks[:, half:, :half]  # [NB, b/2, b/2]
-        x_rows = x.reshape(num, 2, half, key_dim)[:, 1]
+def channel_decays(log_alpha: Float[Array, "C K"]) -> ChannelDecays:
+    """The decays from the chunk's start and to its end, from its gates ``log_alpha [C, K]``
+    (each ``<= 0``, finite)."""
+    from_start = sums_along(log_alpha, reverse=False, exclusive=False)
+    to_end = sums_along(log_alpha, reverse=True, exclusive=True)
+    return ChannelDecays(jnp.exp(from_start), jnp.exp(to_end), jnp.exp(from_start[-1]))
+
+
+def halving_sizes(chunk: int) -> list[int]:
+    """The half-block sizes of the levels, finest first: 1, 2, 4, ..., C/2."""
+    return [2**j for j in range(chunk.bit_length() - 1)]
+
+
+def level_factors(log_alpha: Float[Array, "C K"], half: int):
+    """The factors of the level whose blocks hold ``2 half`` tokens: ``(rows, cols)``, each
+    ``[NB, half, K]``, ``rows = exp(G_t - G_r)`` for ``t`` in a block's second half and
+    ``cols = exp(G_r - G_i)`` for ``i`` in its first, ``r`` the first half's last token."""
+    chunk, key_dim = log_alpha.shape
+    halves = log_alpha.reshape(chunk // (2 * half), 2, half, key_dim)
+    rows = sums_along(halves[:, 1], reverse=False, exclusive=False)
+    cols = sums_along(halves[:, 0], reverse=True, exclusive=True)
+    return jnp.exp(rows), jnp.exp(cols)
+
+
+def channel_scores(
+    xs: tuple[Float[Array, "C K"], ...], k: Float[Array, "C K"], log_alpha: Float[Array, "C K"]
+) -> tuple[Float[Array, "C C"], ...]:
+    """``M_ti = sum_c x_tc k_ic exp(G_tc - G_ic)`` for ``i <= t``, zero above the diagonal,
+    for each row factor ``x`` of ``xs`` (the queries, the erase vectors) against one ``k``:
+    every level's factors are made once for all of them."""
+    chunk, key_dim = k.shape
+    blocks = [(x * k).sum(-1)[:, None, None] for x in xs]  # [C, 1, 1]: the diagonals
+    for half in halving_sizes(chunk):
+        blocks, gates = _after(blocks, log_alpha)
+        rows, cols = level_factors(gates, half)
+        num = rows.shape[0]
+        k_cols = k.reshape(num, 2, half, key_dim)[:, 0] * cols
+        for i, x in enumerate(xs):
+            x_rows = x.reshape(num, 2, half, key_dim)[:, 1] * rows
+            lower = jnp.einsum("jtk,jik->jti", x_rows, k_cols)  # [NB, b/2, b/2]
+            pairs = blocks[i].reshape(num, 2, half, half)
+            top = jnp.concatenate([pairs[:, 0], jnp.zeros_like(lower)], axis=2)
+            bottom = jnp.concatenate([lower, pairs[:, 1]], axis=2)
+            blocks[i] = jnp.concatenate([top, bottom], axis=1)  # [NB, b, b]
+    return tuple(b.reshape(chunk, chunk) for b in blocks)
+
+
+def channel_scores_bwd(xs, k, log_alpha, d_scores):
+    """The pullback of ``channel_scores(xs, k, log_alpha)`` for cotangents ``d_scores`` (one
+    ``[C, C]`` per score; what lies above the diagonal is ignored): ``(d_xs, d_k,
+    d_log_alpha)``, the last from the levels' factors only (``channel_decays_bwd`` adds the
+    rest)."""
+    chunk, key_dim = k.shape
+    blocks = [d[None] for d in d_scores]  # the diagonal blocks of each level, [NB, b, b]
+    d_xs = [jnp.zeros_like(x) for x in xs]
+    d_k, d_log_alpha = jnp.zeros_like(k), jnp.zeros_like(log_alpha)
+    for half in reversed(halving_sizes(chunk)):
+        (blocks, d_log_alpha), gates = _after((blocks, d_log_alpha), log_alpha)
+        rows, cols = level_factors(gates, half)
+        num = rows.shape[0]
         k_cols = k.reshape(num, 2, half, key_dim)[:, 0]
-        d_rows = jnp.einsum("jti,jik->jtk", lower, k_cols * level.cols)  # of x_rows * rows
-        d_cols = jnp.einsum("jti,jtk->jik", lower, x_rows * level.rows)  # of k_cols * cols
-        zeros = jnp.zeros_like(d_rows)
-        d_x = d_x + jnp.stack([zeros, d_rows * level.rows], 1).reshape(chunk, key_dim)
-        d_k = d_k + jnp.stack([d_cols * level.cols, zeros], 1).reshape(chunk, key_dim)
-        d_levels.append(HalvingLevel(d_rows * x_rows, d_cols * k_cols))
-        halves = jnp.stack([blocks[:, :half, :half], blocks[:, half:, half:]], axis=1)
-        blocks = halves.reshape(num * 2, half, half)
-    diagonal = blocks[:, 0, :]  # [C, 1]
-    return d_x + diagonal * k, d_k + diagonal * x, tuple(d_levels[::-1])
+        d_rows, d_cols = jnp.zeros_like(rows), jnp.zeros_like(cols)
+        for i, x in enumerate(xs):
+            lower = blocks[i][:, half:, :half]  # [NB, b/2, b/2]
+            x_rows = x.reshape(num, 2, half, key_dim)[:, 1]
+            d_x_rows = jnp.einsum("jti,jik->jtk", lower, k_cols * cols)  # of x_rows * rows
+            d_k_cols = jnp.einsum("jti,jtk->jik", lower, x_rows * rows)  # of k_cols * cols
+            d_xs[i] = d_xs[i] + _second_halves(d_x_rows * rows)
+            d_k = d_k + _first_halves(d_k_cols * cols)
+            d_rows, d_cols = d_rows + d_x_rows * x_rows, d_cols + d_k_cols * k_cols
+            halves = jnp.stack([blocks[i][:, :half, :half], blocks[i][:, half:, half:]], 1)
+            blocks[i] = halves.reshape(num * 2, half, half)
+        second = sums_along(d_rows * rows, reverse=True, exclusive=False)
+        first = sums_along(d_cols * cols, reverse=False, exclusive=True)
+        d_log_alpha = d_log_alpha + jnp.stack([first, second], axis=1).reshape(chunk, key_dim)
+    for i, x in enumerate(xs):
+        diagonal = blocks[i][:, 0, :]  # [C, 1]
+        d_xs[i], d_k = d_xs[i] + diagonal * k, d_k + diagonal * x
+    return tuple(d_xs), d_k, d_log_alpha
+
+
+def _after(done, log_alpha):
+    """``(done, log_alpha)`` as they are, with the next level's factors made from this
+    ``log_alpha`` only once ``done`` (the last level's results) exists: without the barrier
+    XLA makes every level's factors at once, ``log2(C)`` copies of the keys batched over all
+    chunks."""
+    return jax.lax.optimization_barrier((done, log_alpha))
+
+
+def _first_halves(x: Float[Array, "NB h K"]) -> Float[Array, "C K"]:
+    """``x``, one row per token of each block's first half, in place among zeros."""
+    return jnp.stack([x, jnp.zeros_like(x)], axis=1).reshape(-1, x.shape[-1])
+
+
+def _second_halves(x: Float[Array, "NB h K"]) -> Float[Array, "C K"]:
+    """``x``, one row per token of each block's second half, in place among zeros."""
+    return jnp.stack([jnp.zeros_like(x), x], axis=1).reshape(-1, x.shape[-1])
 
 
 def channel_decays_bwd(
@@ -163,16 +182,9 @@ def channel_decays_bwd(
     d_from_start: Float[Array, "C K"],
     d_to_end: Float[Array, "C K"],
     d_whole: Float[Array, " K"],
-    d_levels: tuple[HalvingLevel, ...],
 ) -> Float[Array, "C K"]:
     """The gradient with respect to the gates ``log_alpha [C, K]`` from the cotangents of
-    every decay (module docstring)."""
-    chunk, key_dim = decays.from_start.shape
+    the decays from the start, to the end and over the whole chunk (module docstring)."""
     d = sums_along(d_from_start * decays.from_start, reverse=True, exclusive=False)
     d = d + sums_along(d_to_end * decays.to_end, reverse=False, exclusive=True)
-    d = d + (d_whole * decays.whole)[None]
-    for level, d_level in zip(decays.levels, d_levels, strict=True):
-        second = sums_along(d_level.rows * level.rows, reverse=True, exclusive=False)
-        first = sums_along(d_level.cols * level.cols, reverse=False, exclusive=True)
-        d = d + jnp.stack([first, second], axis=1).reshape(chunk, key_dim)
-    return d
+    return d + (d_whole * decays.whole)[None]

@@ -64,14 +64,19 @@ over_chunks = jax.vmap
 
 
 def cast_to(dtype, *arrays):
-    """``arrays`` cast to ``dtype``: q, k and v stay in their input dtype until a chunk's
-    work reads them."""
-    return tuple(x.astype(dtype) for x in arrays)
+    """``arrays`` cast to ``dtype`` (None stays None): the inputs stay in their own dtype
+    until a chunk's work reads them."""
+    return tuple(None if x is None else x.astype(dtype) for x in arrays)
 
 
 def cast_back(arrays, dtypes):
-    """Each of ``arrays`` cast to its own of ``dtypes`` (gradients back to their inputs')."""
-    return tuple(x.astype(d) for x, d in zip(arrays, dtypes, strict=True))
+    """Each of ``arrays`` cast to its own of ``dtypes`` (gradients back to their inputs';
+    None stays None)."""
+    return tuple(None if x is None else x.astype(d) for x, d in zip(arrays, dtypes, strict=True))
+
+
+def dtypes_of(arrays) -> tuple:
+    return tuple(None if x is None else x.dtype for x in arrays)
 
 
 def decayed(
@@ -345,7 +350,7 @@ def chunked_rule(
     ``initial_states [N, V, K]``. The layout is ``chunk_layout``'s. Returns ``(y [T, V],
     finals [N, V, K])``.
     """
-    log_alpha, beta = gates
+    log_alpha, beta = cast_to(initial_states.dtype, *gates)  # [T] each: no copy worth keeping
     log_alpha = jnp.maximum(log_alpha, LOG_ALPHA_FLOOR)
     layout = chunk_layout(q.shape[0], chunk_size, cu_seqlens)
     chunks = (layout.to_chunks(x) for x in (q, k, v, log_alpha, beta))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops.blocks import scan_blocks
@@ -29,12 +30,12 @@ def recurrent_rule(
     start a sequence: the recurrent twin of the chunked forms, with their arguments and
     results (``rule.Rule.chunked``). A block is one token, so the layout keeps every token in
     place; its gather zeroes the tokens past a traced last offset."""
-    q, k, v = (x.astype(initial_states.dtype) for x in (q, k, v))
+    q, k, v, *gates = (jnp.asarray(x, initial_states.dtype) for x in (q, k, v, *gates))
 
     def token(state, q, k, v, gates):
         return step(state, q, k, v, *gates)
 
-    blocks = (q, k, v, gates)
+    blocks = (q, k, v, tuple(gates))
     if cu_seqlens is None:
         return scan_blocks(token, blocks, initial_states)
     layout = pack_layout(cu_seqlens, q.shape[0], 1)

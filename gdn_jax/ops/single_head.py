@@ -33,17 +33,16 @@ def compute_dtype(*arrays) -> jnp.dtype:
 
 
 def core_inputs(q, k, v, gates: tuple, initial_state):
-    """One head's inputs as the cores take them: q, k and v as jax arrays in their own dtype
-    (the cores cast them where they compute), the gates in the compute dtype, and the initial
-    state (zeros when None) as a batch of one, ``[1, V, K]``. ``q`` is not scaled: the
+    """One head's inputs as the cores take them: q, k, v and the gates as jax arrays in their
+    own dtype (the cores cast them where they compute), and the initial state (zeros when
+    None) in the compute dtype as a batch of one, ``[1, V, K]``. ``q`` is not scaled: the
     callers scale the outputs, ``S (scale q) = scale (S q)``."""
     key_dim, value_dim = q.shape[-1], v.shape[-1]
     compute = compute_dtype(q, *gates, initial_state)
     if initial_state is None:
         initial_state = jnp.zeros((value_dim, key_dim), compute)
-    q, k, v = (jnp.asarray(x) for x in (q, k, v))
-    gates = tuple(jnp.asarray(x, compute) for x in gates)
-    return q, k, v, gates, jnp.asarray(initial_state, compute)[None]
+    q, k, v, *gates = (jnp.asarray(x) for x in (q, k, v, *gates))
+    return q, k, v, tuple(gates), jnp.asarray(initial_state, compute)[None]
 
 
 def checked_single_head(fn, rule, core, q, k, v, gates: tuple, initial_state, *, scale, **options):
