@@ -14,6 +14,7 @@ feature (flash-linear-attention stores its transpose, ``[K, V]``).
 from gdn_jax.layers import (
     DeltaNet,
     GatedDeltaNet,
+    GatedDeltaNet2,
     GatedLinearAttention,
     KimiDeltaAttention,
     KVCache,
@@ -43,6 +44,7 @@ from gdn_jax.ops import (
 __all__ = [
     "DeltaNet",
     "GatedDeltaNet",
+    "GatedDeltaNet2",
     "GatedLinearAttention",
     "KimiDeltaAttention",
     "KVCache",

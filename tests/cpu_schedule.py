@@ -16,3 +16,5 @@ gated_delta_rule_chunked = functools.partial(gdn_jax.gated_delta_rule_chunked, s
 gated_linear_attention = functools.partial(gdn_jax.gated_linear_attention, schedule=SCHEDULE)
 kda = functools.partial(gdn_jax.kda, schedule=SCHEDULE)
 kda_chunked = functools.partial(gdn_jax.kda_chunked, schedule=SCHEDULE)
+gdn2 = functools.partial(gdn_jax.gdn2, schedule=SCHEDULE)
+gdn2_chunked = functools.partial(gdn_jax.gdn2_chunked, schedule=SCHEDULE)

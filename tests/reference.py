@@ -83,3 +83,19 @@ def grouped_heads_reference(q, k, v, log_alpha, beta, *, scale, initial_state=No
         for h in range(v.shape[1])
     ]
     return np.stack([y for y, _ in heads], axis=1), np.stack([s for _, s in heads])
+
+
+def erase_write_reference(q, k, v, log_alpha, b, w, *, scale, initial_state=None):
+    """Gated DeltaNet-2, straight from its recurrence: with ``D = S_{t-1} Diag(exp(g_t))``,
+    ``S_t = D - (D (b_t * k_t)) k_t^T + (w_t * v_t) k_t^T``; ``y_t = S_t (scale q_t)``.
+    Gates ``log_alpha, b [T, K]``, ``w [T, V]``."""
+    q, k, v, log_alpha, b, w = (np.asarray(x, np.float64) for x in (q, k, v, log_alpha, b, w))
+    state = np.zeros((v.shape[1], q.shape[1]))
+    if initial_state is not None:
+        state = np.array(initial_state, np.float64)
+    ys = []
+    for t in range(q.shape[0]):
+        decayed = state * np.exp(log_alpha[t])
+        state = decayed + np.outer(w[t] * v[t] - decayed @ (b[t] * k[t]), k[t])
+        ys.append(state @ (scale * q[t]))
+    return np.stack(ys), state

@@ -116,7 +116,7 @@ def test_every_mixer_name_builds_its_layer():
     built = [type(block.mixer).__name__ for block in model.blocks]
     assert built == [
         "GatedDeltaNet", "DeltaNet", "GatedLinearAttention", "LinearAttention",
-        "KimiDeltaAttention", "SoftmaxAttention", "SoftmaxAttention",
+        "KimiDeltaAttention", "GatedDeltaNet2", "SoftmaxAttention", "SoftmaxAttention",
     ]  # fmt: skip
     assert [block.mixer.convs is not None for block in model.blocks[-2:]] == [False, True]
 

@@ -27,8 +27,8 @@ from gdn_jax.layers.params import (
     a_log_init,
     bias_free_linear,
     dt_bias_init,
+    gate_linear,
     param,
-    partitioned,
 )
 from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer, seq_parallel_mesh
 from gdn_jax.ops import checks, kda, kda_seq_parallel
@@ -137,7 +137,8 @@ class KimiDeltaAttention(RecurrentLayer):
         low_rank_output = use_gate and low_rank_gates
         self.g_a_proj = linear(hidden_size, rank) if low_rank_output else None
         gate_out = functools.partial(
-            self._gate_out,
+            gate_linear,
+            out_features=self.value_dim,
             use_bias=output_gate_bias,
             dtype=dtype,
             param_dtype=param_dtype,
@@ -146,20 +147,6 @@ class KimiDeltaAttention(RecurrentLayer):
         )
         self.g_b_proj = gate_out(rank) if low_rank_output else None
         self.g_proj = gate_out(hidden_size) if use_gate and not low_rank_gates else None
-
-    def _gate_out(self, in_features, *, use_bias, dtype, param_dtype, kernel_init, rngs):
-        """The output gate's projection into the value heads, with a zero bias when asked."""
-        kernel_init = kernel_init or nnx.initializers.lecun_normal()
-        return nnx.Linear(
-            in_features,
-            self.value_dim,
-            use_bias=use_bias,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            kernel_init=partitioned(kernel_init, COLUMNS),
-            bias_init=partitioned(nnx.initializers.zeros, PER_HEAD),
-            rngs=rngs,
-        )
 
     def _rule_ops(self):
         return kda, kda_seq_parallel

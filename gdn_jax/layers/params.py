@@ -80,3 +80,19 @@ def bias_free_linear(*, dtype, param_dtype, kernel_init=None, rngs):
         )
 
     return linear
+
+
+def gate_linear(in_features, out_features, *, use_bias, dtype, param_dtype, kernel_init, rngs):
+    """An output gate's projection into the value heads (split by heads), with a zero bias
+    when ``use_bias``; the default ``kernel_init`` is Flax's, LeCun normal."""
+    kernel_init = kernel_init or nnx.initializers.lecun_normal()
+    return nnx.Linear(
+        in_features,
+        out_features,
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=partitioned(kernel_init, COLUMNS),
+        bias_init=partitioned(nnx.initializers.zeros, PER_HEAD),
+        rngs=rngs,
+    )

@@ -17,6 +17,7 @@ from flax import nnx
 from gdn_jax.layers import (
     DeltaNet,
     GatedDeltaNet,
+    GatedDeltaNet2,
     GatedLinearAttention,
     KimiDeltaAttention,
     LinearAttention,
@@ -97,6 +98,10 @@ MIXERS: dict[str, MixerSpec] = {
     "kda": MixerSpec(
         recurrent(KimiDeltaAttention, negative_eigenvalues=True),
         "Kimi Delta Attention: delta correction, one decay per key channel",
+    ),
+    "gdn2": MixerSpec(
+        recurrent(GatedDeltaNet2, negative_eigenvalues=True),
+        "Gated DeltaNet-2: per-channel decay, erase gate on the keys, write gate on the values",
     ),
     "attention": MixerSpec(
         attention(short_conv=False), "causal softmax attention with rotary embeddings"

@@ -1,0 +1,285 @@
+"""Gated DeltaNet-2 (a channel-wise erase gate on the keys, a write gate on the values): the
+step, the recurrent and chunked forms and the batched entry point against the float64 loop,
+each other, KDA and the gated delta rule."""
+
+import functools
+
+import cpu_schedule as ops
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+from reference import erase_write_reference, random_inputs, random_state
+from tolerance import assert_close
+
+import gdn_jax
+
+HEADS, V_HEADS, KEY, VALUE = 2, 4, 12, 10
+NAMES = ("q", "k", "v", "log_alpha", "b", "w", "initial_state")
+
+gdn2 = jax.jit(
+    ops.gdn2, static_argnames=("impl", "chunk_size", "schedule", "use_qk_l2norm", "scale")
+)
+gdn2_chunked = jax.jit(ops.gdn2_chunked, static_argnames=("scale", "chunk_size", "schedule"))
+
+
+def gdn2_inputs(seed, seq_len, key_dim, value_dim, *, dtype=jnp.float32, lead=(), heads=None, **kw):
+    """q, k, v, log_alpha per key channel, and the erase and write gates in [0, 1] (in
+    [0, 2] for the erase gate with ``reflect``)."""
+    q, k, v, la, _ = random_inputs(
+        seed, seq_len, key_dim, value_dim, dtype=dtype, lead=lead, heads=heads,
+        per_channel=True, **kw,
+    )  # fmt: skip
+    rng = np.random.default_rng(seed + 100)
+    b = jnp.asarray(rng.uniform(0, 1, la.shape), dtype)
+    w = jnp.asarray(rng.uniform(0, 1, (*la.shape[:-1], value_dim)), dtype)
+    return q, k, v, la, b, w
+
+
+def batched_inputs(seed, seq_len, batch=1, **kw):
+    return gdn2_inputs(seed, seq_len, KEY, VALUE, lead=(batch,), heads=(HEADS, V_HEADS), **kw)
+
+
+def loop_per_head(q, k, v, la, b, w, state, n, i):
+    """The float64 loop for sequence ``n`` and value head ``i`` of the batched layout."""
+    h = i // (V_HEADS // HEADS)
+    return erase_write_reference(
+        q[n, :, h], k[n, :, h], v[n, :, i], la[n, :, i], b[n, :, i], w[n, :, i],
+        scale=KEY**-0.5, initial_state=None if state is None else state[n, i],
+    )  # fmt: skip
+
+
+@functools.cache
+def outputs_and_grads(form, **options):
+    """One jitted program per form: ``(y, final, grads of every input)`` for fixed random
+    cotangents of ``y`` and the final state."""
+    fn = {"recurrent": gdn_jax.gdn2_recurrent, "chunked": ops.gdn2_chunked}[form]
+
+    def run(q, k, v, la, b, w, state, ct_y, ct_s):
+        def loss(*args):
+            y, s = fn(*args[:6], initial_state=args[6], **options)
+            return jnp.sum(y * ct_y) + jnp.sum(s * ct_s), (y, s)
+
+        grads, (y, s) = jax.grad(loss, argnums=range(7), has_aux=True)(q, k, v, la, b, w, state)
+        return y, s, grads
+
+    return jax.jit(run)
+
+
+def single_head_args(seed, seq_len, key_dim, value_dim, dtype=jnp.float32, **kw):
+    inputs = gdn2_inputs(seed, seq_len, key_dim, value_dim, dtype=dtype, **kw)
+    state = random_state(seed + 1, value_dim, key_dim, dtype=dtype)
+    cotangents = (
+        random_state(seed + 2, seq_len, value_dim, dtype=dtype),
+        random_state(seed + 3, value_dim, key_dim, dtype=dtype),
+    )
+    return (*inputs, state, *cotangents)
+
+
+def assert_forms_agree(args, dtype, chunked_options, label=""):
+    expected = outputs_and_grads("recurrent")(*args)
+    actual = outputs_and_grads("chunked", **chunked_options)(*args)
+    assert_close(actual[0], expected[0], dtype, f"{label} y")
+    assert_close(actual[1], expected[1], dtype, f"{label} final state")
+    for name, a, e in zip(NAMES, actual[2], expected[2], strict=True):
+        assert np.isfinite(a).all(), f"{label} d{name}"
+        assert_close(a, e, dtype, f"{label} d{name}")
+
+
+# --- the step and the recurrent form against the float64 loop --------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_step_and_recurrent_match_the_float64_loop(dtype):
+    q, k, v, la, b, w = gdn2_inputs(0, 40, KEY, VALUE, dtype=dtype)
+    b = 2.0 * b  # negative eigenvalues allowed
+    state = random_state(1, VALUE, KEY, dtype=dtype)
+    y_ref, s_ref = erase_write_reference(q, k, v, la, b, w, scale=0.3, initial_state=state)
+    y, s = gdn_jax.gdn2_recurrent(q, k, v, la, b, w, scale=0.3, initial_state=state)
+    assert y.dtype == dtype and s.dtype == dtype
+    assert_close(y, y_ref, dtype)
+    assert_close(s, s_ref, dtype)
+    s1, y1 = gdn_jax.gdn2_step(state, q[0], k[0], v[0], la[0], b[0], w[0], scale=0.3)
+    y1_ref, s1_ref = erase_write_reference(
+        q[:1], k[:1], v[:1], la[:1], b[:1], w[:1], scale=0.3, initial_state=state
+    )
+    assert_close(y1, y1_ref[0], dtype)
+    assert_close(s1, s1_ref, dtype)
+
+
+def test_gates_act_on_their_own_axes():
+    """One token from a zero state: ``S = (w * v) k^T`` (the write gate scales rows); from
+    ``S`` with ``v = 0``: ``S - (S (b * k)) k^T`` (the erase gate weights key channels)."""
+    rng = np.random.default_rng(2)
+    k, v = rng.standard_normal(4), rng.standard_normal(3)
+    b, w = np.asarray([1.0, 0.0, 0.5, 2.0]), np.asarray([0.0, 1.0, 0.25])
+    state = rng.standard_normal((3, 4))
+    f64 = functools.partial(jnp.asarray, dtype=jnp.float64)
+    zero_k, zero_g = np.zeros(4), np.zeros(4)
+    written, _ = gdn_jax.gdn2_step(f64(np.zeros((3, 4))), *map(f64, (zero_k, k, v, zero_g, b, w)))
+    np.testing.assert_allclose(written, np.outer(w * v, k), rtol=1e-14)
+    erased, _ = gdn_jax.gdn2_step(f64(state), *map(f64, (zero_k, k, 0 * v, zero_g, b, w)))
+    np.testing.assert_allclose(erased, state - np.outer(state @ (b * k), k), rtol=1e-14)
+
+
+# --- the chunked form against the recurrent one ------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["in_scan", "hoisted"])
+def test_chunked_equals_recurrent_values_and_gradients(schedule):
+    # T off the chunk grid, odd K and V.
+    args = single_head_args(130, 130, 16, 24)
+    options = dict(chunk_size=64, schedule=schedule)
+    assert_forms_agree(args, jnp.float32, options, schedule)
+
+
+@pytest.mark.parametrize("schedule", ["in_scan", "hoisted"])
+def test_chunked_equals_recurrent_in_float64(schedule):
+    """Exact to float64 tolerance on values and every gradient, with strong decays, erase
+    gates up to 2 and a padded tail."""
+    q, k, v, la, b, w, *rest = single_head_args(
+        40, 300, 8, 6, dtype=jnp.float64, log_alpha_range=(-3.0, 0.0)
+    )
+    args = (q, k, v, la, 2.0 * b, w, *rest)
+    assert_forms_agree(args, jnp.float64, dict(chunk_size=64, schedule=schedule), schedule)
+
+
+def test_chunked_finite_differences_float64():
+    q, k, v, la, b, w = gdn2_inputs(50, 37, 4, 3, dtype=jnp.float64)
+    state = random_state(51, 3, 4, dtype=jnp.float64)
+    run = jax.jit(lambda *a: ops.gdn2_chunked(*a[:6], initial_state=a[6], chunk_size=32))
+    check_grads(run, (q, k, v, la, b, w, state), order=1, modes=["rev"], eps=1e-6)
+
+
+@pytest.mark.parametrize("edge", ["no decay", "channels reset"])
+def test_gate_edges_are_finite_and_exact(edge):
+    """log_alpha 0 or -inf per channel; b and w exactly 0 and 1 (and 2 for b) per channel."""
+    # The shapes and options of a case above: the same compiled programs.
+    q, k, v, la, b, w, state, ct_y, ct_s = single_head_args(60, 130, 16, 24)
+    if edge == "no decay":
+        la = jnp.zeros_like(la)
+    else:
+        la = la.at[jnp.asarray([0, 17, 40, 41, 99]), jnp.asarray([0, 3, 3, 5, 1])].set(-jnp.inf)
+        la = la.at[:, 2].set(-jnp.inf)
+    b = b.at[::5].set(0.0).at[1::5].set(1.0).at[2::5, :3].set(2.0).at[:, 4].set(0.0)
+    w = w.at[::7].set(0.0).at[1::7].set(1.0).at[:, 5].set(0.0)
+    args = (q, k, v, la, b, w, state, ct_y, ct_s)
+    y_ref, s_ref = erase_write_reference(q, k, v, la, b, w, scale=16**-0.5, initial_state=state)
+    options = dict(chunk_size=64, schedule="in_scan")
+    y, s, _ = outputs_and_grads("chunked", **options)(*args)
+    assert np.isfinite(y).all() and np.isfinite(s).all()
+    assert_close(y, y_ref, jnp.float32, edge)
+    assert_close(s, s_ref, jnp.float32, edge)
+    assert_forms_agree(args, jnp.float32, options, edge)
+
+
+# --- the batched entry point -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["chunked", "recurrent"])
+def test_batched_grouped_heads_match_the_loop_per_head(impl):
+    q, k, v, la, b, w = batched_inputs(3, 33, batch=2)
+    state = random_state(4, 2, V_HEADS, VALUE, KEY)
+    out, final = gdn2(q, k, v, la, b, w, initial_state=state, impl=impl, chunk_size=16)
+    assert out.shape == (2, 33, V_HEADS, VALUE) and final.shape == (2, V_HEADS, VALUE, KEY)
+    for n in range(2):
+        for i in range(V_HEADS):
+            y, s = loop_per_head(q, k, v, la, b, w, state, n, i)
+            assert_close(out[n, :, i], y, jnp.float32, f"sequence {n}, value head {i}")
+            assert_close(final[n, i], s, jnp.float32, f"sequence {n}, value head {i}")
+
+
+kda = jax.jit(ops.kda, static_argnames=("impl", "chunk_size"))
+gdn = jax.jit(ops.gated_delta_rule, static_argnames=("impl", "chunk_size"))
+
+
+@pytest.mark.parametrize("impl", ["chunked", "recurrent"])
+def test_one_gate_for_erase_and_write_is_kda_and_equal_channels_the_gated_delta_rule(impl):
+    q, k, v, la, beta = random_inputs(5, 45, KEY, VALUE, lead=(1,), heads=(HEADS, V_HEADS))
+    state = random_state(6, 1, V_HEADS, VALUE, KEY)
+    la_channels = jnp.broadcast_to(la[..., None], (*la.shape, KEY))
+    b = jnp.broadcast_to(beta[..., None], (*beta.shape, KEY))
+    w = jnp.broadcast_to(beta[..., None], (*beta.shape, VALUE))
+    run = functools.partial(gdn2, initial_state=state, impl=impl, chunk_size=32)
+    out, final = run(q, k, v, la_channels, b, w)
+    out_kda, final_kda = kda(
+        q, k, v, la_channels, beta, initial_state=state, impl=impl, chunk_size=32
+    )
+    out_gdn, final_gdn = gdn(q, k, v, la, beta, initial_state=state, impl=impl, chunk_size=32)
+    for expected in ((out_kda, final_kda), (out_gdn, final_gdn)):
+        assert_close(out, expected[0], jnp.float32)
+        assert_close(final, expected[1], jnp.float32)
+
+
+def test_packed_sequences_equal_separate_runs():
+    cu = [0, 5, 5, 70, 100]  # an empty sequence, and sequences across chunk boundaries
+    cu_seqlens = jnp.asarray(cu, jnp.int32)
+    inputs = batched_inputs(7, 100)
+    state = random_state(8, len(cu) - 1, V_HEADS, VALUE, KEY)
+    ct_out = random_state(9, 1, 100, V_HEADS, VALUE)
+
+    @functools.partial(jax.jit, static_argnames="impl")
+    def run(*args, impl):
+        def loss(*args):
+            options = dict(initial_state=args[6], chunk_size=16, cu_seqlens=cu_seqlens)
+            o, f = ops.gdn2(*args[:6], impl=impl, **options)
+            return jnp.sum(o * ct_out) + jnp.sum(f**2), (o, f)
+
+        return jax.grad(loss, argnums=range(7), has_aux=True)(*args)
+
+    grads, (out, final) = run(*inputs, state, impl="chunked")
+    *arrays, state, out, final = (np.asarray(x) for x in (*inputs, state, out, final))
+    for n, (lo, hi) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        piece = tuple(x[:, lo:hi] for x in arrays)
+        for i in range(V_HEADS):
+            if hi == lo:  # an empty sequence returns its initial state
+                assert_close(final[n, i], state[n, i], jnp.float32, f"sequence {n}")
+                continue
+            y, s = loop_per_head(*piece, state[n : n + 1], 0, i)
+            assert_close(out[0, lo:hi, i], y, jnp.float32, f"sequence {n}, head {i}")
+            assert_close(final[n, i], s, jnp.float32, f"sequence {n}, head {i}")
+    grads_recurrent, _ = run(*inputs, state, impl="recurrent")
+    for name, a, e in zip(NAMES, grads, grads_recurrent, strict=True):
+        assert_close(a, e, jnp.float32, f"packed d{name}")
+
+
+def test_bfloat16_inputs_keep_a_float32_state():
+    inputs = batched_inputs(10, 45)
+    state = random_state(11, 1, V_HEADS, VALUE, KEY)
+    low = tuple(x.astype(jnp.bfloat16) for x in inputs)
+    run = functools.partial(gdn2, initial_state=state, impl="chunked", chunk_size=32)
+    out, final = run(*low)
+    assert out.dtype == jnp.bfloat16 and final.dtype == jnp.float32
+    out_ref, final_ref = run(*(x.astype(jnp.float32) for x in low))
+    assert_close(out, out_ref, jnp.bfloat16)
+    assert_close(final, final_ref, jnp.float32)
+
+
+def test_long_sequence_is_finite_and_matches_recurrent():
+    """The acceptance length, T = 16384, at small dims in one forward of each form."""
+    inputs = gdn2_inputs(13, 16384, 8, 8, log_alpha_range=(-0.1, 0))
+    y_chk, s_chk = gdn2_chunked(*inputs, chunk_size=64)
+    assert np.isfinite(y_chk).all() and np.isfinite(s_chk).all()
+    y_rec, s_rec = jax.jit(gdn_jax.gdn2_recurrent)(*inputs)
+    assert_close(y_chk, y_rec, jnp.float32)
+    assert_close(s_chk, s_rec, jnp.float32)
+
+
+# --- bad inputs --------------------------------------------------------------------------------
+
+
+def test_gates_on_the_wrong_axis_are_refused_naming_the_argument():
+    q, k, v, la, b, w = batched_inputs(14, 8)
+    with pytest.raises(ValueError, match=r"gdn2: w must have shape \[B, T, HV, V\]"):
+        gdn_jax.gdn2(q, k, v, la, b, b)
+    with pytest.raises(ValueError, match=r"gdn2: b must have shape \[B, T, HV, K\]"):
+        gdn_jax.gdn2(q, k, v, la, w, w)
+    with pytest.raises(ValueError, match=r"gdn2: log_alpha must have shape \[B, T, HV, K\]"):
+        gdn_jax.gdn2(q, k, v, la[..., 0], b, w)
+    q1, k1, v1, la1, b1, w1 = gdn2_inputs(14, 8, KEY, VALUE)
+    for fn in (gdn_jax.gdn2_recurrent, gdn_jax.gdn2_chunked):
+        with pytest.raises(ValueError, match=rf"{fn.__name__}: w must have shape \[T, V\]"):
+            fn(q1, k1, v1, la1, b1, b1)
+    with pytest.raises(ValueError, match=r"gdn2_step: b must have shape \[K\]"):
+        gdn_jax.gdn2_step(jnp.zeros((VALUE, KEY)), q1[0], k1[0], v1[0], la1[0], w1[0], w1[0])

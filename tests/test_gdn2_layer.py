@@ -1,0 +1,180 @@
+"""The Gated DeltaNet-2 layer: wiring against a NumPy reference, chunked == recurrent with
+gradients, flash-linear-attention's parameter count, initialisation, bad arguments. Padding,
+packing and decoding are test_layers.py's, with the other mixers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cpu_schedule import SCHEDULE
+from flax import nnx
+from reference import erase_write_reference
+from test_layers import HIDDEN, inputs
+from tolerance import assert_close
+
+from gdn_jax.layers import GatedDeltaNet2, NoWeightDecay
+
+GVA = dict(num_heads=2, head_dim=4, num_v_heads=4, expand_v=2.0, chunk_size=16, schedule=SCHEDULE)
+
+
+def make(seed=0, **kw):
+    """A layer whose zero- or one-initialised parameters (the gate bias, the norm scale) are
+    drawn too, so that a dropped one shows."""
+    layer = GatedDeltaNet2(HIDDEN, rngs=nnx.Rngs(seed), **{**GVA, **kw})
+    rng = np.random.default_rng(seed)
+    draw = lambda p, lo, hi: jnp.asarray(rng.uniform(lo, hi, p.shape), jnp.float32)  # noqa: E731
+    layer.o_norm.scale[...] = draw(layer.o_norm.scale, 0.5, 1.5)
+    layer.A_log[...] = draw(layer.A_log, -1.0, 1.5)
+    if layer.g_b_proj is not None:
+        layer.g_b_proj.bias[...] = draw(layer.g_b_proj.bias, -1.0, 1.0)
+    return layer
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def reference_layer(layer, x):
+    """The layer's forward for one sequence ``x [T, D]``, in float64 NumPy, from its params
+    (fla's ``GatedDeltaNet2.forward``, written out)."""
+    value = lambda p: np.asarray(p[...], np.float64)  # noqa: E731
+    seq_len, x = x.shape[0], np.asarray(x, np.float64)
+
+    def linear(proj, z):
+        y = z @ value(proj.kernel)
+        return y if proj.bias is None else y + value(proj.bias)
+
+    def conv(z, module):
+        w = value(module.weight)
+        padded = np.concatenate([np.zeros((w.shape[0] - 1, z.shape[1])), z])
+        y = sum(w[i] * padded[i : i + seq_len] for i in range(w.shape[0]))
+        return y * sigmoid(y)
+
+    heads, v_heads, key_dim = layer.num_heads, layer.num_v_heads, layer.head_dim
+    q = conv(linear(layer.q_proj, x), layer.q_conv1d).reshape(seq_len, heads, key_dim)
+    k = conv(linear(layer.k_proj, x), layer.k_conv1d).reshape(seq_len, heads, key_dim)
+    v = conv(linear(layer.v_proj, x), layer.v_conv1d).reshape(seq_len, v_heads, -1)
+    q, k = (z / np.sqrt(np.sum(z * z, -1, keepdims=True) + 1e-6) for z in (q, k))
+    f = linear(layer.f_b_proj, linear(layer.f_a_proj, x)) + value(layer.dt_bias)
+    f = f.reshape(seq_len, heads, key_dim)
+    rate = np.exp(value(layer.A_log))[:, None]
+    bound = layer.gate_lower_bound
+    log_alpha = -rate * np.log1p(np.exp(f)) if bound is None else bound * sigmoid(rate * f)
+    b = sigmoid(linear(layer.b_proj, x)).reshape(seq_len, heads, key_dim)
+    b = 2 * b if layer.allow_neg_eigval else b
+    w = sigmoid(linear(layer.w_proj, x)).reshape(seq_len, v_heads, -1)
+    group = v_heads // heads
+    o = np.stack(
+        [
+            erase_write_reference(
+                q[:, h // group], k[:, h // group], v[:, h], log_alpha[:, h // group],
+                b[:, h // group], w[:, h], scale=key_dim**-0.5,
+            )[0]
+            for h in range(v_heads)
+        ],
+        axis=1,
+    )  # fmt: skip
+    o = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + 1e-5) * value(layer.o_norm.scale)
+    if layer.use_gate:
+        g = linear(layer.g_b_proj, linear(layer.g_a_proj, x))
+        o = o * sigmoid(g).reshape(o.shape)
+    return o.reshape(seq_len, -1) @ value(layer.o_proj.kernel)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(allow_neg_eigval=True), dict(gate_lower_bound=-3.0, use_gate=False)],
+    ids=["fla", "bounded-no-gate"],
+)
+def test_layer_matches_numpy_reference(options):
+    layer = make(**options)
+    x = inputs(0, 2, 37)
+    y = nnx.jit(lambda layer, x: layer(x))(layer, x)
+    for b in range(2):
+        assert_close(y[b], reference_layer(layer, x[b]), jnp.float32)
+
+
+def test_chunked_and_recurrent_layers_agree_with_gradients():
+    chunked = make(schedule="hoisted")  # the GPU and TPU schedule; test_layers.py runs auto
+    recurrent = make(impl="recurrent")
+    x = inputs(1, 2, 40)
+
+    def loss(layer, x):
+        return jnp.sum(jnp.sin(layer(x)))
+
+    grad = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))
+    (l_c, (g_c, gx_c)), (l_r, (g_r, gx_r)) = grad(chunked, x), grad(recurrent, x)
+    assert_close(l_c, l_r, jnp.float32)
+    assert_close(gx_c, gx_r, jnp.float32)
+    flat_r = dict(nnx.to_flat_state(g_r))
+    for path, g in nnx.to_flat_state(g_c):
+        assert_close(g.get_value(), flat_r[path].get_value(), jnp.float32, str(path))
+
+
+def fla_parameter_count(hidden, heads, head_dim, expand_v, v_heads, conv, conv_bias):
+    """flash-linear-attention GatedDeltaNet2's parameter count, from its layer definition:
+    the f_proj and g_proj pairs of rank head_v_dim, the decay and erase gate per key head and
+    key channel, the write gate per value channel, a bias on g_proj's second linear."""
+    key_dim, head_v = heads * head_dim, int(head_dim * expand_v)
+    value_dim = v_heads * head_v
+    count = 2 * hidden * key_dim + hidden * value_dim  # q, k, v projections
+    count += (2 * key_dim + value_dim) * (conv + int(conv_bias))  # three depthwise convs
+    count += hidden * head_v + head_v * key_dim  # f_proj
+    count += hidden * key_dim + hidden * value_dim  # b_proj, w_proj
+    count += heads + key_dim  # A_log, dt_bias
+    count += hidden * head_v + head_v * value_dim + value_dim  # g_proj with its bias
+    count += head_v  # o_norm weight, shared by heads
+    return count + value_dim * hidden  # o_proj
+
+
+def count(layer):
+    return sum(x.size for x in jax.tree.leaves(nnx.state(layer, nnx.Param)))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(hidden_size=64, num_heads=2, head_dim=16),
+        dict(hidden_size=48, num_heads=3, head_dim=8, expand_v=2.0, num_v_heads=6),
+        dict(hidden_size=32, num_heads=1, head_dim=20, expand_v=1.5, conv_size=3, conv_bias=True),
+    ],
+)
+def test_parameter_count_matches_flash_linear_attention(config):
+    layer = nnx.eval_shape(lambda: GatedDeltaNet2(**config, rngs=nnx.Rngs(0)))
+    assert count(layer) == fla_parameter_count(
+        config["hidden_size"],
+        config["num_heads"],
+        config["head_dim"],
+        config.get("expand_v", 1.0),
+        config.get("num_v_heads", config["num_heads"]),
+        config.get("conv_size", 4),
+        config.get("conv_bias", False),
+    )
+
+
+def test_gate_parameters_are_initialised_and_excluded_from_decay():
+    layer = GatedDeltaNet2(64, 4, 16, num_v_heads=8, rngs=nnx.Rngs(3))
+    assert set(nnx.state(layer, NoWeightDecay).keys()) == {"A_log", "dt_bias"}
+    assert layer.A_log.shape == (4,) and layer.dt_bias.shape == (64,)  # per key head
+    a = np.exp(np.asarray(layer.A_log[...]))
+    assert np.all((a >= 1) & (a <= 16)) and len(set(np.round(a, 4))) > 1
+    dt = np.log1p(np.exp(np.asarray(layer.dt_bias[...])))  # softplus(dt_bias) = dt
+    assert np.all((dt >= 1e-3 * 0.999) & (dt <= 1e-1 * 1.001))
+    assert len(set(np.round(dt, 6))) > 1
+    np.testing.assert_array_equal(layer.g_b_proj.bias[...], 0)
+    bounded = GatedDeltaNet2(64, 4, 16, gate_lower_bound=-5.0, rngs=nnx.Rngs(3))
+    np.testing.assert_array_equal(bounded.A_log[...], 0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(gate_lower_bound=0.0), r"gate_lower_bound=0.0 must be a finite negative number"),
+        (dict(num_v_heads=3), r"num_v_heads=3 must be a multiple of num_heads=2"),
+        (dict(chunk_size=20), r"chunk_size=20 must be one of"),
+        (dict(dtype=jnp.int32), r"dtype=int32 must be a floating dtype"),
+    ],
+)
+def test_bad_layer_config_raises_at_build(kwargs, message):
+    with pytest.raises(ValueError, match=f"GatedDeltaNet2: {message}"):
+        GatedDeltaNet2(HIDDEN, 2, 4, rngs=nnx.Rngs(0), **kwargs)
