@@ -28,8 +28,13 @@ import numpy as np  # noqa: E402
 from tolerance import assert_close  # noqa: E402
 
 import gdn_jax  # noqa: E402
+from gdn_jax.ops.rules import RULES  # noqa: E402
 
 LAYOUTS = [(1, 1), (1, 2), (2, 2), (2, 4), (3, 6)]
+# The rules that share q and k over a value-head group (``Rule.shares_qk``) run one layout of
+# each kind, one head and grouped heads: the per-channel rules, whose products carry a value
+# head's own decays, run them all (their layouts are where XLA:CPU crashed).
+SHARED_QK_LAYOUTS = [(1, 1), (2, 4)]
 FORMS = [
     ("recurrent", dict(impl="recurrent")),
     ("in_scan", dict(impl="chunked", schedule="in_scan")),
@@ -39,44 +44,45 @@ FORMS = [
 BATCH, SEQ_LEN, KEY_DIM, VALUE_DIM = 1, 70, 32, 48
 DRAWS = (0, 1)
 
-# The gates of each op, by name: the per-head gates [B, T, HV] and, for KDA, per channel.
-OPS = {
-    "gated_delta_rule": (gdn_jax.gated_delta_rule, False),
-    "gated_linear_attention": (gdn_jax.gated_linear_attention, False),
-    "kda": (gdn_jax.kda, True),
-}
+# Every rule of the registry, by its batched op's name.
+OPS = {name: (getattr(gdn_jax, name), rule.gates) for name, rule in RULES.items()}
 
 
-def inputs(seed, heads, v_heads, per_channel):
+def inputs(seed, heads, v_heads, gates):
+    """q, k, v, the rule's gates (``log_alpha = -softplus(N(0, 1))``, the others sigmoids of
+    normals, each with its channel axis) and an initial state."""
     rng = np.random.default_rng(seed)
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
     q = normal(BATCH, SEQ_LEN, heads, KEY_DIM)
     k = normal(BATCH, SEQ_LEN, heads, KEY_DIM)
     v = normal(BATCH, SEQ_LEN, v_heads, VALUE_DIM)
-    gate_shape = (BATCH, SEQ_LEN, v_heads, *((KEY_DIM,) if per_channel else ()))
-    log_alpha = -jax.nn.softplus(normal(*gate_shape))
-    beta = jax.nn.sigmoid(normal(BATCH, SEQ_LEN, v_heads))
+    channels = {None: (), "K": (KEY_DIM,), "V": (VALUE_DIM,)}
+    drawn = []
+    for spec in gates:
+        x = normal(BATCH, SEQ_LEN, v_heads, *channels[spec.channels])
+        drawn.append(-jax.nn.softplus(x) if spec.name == "log_alpha" else jax.nn.sigmoid(x))
     state = normal(BATCH, v_heads, VALUE_DIM, KEY_DIM)
-    return q, k, v, log_alpha, beta, state
+    return q, k, v, *drawn, state
 
 
 def program(op, options):
-    def loss(q, k, v, log_alpha, beta, state):
-        o, final = op(q, k, v, log_alpha, beta, initial_state=state, use_qk_l2norm=True, **options)
+    def loss(*args):
+        o, final = op(*args[:-1], initial_state=args[-1], use_qk_l2norm=True, **options)
         return jnp.sum(jnp.sin(o)) + jnp.sum(final**2) / 100, (o, final)
 
-    return jax.jit(jax.grad(loss, argnums=tuple(range(6)), has_aux=True))
+    def run(*args):
+        return jax.grad(loss, argnums=tuple(range(len(args))), has_aux=True)(*args)
+
+    return jax.jit(run)
 
 
-NAMES = ["o", "final", "dq", "dk", "dv", "dlog_alpha", "dbeta", "dstate"]
-
-
-def results(run, seed, heads, v_heads, per_channel):
+def results(run, seed, heads, v_heads, gates):
     """The outputs, final states and gradients of ``run`` (a ``program``) on one draw, each
-    checked finite."""
-    grads, values = run(*inputs(seed, heads, v_heads, per_channel))
-    out = [np.asarray(x) for x in (*values, *grads)]
-    for what, x in zip(NAMES, out, strict=True):
+    checked finite, by name."""
+    grads, values = run(*inputs(seed, heads, v_heads, gates))
+    names = ["o", "final", "dq", "dk", "dv", *(f"d{g.name}" for g in gates), "dstate"]
+    out = dict(zip(names, (np.asarray(x) for x in (*values, *grads)), strict=True))
+    for what, x in out.items():
         assert np.isfinite(x).all(), f"draw {seed}: {what} is not finite"
     return out
 
@@ -95,27 +101,33 @@ def main():
         first = int(args[at + 1])
         del args[at : at + 2]
     names = args or list(OPS)
-    cases = [(n, layout, form) for n in names for layout in LAYOUTS for form in FORMS]
+    cases = [
+        (n, layout, form)
+        for n in names
+        for layout in (SHARED_QK_LAYOUTS if RULES[n].shares_qk else LAYOUTS)
+        for form in FORMS
+    ]
     print(f"cases {len(cases)}", flush=True)
     reference = {}
     for index, (name, (heads, v_heads), (form, options)) in enumerate(cases):
         if index < first:
             continue
-        op, per_channel = OPS[name]
+        op, gates = OPS[name]
         case = f"{name} H={heads} HV={v_heads} {form}"
         print(f"start {index} {case}", flush=True)
         run = program(op, options)
         try:
             for seed in DRAWS:
-                got = results(run, seed, heads, v_heads, per_channel)
+                got = results(run, seed, heads, v_heads, gates)
                 key = (name, heads, v_heads, seed)
                 if form == "recurrent":
                     reference[key] = got
                     continue
                 if key not in reference:  # a restart after a crash skipped the recurrent case
                     recurrent = program(op, FORMS[0][1])
-                    reference[key] = results(recurrent, seed, heads, v_heads, per_channel)
-                for what, a, e in zip(NAMES, got, reference[key], strict=True):
+                    reference[key] = results(recurrent, seed, heads, v_heads, gates)
+                for what, a in got.items():
+                    e = reference[key][what]
                     assert_close(a, e, jnp.float32, f"draw {seed}: {what} against recurrent")
         except AssertionError as error:
             print(f"FAIL {index} {case}: {one_line(error)}", flush=True)

@@ -5,15 +5,16 @@ Checks, each against one device:
 - the Gated DeltaNet layer (grouped value heads, short convolutions with their halo) on
   (data 2, model 2, seq 2) in the hoisted schedule, and with packed sequences that cross
   shard boundaries on (model 2, seq 4) in the in_scan one: outputs and the gradients of the
-  input and of every parameter (the op and the halo on 8 shards are
+  input and of every parameter (the ops and the halo on more shards are
   sequence_parallel_checks.py's);
-- the Kimi Delta Attention layer (hoisted) on (data 2, model 2, seq 2) the same way, and its
-  compiled forward and backward gathers no q, k or v across heads;
-- eight training steps of a small hybrid model (recurrent Gated DeltaNet + attention) with
-  ``train.mesh = (data 2, model 2, seq 2)``: the same losses;
+- the KDA and GDN-2 layers (hoisted) on (data 2, model 2, seq 2) the same way, and their
+  compiled forward and backward gathers no token-sized array: only states and the
+  convolution's halo cross devices;
+- eight training steps of a small hybrid model (KDA + GDN-2 + attention, chunked) with
+  ``train.mesh`` (data 2, model 2, seq 2): the same losses;
 - the compiled training step gathers no q, k or v across heads;
-- the checkpoint of that run restores on another mesh (data 4, seq 2) and the run goes on
-  with the losses of the one-device run.
+- the checkpoint of that run at step 5 restores on a mesh that splits T four ways (seq 4)
+  and the run goes on with the losses of the one-device run.
 Prints one line per check; exits with status 1 if any failed.
 """
 
@@ -46,7 +47,7 @@ from tolerance import assert_close  # noqa: E402
 
 # The layers under the suite's strict promotion; training (optax's own arithmetic) under
 # JAX's default, as in test_train.py.
-from gdn_jax import GatedDeltaNet, KimiDeltaAttention  # noqa: E402
+from gdn_jax import GatedDeltaNet, GatedDeltaNet2, KimiDeltaAttention  # noqa: E402
 from gdn_jax.models import ModelConfig  # noqa: E402
 from gdn_jax.training import mesh as mesh_lib  # noqa: E402
 from gdn_jax.training.config import Config, MeshConfig, TrainConfig  # noqa: E402
@@ -152,17 +153,29 @@ def gathers_across_heads(hlo, token_sizes):
     return across_heads, sorted(set(gathers))
 
 
-@check("Kimi Delta Attention by heads on (data 2, model 2, seq 2), no q, k, v gathered")
-def _():
-    expected = layer_run(None, X, "hoisted", layer_class=KimiDeltaAttention)
-    hlo = []
-    actual = layer_run(mesh(2, 2, 2), X, "hoisted", layer_class=KimiDeltaAttention, hlo=hlo)
-    compare(actual, expected, "kda, mesh (2, 2, 2)")
-    # T = 48 and T / seq = 24 tokens; D = 16, H*K = 16, HV*V = 32, state rows V = K = 8.
-    across_heads, gathers = gathers_across_heads(hlo[0], (24, 48))
-    lines = [line.strip()[:200] for line in hlo[0].splitlines() if "all-gather(" in line]
-    assert not across_heads, "all-gathers across heads:\n" + "\n".join(lines)
-    print(f"     all-gathers (shape, axis): {gathers}")
+def token_gathers(hlo, token_sizes):
+    """The all-gathers in ``hlo`` of an array with a token axis (one of ``token_sizes``),
+    along any axis."""
+    gathers = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", hlo)
+    return [g for g in gathers if any(int(n) in token_sizes for n in g.split(",") if n)]
+
+
+for layer_class in (KimiDeltaAttention, GatedDeltaNet2):
+    name = layer_class.__name__
+
+    @check(f"{name} on (data 2, model 2, seq 2): equal to one device, no tokens gathered")
+    def _(layer_class=layer_class, name=name):
+        expected = layer_run(None, X, "hoisted", layer_class=layer_class)
+        hlo = []
+        actual = layer_run(mesh(2, 2, 2), X, "hoisted", layer_class=layer_class, hlo=hlo)
+        compare(actual, expected, f"{name}, mesh (2, 2, 2)")
+        # T = 48 and T / seq = 24 tokens; D = 16, H*K = 16, HV*V = 32, state rows V = K = 8:
+        # the state and the convolution's halo cross the shards, no activation does.
+        gathered = token_gathers(hlo[0], (24, 48))
+        lines = [line.strip()[:200] for line in hlo[0].splitlines() if "all-gather(" in line]
+        assert not gathered, "token-sized all-gathers:\n" + "\n".join(lines)
+        shapes = re.findall(r"= (\w+\[[\d,]*\])\S* all-gather", hlo[0])
+        print(f"     all-gathers: {sorted(set(shapes))}")
 
 
 @check("layer with packed sequences across shard boundaries")
@@ -172,20 +185,20 @@ def _():
 
 
 def make_config(out_dir, steps, mesh_config):
+    """A small hybrid of the channel-gated rules and attention, chunked in the CPU's
+    schedule (the form that passes the state across a seq axis)."""
     from gdn_jax.data.mqar import MQARConfig
 
     return Config(
         model=ModelConfig(
             vocab_size=64,
             d_model=48,
-            mixers=("gdn", "attention"),
+            mixers=("kda", "gdn2", "attention"),
             num_heads=4,
             head_dim=8,
             num_v_heads=8,
             chunk_size=16,
-            # The step, not the op, is under test here (the layer checks above run the chunked
-            # op on these meshes); the recurrent form compiles in two thirds of the time.
-            impl="recurrent",
+            schedule="in_scan",
         ),
         data=MQARConfig(vocab_size=64, seq_len=40, num_kv_pairs=4),
         train=TrainConfig(
@@ -214,15 +227,14 @@ ONE = MeshConfig(data=1, model=1, seq=1)
 CUBE = MeshConfig(data=2, model=2, seq=2)
 
 
-@check("5 (and 8) training steps on (data 2, model 2, seq 2) equal one device")
+@check("8 training steps on (data 2, model 2, seq 2) equal one device")
 def _():
     run(make_config(ROOT / "one", 8, ONE), devices=jax.devices()[:1])
     run(make_config(ROOT / "cube", 8, CUBE))
     one, cube = losses(ROOT / "one"), losses(ROOT / "cube")
     assert sorted(one) == sorted(cube) == list(range(1, 9)), (one, cube)
-    assert_close(
-        [cube[s] for s in range(1, 9)], [one[s] for s in range(1, 9)], jnp.float32, "losses"
-    )
+    steps = range(1, 9)
+    assert_close([cube[s] for s in steps], [one[s] for s in steps], jnp.float32, "losses")
 
 
 @check("the compiled step gathers no q, k or v across heads")
@@ -253,20 +265,17 @@ def _():
     print(f"     all-gathers (shape, axis): {gathers}")
 
 
-@check("a checkpoint of one mesh restores on another and the run goes on")
+@check("the run's step-5 checkpoint restores on (seq 4) and goes on as one device")
 def _():
     cube = ROOT / "cube"
-    # Go back to the step-5 checkpoint, then continue on (data 4, seq 2).
+    # Go back to the step-5 checkpoint, then continue with T split four ways (4 devices).
     shutil.rmtree(cube / "checkpoints" / "8")
     (cube / "summary.json").unlink()
-    run(make_config(cube, 8, MeshConfig(data=4, model=1, seq=2)), resume=True)
+    seq4 = MeshConfig(data=1, model=1, seq=4)
+    run(make_config(cube, 8, seq4), resume=True, devices=jax.devices()[:4])
     one, resumed = losses(ROOT / "one"), losses(cube)
-    assert_close(
-        [resumed[s] for s in range(6, 9)],
-        [one[s] for s in range(6, 9)],
-        jnp.float32,
-        "resumed losses",
-    )
+    steps = range(6, 9)
+    assert_close([resumed[s] for s in steps], [one[s] for s in steps], jnp.float32, "resumed")
 
 
 if FAILED:

@@ -5,8 +5,9 @@ compare ``gated_delta_rule_seq_parallel`` on 2, 4 and 8 shards with the one-devi
 ``gdn_jax.gated_delta_rule`` (chunked): outputs, final states and the gradient of every
 input, with the tolerance table, with and without an initial state, and with packed
 sequences across shard boundaries in float32 and float64, each in one schedule or the
-other. Also: the linear rule, a two-axis mesh, the sizes of the arrays that cross devices,
-``halo_from_previous`` and the divisibility error. Prints one line per check and exits with
+other. The same for the linear rule, KDA and GDN-2 (GDN-2 also packed), with fewer cases.
+Also: a two-axis mesh, the sizes of the arrays that cross devices (Gated DeltaNet and
+GDN-2), ``halo_from_previous`` and the divisibility error. Prints one line per check and exits with
 status 1 if any failed.
 
     python tests/sequence_parallel_checks.py   # sets its own XLA_FLAGS
@@ -44,11 +45,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from tolerance import assert_close  # noqa: E402
 
 import gdn_jax  # noqa: E402
-from gdn_jax.ops import (  # noqa: E402
-    gated_delta_rule_seq_parallel,
-    gated_linear_attention_seq_parallel,
-)
+import gdn_jax.ops  # noqa: E402
+from gdn_jax.ops import gated_delta_rule_seq_parallel  # noqa: E402
 from gdn_jax.ops.conv import causal_depthwise_conv, halo_from_previous  # noqa: E402
+from gdn_jax.ops.rules import RULES  # noqa: E402
 
 # The standard of tests/conftest.py.
 jax.config.update("jax_enable_x64", True)
@@ -92,7 +92,9 @@ def check(name, *args):
     return decorate
 
 
-def random_inputs(seed, batch, num_states):
+def random_inputs(seed, batch, num_states, rule="gated_delta_rule"):
+    """q, k, v, the gates of ``rule`` (a key of ``RULES``), an initial state and the weights
+    of a loss that reads every output and final state."""
     rng = np.random.default_rng(seed)
 
     def normal(*shape):
@@ -100,9 +102,13 @@ def random_inputs(seed, batch, num_states):
 
     k = normal(batch, T, H, K)
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    log_alpha = jnp.asarray(-rng.uniform(0.0, 0.5, (batch, T, HV)), F32)
-    beta = jnp.asarray(rng.uniform(0.1, 1.0, (batch, T, HV)), F32)
-    inputs = (normal(batch, T, H, K), k, normal(batch, T, HV, V), log_alpha, beta)
+    channels = {None: (), "K": (K,), "V": (V,)}
+    gates = []
+    for spec in RULES[rule].gates:
+        shape = (batch, T, HV, *channels[spec.channels])
+        low, high = (-0.5, 0.0) if spec.name == "log_alpha" else (0.1, 1.0)
+        gates.append(jnp.asarray(rng.uniform(low, high, shape), F32))
+    inputs = (normal(batch, T, H, K), k, normal(batch, T, HV, V), *gates)
     state = 0.5 * normal(num_states, HV, V, K)
     # Fixed weights for a scalar loss that reads every output and final state.
     weights = (normal(batch, T, HV, V), normal(num_states, HV, V, K))
@@ -115,34 +121,32 @@ def mesh_of(shards):
 
 def loss_and_grads(op, inputs, state, weights, cu_seqlens, **options):
     """Jitted ``(o, final)`` and the gradients of ``sum(o w_o) + sum(final w_f)`` with respect
-    to q, k, v, log_alpha, beta and, when given, the initial state. ``cu_seqlens`` is traced,
-    so the packed cases of one shard count share one compiled program."""
-    run = jitted_loss(op, state is None, tuple(sorted(options.items())))
+    to q, k, v, the gates and, when given, the initial state. ``cu_seqlens`` is traced, so
+    the packed cases of one shard count share one compiled program."""
+    run = jitted_loss(op, len(inputs), state is None, tuple(sorted(options.items())))
     (_, (o, final)), grads = run(*inputs, state, cu_seqlens, weights)
     return o, final, grads
 
 
 @functools.cache
-def jitted_loss(op, stateless, options):
-    def loss(q, k, v, log_alpha, beta, state, cu_seqlens, weights):
-        o, final = op(
-            q, k, v, log_alpha, beta, initial_state=state, cu_seqlens=cu_seqlens, **dict(options)
-        )
+def jitted_loss(op, num_inputs, stateless, options):
+    def loss(*args):
+        *inputs, state, cu_seqlens, weights = args
+        o, final = op(*inputs, initial_state=state, cu_seqlens=cu_seqlens, **dict(options))
         return jnp.sum(o * weights[0]) + jnp.sum(final * weights[1]), (o, final)
 
-    argnums = tuple(range(5 if stateless else 6))
+    argnums = tuple(range(num_inputs if stateless else num_inputs + 1))
     return jax.jit(jax.value_and_grad(loss, argnums, has_aux=True))
 
 
-NAMES = ("q", "k", "v", "log_alpha", "beta", "initial_state")
-
-
-def compare(shards, inputs, state, weights, schedule, cu_seqlens=None, linear=False, **options):
-    """The op on ``shards`` devices against one device, both with ``schedule`` named (the
-    default, "auto", traces both schedules; the two-axis mesh check below runs it)."""
+def compare(
+    shards, inputs, state, weights, schedule, cu_seqlens=None, rule="gated_delta_rule", **options
+):
+    """``rule``'s op on ``shards`` devices against one device, both with ``schedule`` named
+    (the default, "auto", traces both schedules; the two-axis mesh check below runs it)."""
     options = dict(chunk_size=C, schedule=schedule, **options)
-    reference = gdn_jax.gated_linear_attention if linear else gdn_jax.gated_delta_rule
-    parallel = gated_linear_attention_seq_parallel if linear else gated_delta_rule_seq_parallel
+    reference = getattr(gdn_jax, rule)
+    parallel = getattr(gdn_jax.ops, f"{rule}_seq_parallel")
     expected = loss_and_grads(
         reference, inputs, state, weights, cu_seqlens, impl="chunked", **options
     )
@@ -154,8 +158,9 @@ def compare(shards, inputs, state, weights, schedule, cu_seqlens=None, linear=Fa
     assert actual[1].dtype == expected[1].dtype, (actual[1].dtype, expected[1].dtype)
     assert_close(actual[0], expected[0], dtype, "o")
     assert_close(actual[1], expected[1], dtype, "final state")
-    assert len(actual[2]) == len(expected[2]) == (5 if state is None else 6)
-    for name, got, want in zip(NAMES, actual[2], expected[2], strict=False):
+    names = ("q", "k", "v", *RULES[rule].gate_names, "initial_state")
+    assert len(actual[2]) == len(expected[2]) == len(names) - (state is None)
+    for name, got, want in zip(names, actual[2], expected[2], strict=False):
         assert got.shape == want.shape, (name, got.shape, want.shape)
         assert_close(got, want, dtype, f"gradient of {name}")
 
@@ -187,8 +192,26 @@ for shards, dtype, schedule in ((2, F32, "in_scan"), (8, jnp.float64, "hoisted")
 
 @check("linear rule, 4 shards, q and k L2-normalised inside, hoisted schedule")
 def _():
-    inputs, state, weights = random_inputs(20, B, B)
-    compare(4, inputs, state, weights, "hoisted", linear=True, use_qk_l2norm=True)
+    rule = "gated_linear_attention"
+    inputs, state, weights = random_inputs(20, B, B, rule)
+    compare(4, inputs, state, weights, "hoisted", rule=rule, use_qk_l2norm=True)
+
+
+# The channel-gated rules on 4 shards with initial states: KDA, and GDN-2 with packed
+# sequences across the boundaries, each in one schedule.
+@check("kda, 4 shards, an initial state, L2-normalised q and k, hoisted")
+def _():
+    inputs, state, weights = random_inputs(30, B, B, "kda")
+    compare(4, inputs, state, weights, "hoisted", rule="kda", use_qk_l2norm=True)
+
+
+GDN2_PACKED = jnp.asarray(PACKED["crossing"], jnp.int32)
+
+
+@check("gdn2, 4 shards, packed: crossing, in_scan")
+def _():
+    inputs, state, weights = random_inputs(31, 1, len(PACKED["crossing"]) - 1, "gdn2")
+    compare(4, inputs, state, weights, "in_scan", GDN2_PACKED, rule="gdn2")
 
 
 @check("a (data 2, seq 4) mesh with the batch sharded over data, the default schedule")
@@ -215,25 +238,33 @@ COLLECTIVE = re.compile(
 )
 
 
-@check("only state-sized arrays cross devices, forward and backward (hoisted)")
-def _():
-    shards, local = 8, T // 8
-    inputs, state, weights = random_inputs(22, B, B)
-    # The program of the 8-shard check above, already compiled.
-    options = dict(chunk_size=C, schedule="hoisted", mesh=mesh_of(shards))
-    run = jitted_loss(gated_delta_rule_seq_parallel, False, tuple(sorted(options.items())))
-    hlo = run.lower(*inputs, state, None, weights).compile().as_text()
-    found = COLLECTIVE.findall(hlo)
-    kinds = {op for _, op in found}
-    # The gather of the carries, its transpose, and the sums of the final states.
-    assert {"all-gather", "all-reduce"} <= kinds, f"collectives found: {found}"
-    bound = shards * B * HV * (V + K) * K
-    for shape_text, op in found:
-        for dims in re.findall(r"\[([\d,]*)\]", shape_text):
-            dims = [int(d) for d in dims.split(",") if d]
-            assert local not in dims and T not in dims, f"token-sized {op}: {shape_text}"
-            assert int(np.prod(dims)) <= bound, f"{op} of {shape_text} exceeds {bound}"
-    print("     collectives:", sorted({f"{op} {shape}" for shape, op in found}))
+# The programs of the 8-shard check and of GDN-2's packed check above, already compiled.
+CROSSING = {
+    "gated_delta_rule": dict(seed=22, batch=B, shards=8, schedule="hoisted", offsets=None),
+    "gdn2": dict(seed=31, batch=1, shards=4, schedule="in_scan", offsets=GDN2_PACKED),
+}
+for rule, case in CROSSING.items():
+
+    @check(f"{rule}: only state-sized arrays cross devices, forward and backward", rule, case)
+    def _(rule, case):
+        shards, local, offsets = case["shards"], T // case["shards"], case["offsets"]
+        states = case["batch"] if offsets is None else offsets.shape[0] - 1
+        inputs, state, weights = random_inputs(case["seed"], case["batch"], states, rule)
+        options = dict(chunk_size=C, schedule=case["schedule"], mesh=mesh_of(shards))
+        parallel = getattr(gdn_jax.ops, f"{rule}_seq_parallel")
+        run = jitted_loss(parallel, len(inputs), False, tuple(sorted(options.items())))
+        hlo = run.lower(*inputs, state, offsets, weights).compile().as_text()
+        found = COLLECTIVE.findall(hlo)
+        kinds = {op for _, op in found}
+        # The gather of the carries, its transpose, and the sums of the final states.
+        assert {"all-gather", "all-reduce"} <= kinds, f"collectives found: {found}"
+        bound = shards * max(case["batch"], states) * HV * (V + K) * K
+        for shape_text, op in found:
+            for dims in re.findall(r"\[([\d,]*)\]", shape_text):
+                dims = [int(d) for d in dims.split(",") if d]
+                assert local not in dims and T not in dims, f"token-sized {op}: {shape_text}"
+                assert int(np.prod(dims)) <= bound, f"{op} of {shape_text} exceeds {bound}"
+        print("     collectives:", sorted({f"{op} {shape}" for shape, op in found}))
 
 
 @check("halo_from_previous: the previous shard's last tokens, and a sharded convolution")

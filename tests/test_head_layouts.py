@@ -1,6 +1,7 @@
 """Every public batched op over the head layouts (H, HV) = (1, 1), (1, 2), (2, 2), (2, 4),
-(3, 6), recurrent and chunked in both schedules, forward and gradients, in a child process
-that compiles as a user's does (head_layout_checks.py): a crash there fails its named case.
+(3, 6) (the rules that share q and k over a group: (1, 1) and (2, 4)), recurrent and chunked
+in both schedules, forward and gradients, in a child process that compiles as a user's does
+(head_layout_checks.py): a crash there fails its named case.
 
 The child runs with XLA:CPU's default library fusions, not the ``CPU_FLAGS`` of train.py
 and this suite: with those defaults jaxlib 0.10.2 segfaulted, or returned wrong gradients,
