@@ -15,7 +15,7 @@ from tolerance import assert_close
 
 import gdn_jax
 from gdn_jax import GatedDeltaNet, LanguageModel, ModelConfig, SoftmaxAttention, generate
-from gdn_jax.ops import checks
+from gdn_jax.layers import input_checks
 
 HYBRID = ModelConfig(
     vocab_size=50, d_model=16, mixers=("gdn", "attention"), chunk_size=16, schedule=SCHEDULE
@@ -250,7 +250,7 @@ def test_token_ids_outside_the_vocabulary(model):
     outside = jnp.asarray([[-7, -5, 50, 7, 3]], jnp.int32)
     expected = forward(model, clipped, mask)
     assert_close(forward(model, outside, mask), expected, jnp.float32)
-    checks.check_token_ids("LanguageModel", "tokens", outside.at[0, 1:3].set(0), 50, mask)
+    input_checks.check_token_ids("LanguageModel", "tokens", outside.at[0, 1:3].set(0), 50, mask)
 
 
 def test_generate_checks_mask_values_and_the_key(model):

@@ -25,7 +25,7 @@ from gdn_jax.training import compile_only  # noqa: E402
 from gdn_jax.training.cli import CONFIG_DIR  # noqa: E402
 from gdn_jax.training.config import load_config  # noqa: E402
 
-# v5e, the chip of the figures, for the op and the layer; the train step also
+# v5e, the chip of docs/benchmarks.md's figures, for the op and the layer; the train step also
 # compiles for one more generation (v6e), on another mesh.
 TOPOLOGY = "v5e:2x2"
 # (B, T, H, K, V) with distinct sizes, so that a [C, C] array is nothing else.

@@ -26,7 +26,7 @@ def assert_close(actual, expected, dtype, err_msg=""):
 # Largest error relative to the largest magnitude of the expected array, for quantities far
 # below 1 that assert_close would measure against 1 (the gradients of a strong decay, about
 # 1e-4 and smaller): float32 chunked and recurrent forms measured at up to 5e-7 of the float64
-# gradient's scale (tests/test_gradients.py), with a tenfold margin.
+# gradient's scale (tests/ops/test_gradients.py), with a tenfold margin.
 RELATIVE_TO_SCALE = {
     jnp.dtype(jnp.float32): 5e-6,
 }
@@ -42,7 +42,7 @@ def assert_close_to_scale(actual, expected, dtype, err_msg=""):
 
 
 # Relative RMS error, sqrt(mean((a - e)^2) / mean(e^2)), of a whole layer's output against
-# another implementation of it (transformers' Qwen3-Next layer): the issue's bar is 1e-5 in
+# another implementation of it (transformers' Qwen3-Next layer): the bar is 1e-5 in
 # float32 (measured gaps about 4e-7). In bfloat16 both sides round every projection and the
 # output to 8 bits of mantissa, so they differ by a few units of bf16's 2**-8 = 4e-3.
 RELATIVE_RMS = {

@@ -28,9 +28,10 @@ from gdn_jax.layers import (
 
 @dataclasses.dataclass(frozen=True)
 class MixerSpec:
-    """One registered mixer: ``build(config, common)`` makes the layer from a
+    """One registered mixer: ``build(config, common)`` makes its ``layer`` (a class) from a
     ``ModelConfig`` and the keyword arguments every mixer takes (``common_kwargs``)."""
 
+    layer: type
     build: Callable[..., TokenMixer]
     summary: str  # what it is, in a line (the README's table of configs says the same)
 
@@ -80,34 +81,43 @@ def attention(*, short_conv: bool) -> Callable[..., TokenMixer]:
 
 MIXERS: dict[str, MixerSpec] = {
     "gdn": MixerSpec(
+        GatedDeltaNet,
         recurrent(GatedDeltaNet, negative_eigenvalues=True),
         "Gated DeltaNet: decay and delta correction",
     ),
     "deltanet": MixerSpec(
+        DeltaNet,
         recurrent(DeltaNet, negative_eigenvalues=True),
         "DeltaNet: delta correction, no decay (`log_alpha = 0`)",
     ),
     "gated_linear": MixerSpec(
+        GatedLinearAttention,
         recurrent(GatedLinearAttention, negative_eigenvalues=False),
         "gated linear attention, Mamba2-style scalar decay, no delta",
     ),
     "linear": MixerSpec(
+        LinearAttention,
         recurrent(LinearAttention, negative_eigenvalues=False),
         "plain linear attention: neither",
     ),
     "kda": MixerSpec(
+        KimiDeltaAttention,
         recurrent(KimiDeltaAttention, negative_eigenvalues=True),
         "Kimi Delta Attention: delta correction, one decay per key channel",
     ),
     "gdn2": MixerSpec(
+        GatedDeltaNet2,
         recurrent(GatedDeltaNet2, negative_eigenvalues=True),
         "Gated DeltaNet-2: per-channel decay, erase gate on the keys, write gate on the values",
     ),
     "attention": MixerSpec(
-        attention(short_conv=False), "causal softmax attention with rotary embeddings"
+        SoftmaxAttention,
+        attention(short_conv=False),
+        "causal softmax attention with rotary embeddings",
     ),
     # The control that separates what the convolution contributes to recall from the mixer.
     "attention_conv": MixerSpec(
+        SoftmaxAttention,
         attention(short_conv=True),
         "attention with the short convolutions of the recurrent mixers",
     ),

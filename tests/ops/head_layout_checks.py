@@ -16,7 +16,8 @@ Usage: ``head_layout_checks.py [OP ...] [--from N]``. Prints ``start CASE`` befo
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The support modules (process_setup, tolerance) live in tests/, one level up.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import process_setup  # noqa: E402
 

@@ -27,7 +27,8 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The support modules (process_setup, tolerance) live in tests/, one level up.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import process_setup  # noqa: E402
 

@@ -12,7 +12,7 @@ from reference import gated_delta_reference, random_inputs, random_state
 from tolerance import assert_close
 
 # Each example compiles new shapes (~1-3 s), so the default run draws few of them;
-# GDN_HYPOTHESIS_EXAMPLES=200 pytest tests/test_properties.py searches harder.
+# GDN_HYPOTHESIS_EXAMPLES=200 pytest tests/ops/test_properties.py searches harder.
 EXAMPLES = int(os.environ.get("GDN_HYPOTHESIS_EXAMPLES", "8"))
 # Under jit: one compilation per drawn shape instead of one per operation.
 chunked = jax.jit(ops.gated_delta_rule_chunked, static_argnames="chunk_size")

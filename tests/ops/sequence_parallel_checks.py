@@ -10,7 +10,7 @@ Also: a two-axis mesh, the sizes of the arrays that cross devices (Gated DeltaNe
 GDN-2), ``halo_from_previous`` and the divisibility error. Prints one line per check and exits with
 status 1 if any failed.
 
-    python tests/sequence_parallel_checks.py   # sets its own XLA_FLAGS
+    python tests/ops/sequence_parallel_checks.py   # sets its own XLA_FLAGS
 """
 
 import functools
@@ -27,7 +27,8 @@ FLAGS = {
     "xla_force_host_platform_device_count": str(DEVICES),
     "xla_backend_optimization_level": "0",
 }
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The support modules (process_setup, tolerance) live in tests/, one level up.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import process_setup  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The hoisted schedule at a size that matters, compiled for one TPU v5e chip by libtpu on
-this CPU (``tpu_programs``): the issue's B=2, T=8192, H=16, K=V=128, C=64 with bfloat16 q, k
+this CPU (``tpu_programs``): docs/benchmarks.md's B=2, T=8192, H=16, K=V=128, C=64 with bfloat16 q, k
 and v, the forward and the gradient of every input.
 
 Forward+backward is two while loops: the forward's state pass and the reverse pass (the
@@ -11,8 +11,8 @@ the update) and four in the reverse one, and a handful of fusions (slices of the
 inputs, the decayed keys and queries, the products with their epilogues: measured 8 in the
 forward and 8 and 12 in forward+backward, where the in-scan schedule's bodies launch 48 to
 75; ``benchmarks/bench_tpu_op.py``). The forward+backward program fits in 1.4 GiB of temp
-memory (1264 MiB measured with libtpu 0.0.52, 2333 before the schedule was made lean; the
-issue measured 2101 MiB for MaxText's pure-JAX chunked rule).
+memory (1264 MiB measured with libtpu 0.0.52; MaxText's pure-JAX chunked rule takes 2101 MiB
+at this size, docs/benchmarks.md).
 """
 
 import re

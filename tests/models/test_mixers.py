@@ -1,0 +1,35 @@
+"""What every registered mixer (``gdn_jax.models.MIXERS``) must do: build from its name,
+as the layer the registry says, and implement the ``TokenMixer`` methods with their declared
+signatures. Their behaviour (padding, packing, decoding == parallel) is tests/layers/'s."""
+
+import inspect
+
+from flax import nnx
+
+from gdn_jax.layers import TokenMixer
+from gdn_jax.models import MIXERS, LanguageModel, ModelConfig, build_mixer
+
+
+def test_every_mixer_name_builds_its_layer():
+    model = LanguageModel(
+        ModelConfig(vocab_size=50, d_model=16, mixers=tuple(MIXERS)), rngs=nnx.Rngs(0)
+    )
+    for name, block in zip(MIXERS, model.blocks, strict=True):
+        assert type(block.mixer) is MIXERS[name].layer, name
+    layers = dict(zip(MIXERS, model.blocks, strict=True))
+    assert layers["attention"].mixer.convs is None
+    assert layers["attention_conv"].mixer.convs is not None
+
+
+def test_every_mixer_implements_the_declared_interface():
+    config = ModelConfig(vocab_size=50, d_model=16, mixers=tuple(MIXERS), chunk_size=16)
+    for name in MIXERS:
+        mixer = build_mixer(config, name, rngs=nnx.Rngs(0))
+        assert isinstance(mixer, TokenMixer), name
+        for method in ("__call__", "init_cache", "prefill", "step"):
+            declared = inspect.signature(getattr(TokenMixer, method)).parameters
+            actual = inspect.signature(getattr(type(mixer), method)).parameters
+            # The same names, kinds and defaults: no argument accepted and ignored.
+            assert [(p.name, p.kind, p.default) for p in actual.values()] == [
+                (p.name, p.kind, p.default) for p in declared.values()
+            ], (name, method)
