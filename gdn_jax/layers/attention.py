@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from gdn_jax.layers import input_checks
 from gdn_jax.layers.conv import ShortConvolution, convolve_qkv
 from gdn_jax.layers.params import COLUMNS, ROWS, bias_free_linear
 from gdn_jax.ops import checks
@@ -104,9 +105,9 @@ class SoftmaxAttention(nnx.Module):
         self.convs = convs  # q, k, v
 
     def _check(self, x, mask):
-        checks.check_hidden("SoftmaxAttention", x, self.hidden_size)
+        input_checks.check_hidden("SoftmaxAttention", x, self.hidden_size)
         if mask is not None:
-            checks.check_mask("SoftmaxAttention", mask, *x.shape[:2])
+            input_checks.check_mask("SoftmaxAttention", mask, *x.shape[:2])
 
     def _qkv(self, x, positions, *, mask=None, cu_seqlens=None, conv_history=None):
         """Projected, convolved (with short convolutions) and rotated q, k, v ``[B, T, H, K]``,
@@ -191,7 +192,7 @@ class SoftmaxAttention(nnx.Module):
             k_shape = np.shape(getattr(cache, "k", None))
             slots = k_shape[1] if len(k_shape) == 4 and k_shape[1] >= 1 else 1
             empty = jax.eval_shape(lambda: self.init_cache(batch, slots))
-            checks.check_cache("SoftmaxAttention", cache, empty)
+            input_checks.check_cache("SoftmaxAttention", cache, empty)
         max_len = cache.k.shape[1]
         filled = int(cache.length) if checks.is_concrete(cache.length) else 0
         checks.require(

@@ -13,7 +13,7 @@ class TokenMixer(Protocol):
 
     Implemented by the ``RecurrentMixer``s (``GatedDeltaNet`` and its baselines) and
     ``SoftmaxAttention``;
-    ``tests/test_layers.py`` checks that each one's methods take exactly these arguments.
+    ``tests/layers/test_layers.py`` checks that each one's methods take exactly these arguments.
     """
 
     def __call__(

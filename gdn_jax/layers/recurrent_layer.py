@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from gdn_jax.layers import input_checks
 from gdn_jax.layers.conv import ShortConvolution, convolve_qkv
 from gdn_jax.layers.params import COLUMNS, ROWS, SEQ_AXIS, bias_free_linear
 from gdn_jax.ops import checks
@@ -238,13 +239,13 @@ class RecurrentLayer(nnx.Module):
         ``seq_mesh`` the convolutions split T over its ``SEQ_AXIS``.
         """
         name = type(self).__name__
-        checks.check_hidden(name, x, self.hidden_size)
+        input_checks.check_hidden(name, x, self.hidden_size)
         batch, seq_len, _ = x.shape
         if mask is not None:
-            checks.check_mask(name, mask, batch, seq_len)
+            input_checks.check_mask(name, mask, batch, seq_len)
         if cache is not None:
             empty = jax.eval_shape(lambda: self.init_cache(batch))
-            checks.check_cache(name, cache, empty)
+            input_checks.check_cache(name, cache, empty)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         # Padding is selected away, not multiplied by 0: a NaN or inf there times 0 is NaN,
         # which the convolution and the state would carry into the real tokens.

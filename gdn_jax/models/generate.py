@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gdn_jax.layers import input_checks
 from gdn_jax.ops import checks
 
 
@@ -80,12 +81,12 @@ def generate(model, prompt, *, mask=None, max_new_tokens: int, temperature: floa
     )
     # Checked here, where they are concrete: inside the jitted decoder nothing could be.
     if mask is not None:
-        checks.check_mask("generate", mask, *prompt.shape)
-    checks.check_token_ids("generate", "prompt", prompt, model.config.vocab_size, mask)
+        input_checks.check_mask("generate", mask, *prompt.shape)
+    input_checks.check_token_ids("generate", "prompt", prompt, model.config.vocab_size, mask)
     if mask is not None:
-        checks.check_left_padding("generate", mask)
+        input_checks.check_left_padding("generate", mask)
     if key is not None:
-        checks.check_key("generate", key)
+        input_checks.check_key("generate", key)
     key = jax.random.key(0) if key is None else key
     mask = jnp.ones(prompt.shape, jnp.int32) if mask is None else mask
     graphdef, state = nnx.split(model)

@@ -7,7 +7,7 @@ import functools
 import jax.numpy as jnp
 from flax import nnx
 
-from gdn_jax.layers import SwiGLU
+from gdn_jax.layers import SwiGLU, input_checks
 from gdn_jax.models.config import ModelConfig
 from gdn_jax.models.mixers import build_mixer
 from gdn_jax.ops import checks
@@ -116,8 +116,8 @@ class LanguageModel(nnx.Module):
             f"{tokens.dtype}",
         )
         if mask is not None:
-            checks.check_mask(name, mask, *tokens.shape)
-        checks.check_token_ids(name, "tokens", tokens, vocab_size, mask)
+            input_checks.check_mask(name, mask, *tokens.shape)
+        input_checks.check_token_ids(name, "tokens", tokens, vocab_size, mask)
         # Traced ids go unchecked: clipped, an id outside the vocabulary reads the nearest row,
         # where the lookup would give NaN above it and wrap negative ids around.
         return self.embed(jnp.clip(tokens, 0, vocab_size - 1))
@@ -154,7 +154,7 @@ class LanguageModel(nnx.Module):
         self._check_cache(cache)
         x, new_cache = self._embed(tokens, mask), []
         if mask is not None:
-            checks.check_left_padding("LanguageModel", mask)
+            input_checks.check_left_padding("LanguageModel", mask)
         for block, layer_cache in zip(self.blocks, cache, strict=True):
             x, layer_cache = block.prefill(x, layer_cache, mask=mask)
             new_cache.append(layer_cache)

@@ -40,7 +40,7 @@ structure multiply it, and 0 * NaN = NaN. Selecting with ``where`` before the pr
 not help, since the zeros meet the NaN inside the matmul; only per-row masked products,
 ``C`` times the work, would. A NaN in q reaches ``y_t`` alone in both forms; outputs before
 t's chunk and the other sequences of a packed batch are never touched
-(``tests/test_edges.py`` checks this extent).
+(``tests/ops/test_edges.py`` checks this extent).
 """
 
 from __future__ import annotations

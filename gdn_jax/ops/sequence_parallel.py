@@ -80,6 +80,75 @@ def _with_start(stacked, start, value_dim):
     return stacked[..., :value_dim, :] + start @ stacked[..., value_dim:, :]
 
 
+def stacked_inputs(v, gates, rule: Rule, key_dim):
+    """The values ``[v | 0]`` of the stacked state ``[R; P]`` and the gates to match: a
+    write gate per value channel (GDN-2's ``w``) reaches the values only, so the transition
+    rows, whose values are zero, get gates of one."""
+    local_len = v.shape[0]
+    stacked_v = jnp.concatenate([v, jnp.zeros((local_len, key_dim), v.dtype)], axis=1)
+    stacked_gates = tuple(
+        jnp.concatenate([gate, jnp.ones((local_len, key_dim), gate.dtype)], axis=1)
+        if spec.channels == "V"
+        else gate
+        for spec, gate in zip(rule.gates, gates, strict=True)
+    )
+    return stacked_v, stacked_gates
+
+
+def stacked_starts(initial_states, cu, first, local_len, shard):
+    """The start states ``[N, V + K, K]`` of this shard's run and its local offsets (None
+    without ``cu``). The values part starts from the known initial states, the transition
+    part from I, and each from zero where the other applies. Masking the values part alone
+    keeps the cotangent that the replicated initial states gather from every shard
+    ``[V, K]``-sized."""
+    identity = jnp.eye(initial_states.shape[-1], dtype=initial_states.dtype)
+    if cu is None:
+        # Shard 0 starts from the initial state, every other one from the carry.
+        first_shard = shard == 0
+        values = jnp.where(first_shard, initial_states, jnp.zeros_like(initial_states))
+        transition = jnp.where(first_shard, jnp.zeros_like(identity), identity)[None]
+        return jnp.concatenate([values, transition], axis=1), None
+    num_seqs = cu.shape[0] - 1
+    ids = jnp.arange(num_seqs, dtype=jnp.int32)
+    # The sequence holding token t is (number of offsets <= t) - 1, a count rather than
+    # jnp.searchsorted, which fails on a shard-varying t inside shard_map (jax 0.10.2).
+    # Past a traced last offset the count gives N: no sequence holds the token.
+    entering = jnp.sum(cu <= first, dtype=jnp.int32) - 1
+    enters = (entering < num_seqs) & (cu[jnp.minimum(entering, num_seqs - 1)] < first)
+    from_left = (enters & (ids == entering))[:, None, None]
+    values = jnp.where(from_left, jnp.zeros_like(initial_states), initial_states)
+    transition = jnp.where(from_left, identity[None], jnp.zeros_like(identity)[None])
+    # Local offsets; sequences outside the shard become empty and keep their start.
+    return jnp.concatenate([values, transition], axis=1), jnp.clip(cu - first, 0, local_len)
+
+
+def handed_on(finals, cu, last_token):
+    """The stacked state this shard hands on: that of the sequence holding its last token
+    (zeros if none does)."""
+    if cu is None:
+        return finals[0]
+    num_seqs = cu.shape[0] - 1
+    holder = jnp.sum(cu <= last_token, dtype=jnp.int32) - 1
+    held = holder < num_seqs
+    return jnp.where(held, finals[jnp.minimum(holder, num_seqs - 1)], jnp.zeros_like(finals[0]))
+
+
+def gathered_finals(finals, initial_states, cu, local_len, shard, axis_name):
+    """Each sequence's final state, the same on every shard. It lives on the shard with the
+    sequence's last token; one masked sum spreads it (and sends the cotangent back to that
+    shard alone)."""
+    if cu is None:
+        owns = (shard == jax.lax.axis_size(axis_name) - 1)[None]
+    else:
+        last = cu[1:] - 1
+        owns = (last >= cu[:-1]) & (last // local_len == shard)
+    total = jax.lax.psum(jnp.where(owns[:, None, None], finals, jnp.zeros_like(finals)), axis_name)
+    if cu is None:
+        return total
+    # A sequence without tokens has no shard; it keeps its initial state.
+    return jnp.where((cu[1:] == cu[:-1])[:, None, None], initial_states, total)
+
+
 def seq_parallel_rule(
     q: Float[Array, "T K"],
     k: Float[Array, "T K"],
@@ -99,82 +168,26 @@ def seq_parallel_rule(
     The gates and states are in the compute dtype, q, k and v in it or narrower, and ``q`` is
     not scaled: q, k ``[T / n, K]``, v ``[T / n, V]`` and the gates are this shard's tokens;
     ``initial_states [N, V, K]`` and ``cu_seqlens [N+1]`` (global offsets) are the same on
-    every shard. ``T / n`` need not be a multiple of ``chunk_size``. A write gate per value
-    channel (GDN-2's ``w``) reaches the stacked state's values only: the transition rows,
-    whose values are zero, get gates of one.
+    every shard. ``T / n`` need not be a multiple of ``chunk_size``.
 
     Returns ``(y [T / n, V], finals [N, V, K])``; ``finals`` is the same on every shard.
     """
     local_len, key_dim = q.shape
     value_dim = v.shape[1]
-    dtype = initial_states.dtype
     shard = jax.lax.axis_index(axis_name)
     first = shard * local_len
-    identity = jnp.eye(key_dim, dtype=dtype)
-    stacked_v = jnp.concatenate([v, jnp.zeros((local_len, key_dim), v.dtype)], axis=1)
-    stacked_gates = tuple(
-        jnp.concatenate([gate, jnp.ones((local_len, key_dim), gate.dtype)], axis=1)
-        if spec.channels == "V"
-        else gate
-        for spec, gate in zip(rule.gates, gates, strict=True)
-    )
-
-    # The values part starts from the known initial states, the transition part from I, and
-    # each from zero where the other applies. Masking the values part alone keeps the
-    # cotangent that the replicated initial states gather from every shard [V, K]-sized.
-    if cu_seqlens is None:
-        # Shard 0 starts from the initial state, every other one from the carry.
-        first_shard = shard == 0
-        values = jnp.where(first_shard, initial_states, jnp.zeros_like(initial_states))
-        transition = jnp.where(first_shard, jnp.zeros_like(identity), identity)[None]
-        local_cu = None
-    else:
-        cu = cu_seqlens.astype(jnp.int32)
-        num_seqs = cu.shape[0] - 1
-        ids = jnp.arange(num_seqs, dtype=jnp.int32)
-        # The sequence holding token t is (number of offsets <= t) - 1, a count rather than
-        # jnp.searchsorted, which fails on a shard-varying t inside shard_map (jax 0.10.2).
-        # Past a traced last offset the count gives N: no sequence holds the token.
-        entering = jnp.sum(cu <= first, dtype=jnp.int32) - 1
-        enters = (entering < num_seqs) & (cu[jnp.minimum(entering, num_seqs - 1)] < first)
-        from_left = (enters & (ids == entering))[:, None, None]
-        values = jnp.where(from_left, jnp.zeros_like(initial_states), initial_states)
-        transition = jnp.where(from_left, identity[None], jnp.zeros_like(identity)[None])
-        # Local offsets; sequences outside the shard become empty and keep their start.
-        local_cu = jnp.clip(cu - first, 0, local_len)
-    starts = jnp.concatenate([values, transition], axis=1)
-
+    cu = None if cu_seqlens is None else cu_seqlens.astype(jnp.int32)
+    stacked_v, stacked_gates = stacked_inputs(v, gates, rule, key_dim)
+    starts, local_cu = stacked_starts(initial_states, cu, first, local_len, shard)
     ys, finals = rule.chunked(
         q, k, stacked_v, stacked_gates, starts,
         chunk_size=chunk_size, cu_seqlens=local_cu, schedule=schedule,
     )  # fmt: skip
-
-    if cu_seqlens is None:
-        carry = finals[0]
-    else:
-        holder = jnp.sum(cu <= first + local_len - 1, dtype=jnp.int32) - 1
-        held = holder < num_seqs
-        carry = jnp.where(
-            held, finals[jnp.minimum(holder, num_seqs - 1)], jnp.zeros_like(finals[0])
-        )
+    carry = handed_on(finals, cu, first + local_len - 1)
     start = shard_start_state(carry, value_dim, axis_name)
-
     y = ys[:, :value_dim] + ys[:, value_dim:] @ start.T
     finals = _with_start(finals, start, value_dim)
-
-    # Each sequence's final state lives on the shard with its last token; one masked sum
-    # makes it the same on every shard (and sends the cotangent back to that shard alone).
-    if cu_seqlens is None:
-        owns = (shard == jax.lax.axis_size(axis_name) - 1)[None]
-    else:
-        last = cu[1:] - 1
-        owns = (last >= cu[:-1]) & (last // local_len == shard)
-    total = jax.lax.psum(jnp.where(owns[:, None, None], finals, jnp.zeros_like(finals)), axis_name)
-    if cu_seqlens is not None:
-        # A sequence without tokens has no shard; it keeps its initial state.
-        empty = (cu[1:] == cu[:-1])[:, None, None]
-        total = jnp.where(empty, initial_states, total)
-    return y, total
+    return y, gathered_finals(finals, initial_states, cu, local_len, shard, axis_name)
 
 
 def _check_mesh(fn, mesh, axis_name, seq_len):
