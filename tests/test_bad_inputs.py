@@ -352,5 +352,5 @@ def test_forward_mode_autodiff_through_the_chunked_form_says_what_to_use(impl):
         jax.jvp(lambda q: one_head(q, k[0, :, 0], v[0, :, 0], la[0, :, 0], b[0, :, 0])[0],
                 (q[0, :, 0],), (q[0, :, 0],))  # fmt: skip
     # Forward over reverse needs no forward-mode rule of the op: the Hessian works.
-    hessian = jax.hessian(lambda q: jnp.sum(out(q) ** 2))(q)
+    hessian = jax.jit(jax.hessian(lambda q: jnp.sum(out(q) ** 2)))(q)
     assert np.isfinite(hessian).all()

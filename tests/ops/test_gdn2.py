@@ -174,6 +174,30 @@ def test_gate_edges_are_finite_and_exact(edge):
     assert_forms_agree(args, jnp.float32, options, edge)
 
 
+def test_residuals_are_the_inputs_and_one_state_per_chunk():
+    """What the backward keeps grows with T by the inputs and one [V, K] state per chunk
+    (two lengths, so the constant masks the recomputation needs cancel out)."""
+    key_dim, value_dim, chunk = 8, 8, 64
+
+    def saved_and_inputs(seq_len, schedule):
+        args = single_head_args(70, seq_len, key_dim, value_dim)[:7]
+
+        def run(*a):
+            options = dict(initial_state=a[6], chunk_size=chunk, schedule=schedule)
+            return ops.gdn2_chunked(*a[:6], **options)
+
+        vjp_fn = jax.eval_shape(lambda *a: jax.vjp(run, *a)[1], *args)
+        saved = sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(vjp_fn))
+        return saved, sum(x.size for x in args)
+
+    for schedule in ("in_scan", "hoisted"):
+        (saved_1, inputs_1), (saved_2, inputs_2) = (
+            saved_and_inputs(seq_len, schedule) for seq_len in (256, 512)
+        )
+        states = (256 // chunk) * value_dim * key_dim
+        assert saved_2 - saved_1 <= inputs_2 - inputs_1 + states, schedule
+
+
 # --- the batched entry point -------------------------------------------------------------------
 
 
