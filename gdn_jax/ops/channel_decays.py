@@ -161,10 +161,14 @@ def channel_scores_bwd(xs, k, log_alpha, d_scores):
 
 def _after(done, log_alpha):
     """``(done, log_alpha)`` as they are, with the next level's factors made from this
-    ``log_alpha`` only once ``done`` (the last level's results) exists: without the barrier
-    XLA makes every level's factors at once, ``log2(C)`` copies of the keys batched over all
-    chunks."""
-    return jax.lax.optimization_barrier((done, log_alpha))
+    ``log_alpha`` only once ``done`` (the last level's results) exists. Off CPU the barrier
+    keeps XLA from making every level's factors at once, ``log2(C)`` copies of the keys
+    batched over all chunks (KDA's hoisted forward+backward on a v5e chip: 1504 MiB with it,
+    1588 without); XLA:CPU's temp is the same either way and the barrier cost it 5-7% of
+    KDA's time (docs/benchmarks.md)."""
+    return jax.lax.platform_dependent(
+        done, log_alpha, cpu=lambda *a: a, default=lambda *a: jax.lax.optimization_barrier(a)
+    )
 
 
 def _first_halves(x: Float[Array, "NB h K"]) -> Float[Array, "C K"]:
