@@ -25,6 +25,9 @@ from gdn_jax.layers import (
 from gdn_jax.models import LanguageModel, ModelConfig, generate
 from gdn_jax.ops import (
     default_scale,
+    gated_delta_product,
+    gated_delta_product_chunked,
+    gated_delta_product_recurrent,
     gated_delta_rule,
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
@@ -55,6 +58,9 @@ __all__ = [
     "SoftmaxAttention",
     "generate",
     "default_scale",
+    "gated_delta_product",
+    "gated_delta_product_chunked",
+    "gated_delta_product_recurrent",
     "gated_delta_rule",
     "gated_delta_rule_chunked",
     "gated_delta_rule_recurrent",

@@ -99,3 +99,21 @@ def erase_write_reference(q, k, v, log_alpha, b, w, *, scale, initial_state=None
         state = decayed + np.outer(w[t] * v[t] - decayed @ (b[t] * k[t]), k[t])
         ys.append(state @ (scale * q[t]))
     return np.stack(ys), state
+
+
+def householder_reference(q, k, v, log_alpha, beta, n, *, scale, initial_state=None):
+    """Gated DeltaProduct, straight from its recurrence: per token ``t``, ``S = alpha_t S``,
+    then ``n`` delta steps ``S = S + beta_j (v_j - S k_j) k_j^T`` with the token's keys
+    ``k [t n + j]``, then ``y_t = S (scale q_t)``. ``log_alpha [T]`` or None."""
+    q, k, v, beta = (np.asarray(x, np.float64) for x in (q, k, v, beta))
+    state = np.zeros((v.shape[1], q.shape[1]))
+    if initial_state is not None:
+        state = np.array(initial_state, np.float64)
+    ys = []
+    for t in range(q.shape[0]):
+        if log_alpha is not None:
+            state = state * np.exp(np.float64(log_alpha[t]))
+        for j in range(t * n, t * n + n):
+            state = state + beta[j] * np.outer(v[j] - state @ k[j], k[j])
+        ys.append(state @ (scale * q[t]))
+    return np.stack(ys), state

@@ -12,6 +12,11 @@ from gdn_jax.ops.rules.gated_delta import (
     gated_delta_rule_seq_parallel,
     gated_delta_step,
 )
+from gdn_jax.ops.rules.gated_delta_product import (
+    gated_delta_product,
+    gated_delta_product_chunked,
+    gated_delta_product_recurrent,
+)
 from gdn_jax.ops.rules.gated_linear import (
     gated_linear_attention,
     gated_linear_attention_seq_parallel,
@@ -30,6 +35,9 @@ __all__ = [
     "gated_delta_step",
     "gated_linear_attention",
     "gated_linear_attention_seq_parallel",
+    "gated_delta_product",
+    "gated_delta_product_chunked",
+    "gated_delta_product_recurrent",
     "gdn2",
     "gdn2_chunked",
     "gdn2_recurrent",

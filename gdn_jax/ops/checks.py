@@ -266,6 +266,51 @@ def check_cu_seqlens(fn: str, cu_seqlens, seq_len: int) -> None:
         )
 
 
+def check_householder_steps(fn: str, q, k, v, log_alpha, beta, n, *, lead: int) -> None:
+    """Gated DeltaProduct's layout: per token a query and a decay (``log_alpha`` may be
+    None), per step (``n`` a token) a key, a value and a ``beta``. ``lead`` is 1 for the
+    batched layout (``q [B, T, H, K]``, ``k [B, T n, H, K]``, ``v [B, T n, HV, V]``,
+    ``log_alpha [B, T, HV]``, ``beta [B, T n, HV]``) and 0 for one head (the same without
+    ``B`` and the head axes). The rest is the gated delta rule's, checked by its op."""
+    check_positive_int(fn, num_householder=n)
+    check_arrays(fn, q=q, k=k, v=v, log_alpha=log_alpha, beta=beta)
+    rank = 2 + 2 * lead
+    check_rank(fn, "q", q, rank, "[B, T, H, K]" if lead else "[T, K]")
+    tokens = q.shape[lead]
+    steps = (*q.shape[:lead], tokens * n)
+    layouts = {
+        "k": ("[B, T n, H, K]", (*steps, *q.shape[lead + 1 :]))
+        if lead
+        else ("[T n, K]", (*steps, q.shape[-1])),
+        "v": ("[B, T n, HV, V]", None) if lead else ("[T n, V]", None),
+    }
+    for name, x in (("k", k), ("v", v)):
+        layout, expected = layouts[name]
+        check_rank(fn, name, x, rank, layout)
+        got = tuple(x.shape)
+        if got[: lead + 1] != steps or (expected is not None and got != expected):
+            shape = expected if expected is not None else (*steps, "...")
+            raise ValueError(
+                f"{fn}: {name} must have shape {layout} with n = num_householder = {n} steps "
+                f"a token = {shape}, got {got}"
+            )
+    heads = v.shape[lead + 1 :][:1] if lead else ()
+    per_token = (*q.shape[: lead + 1], *heads)
+    per_step = (*steps, *heads)
+    if log_alpha is not None and tuple(log_alpha.shape) != per_token:
+        layout = "[B, T, HV]" if lead else "[T]"
+        raise ValueError(
+            f"{fn}: log_alpha must have shape {layout} (one decay a token) = {per_token}, "
+            f"got {tuple(log_alpha.shape)}"
+        )
+    if tuple(beta.shape) != per_step:
+        layout = "[B, T n, HV]" if lead else "[T n]"
+        raise ValueError(
+            f"{fn}: beta must have shape {layout} (one a step, n = {n}) = {per_step}, "
+            f"got {tuple(beta.shape)}"
+        )
+
+
 def check_batched(fn: str, q, k, v, gates: dict, specs, initial_state, cu_seqlens) -> None:
     """The batched, multi-head contract: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` with HV a
     multiple of H, each gate ``[B, T, HV]`` (``[B, T, HV, K]`` or ``[B, T, HV, V]`` where its

@@ -1,0 +1,174 @@
+"""Gated DeltaProduct (``n`` delta steps a token): the recurrent and chunked forms and the
+batched entry against a float64 loop of the recurrence, each other and the gated delta rule."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+from reference import householder_reference, random_state
+from tolerance import assert_close
+
+import gdn_jax
+
+KEY, VALUE = 12, 10
+NAMES = ("q", "k", "v", "log_alpha", "beta", "initial_state")
+
+
+def product_inputs(seed, seq_len, n, *, dtype=jnp.float32, lead=(), heads=None):
+    """q per token, k, v and beta (in (0, 2)) per step, log_alpha per token."""
+    rng = np.random.default_rng(seed)
+    qk_heads, v_heads = ((), ()) if heads is None else ((heads[0],), (heads[1],))
+    q = rng.standard_normal((*lead, seq_len, *qk_heads, KEY))
+    k = rng.standard_normal((*lead, seq_len * n, *qk_heads, KEY))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((*lead, seq_len * n, *v_heads, VALUE))
+    log_alpha = rng.uniform(-1.0, 0.0, (*lead, seq_len, *v_heads))
+    beta = rng.uniform(0.0, 2.0, (*lead, seq_len * n, *v_heads))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v, log_alpha, beta))
+
+
+@functools.cache
+def outputs_and_grads(form, n, **options):
+    fn = {
+        "recurrent": gdn_jax.gated_delta_product_recurrent,
+        "chunked": gdn_jax.gated_delta_product_chunked,
+    }[form]
+
+    def run(q, k, v, la, b, state, ct_y, ct_s):
+        def loss(*args):
+            y, s = fn(*args[:5], initial_state=args[5], num_householder=n, **options)
+            return jnp.sum(y * ct_y) + jnp.sum(s * ct_s), (y, s)
+
+        grads, (y, s) = jax.grad(loss, argnums=range(6), has_aux=True)(q, k, v, la, b, state)
+        return y, s, grads
+
+    return jax.jit(run)
+
+
+def single_head_args(seed, seq_len, n, dtype=jnp.float32):
+    inputs = product_inputs(seed, seq_len, n, dtype=dtype)
+    state = random_state(seed + 1, VALUE, KEY, dtype=dtype)
+    cotangents = (
+        random_state(seed + 2, seq_len, VALUE, dtype=dtype),
+        random_state(seed + 3, VALUE, KEY, dtype=dtype),
+    )
+    return (*inputs, state, *cotangents)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_forms_match_the_float64_loop(dtype):
+    q, k, v, la, b = product_inputs(0, 30, 3, dtype=dtype)
+    state = random_state(1, VALUE, KEY, dtype=dtype)
+    y_ref, s_ref = householder_reference(q, k, v, la, b, 3, scale=0.3, initial_state=state)
+    for fn in (gdn_jax.gated_delta_product_recurrent, gdn_jax.gated_delta_product_chunked):
+        y, s = fn(q, k, v, la, b, num_householder=3, scale=0.3, initial_state=state)
+        assert y.dtype == dtype and y.shape == (30, VALUE)
+        assert_close(y, y_ref, dtype, fn.__name__)
+        assert_close(s, s_ref, dtype, fn.__name__)
+    y, s = gdn_jax.gated_delta_product_recurrent(q, k, v, None, b, num_householder=3, scale=0.3)
+    y_ref, s_ref = householder_reference(q, k, v, None, b, 3, scale=0.3)
+    assert_close(y, y_ref, dtype, "no forget gate")
+
+
+@pytest.mark.parametrize(("n", "schedule"), [(2, "in_scan"), (3, "hoisted")])
+def test_chunked_equals_recurrent_values_and_gradients(n, schedule):
+    # 45 tokens: 90 or 135 steps, off the chunk grid of 32.
+    args = single_head_args(10 + n, 45, n)
+    expected = outputs_and_grads("recurrent", n)(*args)
+    actual = outputs_and_grads("chunked", n, chunk_size=32, schedule=schedule)(*args)
+    assert_close(actual[0], expected[0], jnp.float32, "y")
+    assert_close(actual[1], expected[1], jnp.float32, "final state")
+    for name, a, e in zip(NAMES, actual[2], expected[2], strict=True):
+        assert np.isfinite(a).all(), f"d{name}"
+        assert_close(a, e, jnp.float32, f"d{name}")
+
+
+def test_chunked_finite_differences_float64():
+    q, k, v, la, b = product_inputs(20, 13, 2, dtype=jnp.float64)
+    state = random_state(21, VALUE, KEY, dtype=jnp.float64)
+
+    def run(*a):
+        return gdn_jax.gated_delta_product_chunked(
+            *a[:5], initial_state=a[5], num_householder=2, chunk_size=16
+        )
+
+    check_grads(jax.jit(run), (q, k, v, la, b, state), order=1, modes=["rev"], eps=1e-6)
+
+
+product = jax.jit(
+    gdn_jax.gated_delta_product, static_argnames=("num_householder", "impl", "chunk_size")
+)
+
+
+@pytest.mark.parametrize("impl", ["chunked", "recurrent"])
+def test_batched_grouped_heads_match_the_loop_and_n_1_is_the_gated_delta_rule(impl):
+    q, k, v, la, b = product_inputs(3, 21, 2, lead=(2,), heads=(2, 4))
+    state = random_state(4, 2, 4, VALUE, KEY)
+    out, final = product(
+        q, k, v, la, b, num_householder=2, initial_state=state, impl=impl, chunk_size=16
+    )
+    assert out.shape == (2, 21, 4, VALUE) and final.shape == (2, 4, VALUE, KEY)
+    for n in range(2):
+        for i in range(4):
+            h = i // 2
+            y, s = householder_reference(
+                q[n, :, h], k[n, :, h], v[n, :, i], la[n, :, i], b[n, :, i], 2,
+                scale=KEY**-0.5, initial_state=state[n, i],
+            )  # fmt: skip
+            assert_close(out[n, :, i], y, jnp.float32, f"sequence {n}, head {i}")
+            assert_close(final[n, i], s, jnp.float32, f"sequence {n}, head {i}")
+    q1, k1, v1, la1, b1 = product_inputs(5, 21, 1, lead=(2,), heads=(2, 4))
+    one = product(
+        q1, k1, v1, la1, b1, num_householder=1, initial_state=state, impl=impl, chunk_size=16
+    )
+    gdn = gdn_jax.gated_delta_rule(
+        q1, k1, v1, la1, b1, initial_state=state, impl=impl, chunk_size=16
+    )
+    for a, e in zip(one, gdn, strict=True):
+        assert_close(a, e, jnp.float32, "n = 1")
+
+
+def test_packed_sequences_count_tokens_and_equal_separate_runs():
+    cu = [0, 7, 7, 30]  # tokens: an empty sequence, and one across the 32-step chunks
+    q, k, v, la, b = product_inputs(6, 30, 2, lead=(1,), heads=(1, 2))
+    state = random_state(7, 3, 2, VALUE, KEY)
+    out, final = gdn_jax.gated_delta_product(
+        q, k, v, la, b, num_householder=2, initial_state=state, chunk_size=16,
+        cu_seqlens=jnp.asarray(cu, jnp.int32),
+    )  # fmt: skip
+    q, k, v, la, b, state = (np.asarray(x) for x in (q, k, v, la, b, state))
+    for n, (lo, hi) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        for i in range(2):
+            if lo == hi:
+                assert_close(final[n, i], state[n, i], jnp.float32, "empty sequence")
+                continue
+            y, s = householder_reference(
+                q[0, lo:hi, 0], k[0, 2 * lo : 2 * hi, 0], v[0, 2 * lo : 2 * hi, i],
+                la[0, lo:hi, i], b[0, 2 * lo : 2 * hi, i], 2, scale=KEY**-0.5,
+                initial_state=state[n, i],
+            )  # fmt: skip
+            assert_close(out[0, lo:hi, i], y, jnp.float32, f"sequence {n}, head {i}")
+            assert_close(final[n, i], s, jnp.float32, f"sequence {n}, head {i}")
+
+
+def test_a_step_layout_that_does_not_fit_is_refused_naming_the_argument():
+    q, k, v, la, b = product_inputs(8, 6, 2, lead=(1,), heads=(1, 1))
+    with pytest.raises(
+        ValueError,
+        match=r"gated_delta_product: k must have shape \[B, T n, H, K\] with n = num_householder = 3",
+    ):
+        gdn_jax.gated_delta_product(q, k, v, la, b, num_householder=3)
+    with pytest.raises(
+        ValueError, match=r"gated_delta_product: beta must have shape \[B, T n, HV\]"
+    ):
+        gdn_jax.gated_delta_product(q, k, v, la, b[:, :6], num_householder=2)
+    with pytest.raises(
+        ValueError,
+        match=r"gated_delta_product: log_alpha must have shape \[B, T, HV\] \(one decay a token\)",
+    ):
+        gdn_jax.gated_delta_product(q, k, v, jnp.repeat(la, 2, axis=1), b, num_householder=2)
+    with pytest.raises(ValueError, match=r"num_householder=0 must be a positive integer"):
+        gdn_jax.gated_delta_product(q, k, v, la, b, num_householder=0)
