@@ -3,6 +3,7 @@
 from gdn_jax.layers.attention import KVCache, SoftmaxAttention
 from gdn_jax.layers.baselines import DeltaNet, GatedLinearAttention, LinearAttention
 from gdn_jax.layers.gated_deltanet import GatedDeltaNet
+from gdn_jax.layers.gated_deltaproduct import GatedDeltaProduct
 from gdn_jax.layers.gdn2 import GatedDeltaNet2
 from gdn_jax.layers.kda import KimiDeltaAttention
 from gdn_jax.layers.mixer import TokenMixer
@@ -15,6 +16,7 @@ __all__ = [
     "DeltaNet",
     "GatedDeltaNet",
     "GatedDeltaNet2",
+    "GatedDeltaProduct",
     "GatedLinearAttention",
     "KVCache",
     "KimiDeltaAttention",

@@ -72,8 +72,8 @@ def check_head_shapes(
     return int(head_v_dim)
 
 
-def short_convolutions(key_dim, value_dim, *, conv_size, conv_bias, dtype, param_dtype, rngs):
-    """The q, k and v ``ShortConvolution``s, in that order."""
+def short_convolutions(widths, *, conv_size, conv_bias, dtype, param_dtype, rngs):
+    """The q, k and v ``ShortConvolution``s over ``widths = (q, k, v)`` channels."""
     conv = functools.partial(
         ShortConvolution,
         conv_size=conv_size,
@@ -82,7 +82,7 @@ def short_convolutions(key_dim, value_dim, *, conv_size, conv_bias, dtype, param
         param_dtype=param_dtype,
         rngs=rngs,
     )
-    return conv(key_dim), conv(key_dim), conv(value_dim)
+    return tuple(conv(width) for width in widths)
 
 
 @no_type_check  # checks.py names bad arguments and inputs
@@ -121,6 +121,7 @@ class RecurrentLayer(nnx.Module):
         param_dtype,
         kernel_init,
         rngs: nnx.Rngs,
+        steps_per_token: int = 1,
     ):
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
         name = type(self).__name__
@@ -145,17 +146,24 @@ class RecurrentLayer(nnx.Module):
         self.key_dim, self.value_dim = num_heads * head_dim, num_v_heads * head_v_dim
         self.allow_neg_eigval, self.use_gate = allow_neg_eigval, use_gate
         self.impl, self.schedule, self.conv_size = impl, schedule, conv_size
+        # Keys and values per token: several for Gated DeltaProduct, laid out as
+        # flash-linear-attention's "(n h d)" features of one token.
+        self.steps_per_token = steps_per_token
+        self.widths = (
+            self.key_dim,
+            self.key_dim * steps_per_token,
+            self.value_dim * steps_per_token,
+        )
 
         linear = bias_free_linear(
             dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
         )
         self.q_proj = linear(hidden_size, self.key_dim, COLUMNS)
-        self.k_proj = linear(hidden_size, self.key_dim, COLUMNS)
-        self.v_proj = linear(hidden_size, self.value_dim, COLUMNS)
+        self.k_proj = linear(hidden_size, self.widths[1], COLUMNS)
+        self.v_proj = linear(hidden_size, self.widths[2], COLUMNS)
         if use_short_conv:
             self.q_conv1d, self.k_conv1d, self.v_conv1d = short_convolutions(
-                self.key_dim,
-                self.value_dim,
+                self.widths,
                 conv_size=conv_size,
                 conv_bias=conv_bias,
                 dtype=dtype,
@@ -193,10 +201,7 @@ class RecurrentLayer(nnx.Module):
         conv = None
         if self.q_conv1d is not None:
             width = self.conv_size - 1
-            conv = tuple(
-                jnp.zeros((batch_size, width, d), self.q_proj.dtype)
-                for d in (self.key_dim, self.key_dim, self.value_dim)
-            )
+            conv = tuple(jnp.zeros((batch_size, width, d), self.q_proj.dtype) for d in self.widths)
         state = jnp.zeros((batch_size, self.num_v_heads, self.head_v_dim, self.head_dim))
         return RecurrentCache(conv, state.astype(jnp.float32))
 
@@ -233,7 +238,8 @@ class RecurrentLayer(nnx.Module):
     def _qkv(self, x, *, mask, cu_seqlens, cache, seq_mesh):
         """The rule's inputs from ``x [B, T, D]``, after checking ``x``, ``mask`` and ``cache``.
 
-        Returns ``(q [B, T, H, K], k [B, T, H, K], v [B, T, HV, V], real, conv_cache)``:
+        Returns ``(q [B, T, H, K], k [B, T n, H, K], v [B, T n, HV, V], real, conv_cache)``
+        (``n = steps_per_token``, 1 but for Gated DeltaProduct):
         ``real`` is the mask as ``[B, T, 1]`` booleans (None without one), ``conv_cache`` the
         convolution histories to decode on (None without short convolutions). With
         ``seq_mesh`` the convolutions split T over its ``SEQ_AXIS``.
@@ -261,7 +267,8 @@ class RecurrentLayer(nnx.Module):
                 cu_seqlens=cu_seqlens,
                 seq_mesh=seq_mesh,
             )
+        steps = seq_len * self.steps_per_token
         q = q.reshape(batch, seq_len, self.num_heads, self.head_dim)
-        k = k.reshape(batch, seq_len, self.num_heads, self.head_dim)
-        v = v.reshape(batch, seq_len, self.num_v_heads, self.head_v_dim)
+        k = k.reshape(batch, steps, self.num_heads, self.head_dim)
+        v = v.reshape(batch, steps, self.num_v_heads, self.head_v_dim)
         return q, k, v, real, conv_cache

@@ -45,6 +45,8 @@ class ModelConfig:
     conv_size: int = 4
     # Delta-rule mixers: beta in [0, 2] instead of [0, 1] (negative eigenvalues).
     allow_neg_eigval: bool = False
+    # Gated DeltaProduct: delta-rule steps a token (each with its key, value and beta).
+    num_householder: int = 2
     # Chunk size C of the chunked recurrence.
     chunk_size: int = 64
     # "chunked" (train with this) or "recurrent" (the token-by-token reference).

@@ -18,6 +18,7 @@ from gdn_jax.layers import (
     DeltaNet,
     GatedDeltaNet,
     GatedDeltaNet2,
+    GatedDeltaProduct,
     GatedLinearAttention,
     KimiDeltaAttention,
     LinearAttention,
@@ -61,6 +62,15 @@ def recurrent(layer, *, negative_eigenvalues: bool) -> Callable[..., TokenMixer]
         return layer(*heads, **recurrent_kwargs(config), **extra, **common)
 
     return build
+
+
+def delta_product(config, common) -> TokenMixer:
+    """Gated DeltaProduct with the config's ``num_householder`` steps a token."""
+    heads = (config.d_model, config.num_heads, config.key_head_dim)
+    return GatedDeltaProduct(
+        *heads, **recurrent_kwargs(config), allow_neg_eigval=config.allow_neg_eigval,
+        num_householder=config.num_householder, **common,
+    )  # fmt: skip
 
 
 def attention(*, short_conv: bool) -> Callable[..., TokenMixer]:
@@ -109,6 +119,11 @@ MIXERS: dict[str, MixerSpec] = {
         GatedDeltaNet2,
         recurrent(GatedDeltaNet2, negative_eigenvalues=True),
         "Gated DeltaNet-2: per-channel decay, erase gate on the keys, write gate on the values",
+    ),
+    "gated_deltaproduct": MixerSpec(
+        GatedDeltaProduct,
+        delta_product,
+        "Gated DeltaProduct: `num_householder` delta steps a token, one decay",
     ),
     "attention": MixerSpec(
         SoftmaxAttention,

@@ -16,6 +16,7 @@ from gdn_jax.ops.rules.gated_delta_product import (
     gated_delta_product,
     gated_delta_product_chunked,
     gated_delta_product_recurrent,
+    gated_delta_product_seq_parallel,
 )
 from gdn_jax.ops.rules.gated_linear import (
     gated_linear_attention,
@@ -38,6 +39,7 @@ __all__ = [
     "gated_delta_product",
     "gated_delta_product_chunked",
     "gated_delta_product_recurrent",
+    "gated_delta_product_seq_parallel",
     "gdn2",
     "gdn2_chunked",
     "gdn2_recurrent",

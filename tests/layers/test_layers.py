@@ -15,6 +15,7 @@ from gdn_jax.layers import (
     DeltaNet,
     GatedDeltaNet,
     GatedDeltaNet2,
+    GatedDeltaProduct,
     GatedLinearAttention,
     KimiDeltaAttention,
     LinearAttention,
@@ -23,9 +24,10 @@ from gdn_jax.layers import (
 )
 
 RECURRENT = [GatedDeltaNet, DeltaNet, GatedLinearAttention, LinearAttention]
-# Every mixer with a recurrent state; KimiDeltaAttention's and GatedDeltaNet2's own tests are
-# in test_kda_layer.py and test_gdn2_layer.py.
-STATEFUL = [*RECURRENT, KimiDeltaAttention, GatedDeltaNet2]
+# Every mixer with a recurrent state; KimiDeltaAttention's, GatedDeltaNet2's and
+# GatedDeltaProduct's own tests are in test_kda_layer.py, test_gdn2_layer.py and
+# test_gated_deltaproduct_layer.py.
+STATEFUL = [*RECURRENT, KimiDeltaAttention, GatedDeltaNet2, GatedDeltaProduct]
 HIDDEN = 16
 
 

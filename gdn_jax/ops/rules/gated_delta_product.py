@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import no_type_check
 
 import jax.numpy as jnp
+from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
@@ -29,6 +30,7 @@ from gdn_jax.ops.rules.gated_delta import (
     gated_delta_rule,
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
+    gated_delta_rule_seq_parallel,
 )
 
 
@@ -41,6 +43,13 @@ def interleaved(x, n: int, *, axis: int, at: int):
     parts = [x if j == at else zeros for j in range(n)]
     stacked = jnp.concatenate(parts, axis=axis + 1)
     return stacked.reshape(*x.shape[:axis], x.shape[axis] * n, *x.shape[axis + 2 :])
+
+
+def last_steps(y, n: int, *, axis: int):
+    """Each token's output, that of its last step, from the steps' ``y`` (``T n`` long along
+    ``axis``): a reshape that keeps a split of T over devices local."""
+    tokens = y.reshape(*y.shape[:axis], y.shape[axis] // n, n, *y.shape[axis + 1 :])
+    return jnp.take(tokens, n - 1, axis=axis + 1)
 
 
 def as_steps(q, log_alpha, beta, n: int, *, axis: int):
@@ -81,7 +90,7 @@ def gated_delta_product_recurrent(
     y, final = gated_delta_rule_recurrent(
         q_steps, k, v, la_steps, beta, scale=scale, initial_state=initial_state
     )
-    return y[num_householder - 1 :: num_householder], final
+    return last_steps(y, num_householder, axis=0), final
 
 
 @no_type_check  # a public entry point: checks.py names its bad arguments
@@ -108,7 +117,7 @@ def gated_delta_product_chunked(
         q_steps, k, v, la_steps, beta, scale=scale, initial_state=initial_state,
         chunk_size=chunk_size, schedule=schedule,
     )  # fmt: skip
-    return y[num_householder - 1 :: num_householder], final
+    return last_steps(y, num_householder, axis=0), final
 
 
 @no_type_check  # a public entry point: checks.py names its bad arguments
@@ -154,4 +163,39 @@ def gated_delta_product(
         use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, impl=impl,
         chunk_size=chunk_size, schedule=schedule,
     )  # fmt: skip
-    return o[:, num_householder - 1 :: num_householder], final
+    return last_steps(o, num_householder, axis=1), final
+
+
+@no_type_check  # a public entry point: checks.py names its bad arguments
+def gated_delta_product_seq_parallel(
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B Tn H K"],
+    v: Float[Array, "B Tn HV V"],
+    log_alpha: Float[Array, "B T HV"] | None,
+    beta: Float[Array, "B Tn HV"],
+    *,
+    num_householder: int,
+    mesh: Mesh | AbstractMesh,
+    axis_name: str = "seq",
+    scale: float | None = None,
+    initial_state: Float[Array, "_ HV V K"] | None = None,
+    chunk_size: int = 64,
+    schedule: checks.Schedule = "auto",
+    cu_seqlens: Int[Array, " _"] | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[Float[Array, "B T HV V"], Float[Array, "_ HV V K"]]:
+    """``gated_delta_product`` with ``T`` split over the mesh axis ``axis_name``: each
+    token's steps stay on its shard, so the gated delta rule's sequence-parallel form runs
+    the steps as they are; arguments and results as in ``gated_delta_rule_seq_parallel``."""
+    fn = "gated_delta_product_seq_parallel"
+    checks.check_householder_steps(fn, q, k, v, log_alpha, beta, num_householder, lead=1)
+    if cu_seqlens is not None:
+        checks.check_cu_seqlens(fn, cu_seqlens, q.shape[1])
+        cu_seqlens = jnp.asarray(cu_seqlens) * num_householder
+    q_steps, la_steps = as_steps(q, log_alpha, beta, num_householder, axis=1)
+    o, final = gated_delta_rule_seq_parallel(
+        q_steps, k, v, la_steps, beta, mesh=mesh, axis_name=axis_name, scale=scale,
+        initial_state=initial_state, chunk_size=chunk_size, schedule=schedule,
+        cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+    )  # fmt: skip
+    return last_steps(o, num_householder, axis=1), final
