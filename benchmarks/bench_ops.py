@@ -8,8 +8,9 @@
         --schedules auto                                         # KDA next to Gated DeltaNet
 
 ``--ops`` picks the recurrences: ``gdn`` (``gated_delta_rule``, one gate per head and token),
-``kda`` (``kda``, one decay per key channel) and ``gdn2`` (``gdn2``, per-channel erase and
-write gates too); the baseline runs each of them that it has.
+``kda`` (``kda``, one decay per key channel), ``gdn2`` (``gdn2``, per-channel erase and
+write gates too) and ``gdp2``, ``gdp3`` (``gated_delta_product`` with 2 and 3 steps a token);
+the baseline runs each of them that it has.
 
 ``--schedules`` picks the chunked schedules to time (``in_scan``, ``hoisted``, ``auto``);
 ``--xla-defaults`` leaves out the XLA options of ``gdn_jax.training.xla_flags``.
@@ -89,12 +90,15 @@ def chunked_forward_flops(shape, seq_len, chunk):
     return batch * heads * num_chunks * per_chunk
 
 
-# The batched entry point of each recurrence and the trailing axis of each of its gates
-# after log_alpha's and beta's [B, T, H]: None, "K" (one per key channel) or "V".
+# The batched entry point of each recurrence, the trailing axis of each of its gates after
+# log_alpha's and beta's [B, T, H] (None, "K": one per key channel, or "V"), and its steps a
+# token (Gated DeltaProduct's num_householder: k, v and beta have T n of them).
 OPS = {
-    "gdn": ("gated_delta_rule", (None, None)),
-    "kda": ("kda", ("K", None)),
-    "gdn2": ("gdn2", ("K", "K", "V")),
+    "gdn": ("gated_delta_rule", (None, None), 1),
+    "kda": ("kda", ("K", None), 1),
+    "gdn2": ("gdn2", ("K", "K", "V"), 1),
+    "gdp2": ("gated_delta_product", (None, None), 2),
+    "gdp3": ("gated_delta_product", (None, None), 3),
 }
 
 
@@ -103,14 +107,16 @@ def inputs(shape, seq_len, op):
     batch, heads, key, value = shape
     rng = np.random.default_rng(0)
     q = rng.standard_normal((batch, seq_len, heads, key))
-    k = rng.standard_normal((batch, seq_len, heads, key))
+    steps = seq_len * OPS[op][2]
+    k = rng.standard_normal((batch, steps, heads, key))
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((batch, seq_len, heads, value))
+    v = rng.standard_normal((batch, steps, heads, value))
     gates = []
     for i, channels in enumerate(OPS[op][1]):
         tail = {None: (), "K": (key,), "V": (value,)}[channels]
         low, high = (-0.5, -0.01) if i == 0 else (0.0, 1.0)
-        gates.append(rng.uniform(low, high, (batch, seq_len, heads, *tail)))
+        length = seq_len if i == 0 else steps  # a decay a token, the rest a step
+        gates.append(rng.uniform(low, high, (batch, length, heads, *tail)))
     return tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v, *gates))
 
 
@@ -131,6 +137,8 @@ class Row(NamedTuple):
 
 def programs(package, op, impl, chunk, schedule):
     options = dict(impl=impl, chunk_size=chunk)
+    if OPS[op][2] > 1:
+        options.update(num_householder=OPS[op][2])
     if schedule not in (None, "auto"):  # a baseline revision may predate schedules
         options.update(schedule=schedule)
     entry = getattr(package, OPS[op][0])

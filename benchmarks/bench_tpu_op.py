@@ -76,7 +76,8 @@ def main():
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--schedules", nargs="+", default=["hoisted", "in_scan"])
     parser.add_argument("--baseline", help="git revision to compile as well")
-    parser.add_argument("--ops", nargs="+", choices=sorted(OPS), default=["gdn"])
+    one_step = sorted(op for op, (_, _, steps) in OPS.items() if steps == 1)
+    parser.add_argument("--ops", nargs="+", choices=one_step, default=["gdn"])
     args = parser.parse_args()
     tpu_compile.quiet_libtpu(tpu_compile.parse_topology(args.topology))
     device = tpu_compile.topology_devices(args.topology)[0]
