@@ -26,6 +26,7 @@ from gdn_jax.layers.params import (
     param,
 )
 from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer, seq_parallel_mesh
+from gdn_jax.layers.recurrent_mixer import head_log_decay
 from gdn_jax.ops import checks, gated_delta_product, gated_delta_product_seq_parallel
 
 
@@ -111,9 +112,7 @@ class GatedDeltaProduct(RecurrentLayer):
         beta = 2.0 * beta if self.allow_neg_eigval else beta
         log_alpha = None
         if self.use_forget_gate:
-            rate = jnp.exp(self.A_log[...].astype(jnp.float32))[None, None, :]
-            dt_bias = self.dt_bias[...].astype(jnp.float32)[None, None, :]
-            log_alpha = -rate * jax.nn.softplus(self.a_proj(x).astype(jnp.float32) + dt_bias)
+            log_alpha = head_log_decay(self.a_proj(x), self.A_log[...], self.dt_bias[...])
         if real is not None:
             beta = jnp.where(real, beta, 0)
             log_alpha = None if log_alpha is None else jnp.where(real, log_alpha, 0)

@@ -36,6 +36,14 @@ from gdn_jax.ops import (
 )
 
 
+def head_log_decay(projected, A_log, dt_bias):
+    """Gated DeltaNet's decay, one a head and token, in float32: ``log_alpha =
+    -exp(A_log) * softplus(a_proj(x) + dt_bias)`` from ``projected = a_proj(x) [B, T, HV]``."""
+    rate = jnp.exp(A_log.astype(jnp.float32))[None, None, :]
+    dt_bias = dt_bias.astype(jnp.float32)[None, None, :]
+    return -rate * jax.nn.softplus(projected.astype(jnp.float32) + dt_bias)
+
+
 @no_type_check  # checks.py names bad arguments and inputs
 class RecurrentMixer(RecurrentLayer):
     """Recurrent token mixer: ``x [B, T, hidden_size] -> [B, T, hidden_size]``.
@@ -134,9 +142,7 @@ class RecurrentMixer(RecurrentLayer):
         else:
             beta = jnp.ones(gate_shape, jnp.float32)
         if self.decay:
-            rate = jnp.exp(self.A_log[...].astype(jnp.float32))[None, None, :]
-            dt_bias = self.dt_bias[...].astype(jnp.float32)[None, None, :]
-            log_alpha = -rate * jax.nn.softplus(self.a_proj(x).astype(jnp.float32) + dt_bias)
+            log_alpha = head_log_decay(self.a_proj(x), self.A_log[...], self.dt_bias[...])
         else:
             log_alpha = jnp.zeros(gate_shape, jnp.float32)
         if real is not None:

@@ -52,6 +52,16 @@ def last_steps(y, n: int, *, axis: int):
     return jnp.take(tokens, n - 1, axis=axis + 1)
 
 
+def batched_steps(fn, q, k, v, log_alpha, beta, n, cu_seqlens):
+    """The batched layout checked and laid out over the steps: ``(q, log_alpha, cu_seqlens)``
+    of the gated delta rule's op, the offsets in steps."""
+    checks.check_householder_steps(fn, q, k, v, log_alpha, beta, n, lead=1)
+    if cu_seqlens is not None:
+        checks.check_cu_seqlens(fn, cu_seqlens, q.shape[1])
+        cu_seqlens = jnp.asarray(cu_seqlens) * n
+    return (*as_steps(q, log_alpha, beta, n, axis=1), cu_seqlens)
+
+
 def as_steps(q, log_alpha, beta, n: int, *, axis: int):
     """The per-token ``q`` and ``log_alpha`` (zeros for ``None``) laid out over the steps."""
     if log_alpha is None:
@@ -152,12 +162,9 @@ def gated_delta_product(
     Returns:
       ``(o [B, T, HV, V], final_state)`` as ``gated_delta_rule``'s.
     """
-    fn = "gated_delta_product"
-    checks.check_householder_steps(fn, q, k, v, log_alpha, beta, num_householder, lead=1)
-    if cu_seqlens is not None:
-        checks.check_cu_seqlens(fn, cu_seqlens, q.shape[1])
-        cu_seqlens = jnp.asarray(cu_seqlens) * num_householder
-    q_steps, la_steps = as_steps(q, log_alpha, beta, num_householder, axis=1)
+    q_steps, la_steps, cu_seqlens = batched_steps(
+        "gated_delta_product", q, k, v, log_alpha, beta, num_householder, cu_seqlens
+    )
     o, final = gated_delta_rule(
         q_steps, k, v, la_steps, beta, scale=scale, initial_state=initial_state,
         use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, impl=impl,
@@ -187,12 +194,10 @@ def gated_delta_product_seq_parallel(
     """``gated_delta_product`` with ``T`` split over the mesh axis ``axis_name``: each
     token's steps stay on its shard, so the gated delta rule's sequence-parallel form runs
     the steps as they are; arguments and results as in ``gated_delta_rule_seq_parallel``."""
-    fn = "gated_delta_product_seq_parallel"
-    checks.check_householder_steps(fn, q, k, v, log_alpha, beta, num_householder, lead=1)
-    if cu_seqlens is not None:
-        checks.check_cu_seqlens(fn, cu_seqlens, q.shape[1])
-        cu_seqlens = jnp.asarray(cu_seqlens) * num_householder
-    q_steps, la_steps = as_steps(q, log_alpha, beta, num_householder, axis=1)
+    q_steps, la_steps, cu_seqlens = batched_steps(
+        "gated_delta_product_seq_parallel", q, k, v, log_alpha, beta, num_householder,
+        cu_seqlens,
+    )  # fmt: skip
     o, final = gated_delta_rule_seq_parallel(
         q_steps, k, v, la_steps, beta, mesh=mesh, axis_name=axis_name, scale=scale,
         initial_state=initial_state, chunk_size=chunk_size, schedule=schedule,
