@@ -5,7 +5,8 @@ compare ``gated_delta_rule_seq_parallel`` on 2, 4 and 8 shards with the one-devi
 ``gdn_jax.gated_delta_rule`` (chunked): outputs, final states and the gradient of every
 input, with the tolerance table, with and without an initial state, and with packed
 sequences across shard boundaries in float32 and float64, each in one schedule or the
-other. The same for the linear rule, KDA and GDN-2 (GDN-2 also packed), with fewer cases.
+other. The same for the linear rule, KDA, GDN-2 (also packed) and Gated DeltaProduct
+(n = 2), with fewer cases.
 Also: a two-axis mesh, the sizes of the arrays that cross devices (Gated DeltaNet and
 GDN-2), ``halo_from_previous`` and the divisibility error. Prints one line per check and exits with
 status 1 if any failed.
@@ -213,6 +214,29 @@ GDN2_PACKED = jnp.asarray(PACKED["crossing"], jnp.int32)
 def _():
     inputs, state, weights = random_inputs(31, 1, len(PACKED["crossing"]) - 1, "gdn2")
     compare(4, inputs, state, weights, "in_scan", GDN2_PACKED, rule="gdn2")
+
+
+@check("gated_delta_product (n = 2), 4 shards, an initial state, in_scan")
+def _():
+    n, shards = 2, 4
+    inputs, state, weights = random_inputs(32, B, B)
+    q, _, _, log_alpha, _ = inputs
+    steps, _, _ = random_inputs(33, B, B)  # T of them: the first T / n tokens' steps
+    rng = np.random.default_rng(34)
+    k = jnp.concatenate([steps[1], inputs[1]], axis=1)[:, : T * n]
+    v = jnp.concatenate([steps[2], inputs[2]], axis=1)[:, : T * n]
+    beta = jnp.asarray(rng.uniform(0.1, 2.0, (B, T * n, HV)), F32)
+    args = (q, k, v, log_alpha, beta)
+    options = dict(chunk_size=C, schedule="in_scan", num_householder=n)
+    expected = loss_and_grads(gdn_jax.gated_delta_product, args, state, weights, None, **options)
+    parallel = gdn_jax.ops.gated_delta_product_seq_parallel
+    actual = loss_and_grads(parallel, args, state, weights, None, mesh=mesh_of(shards), **options)
+    inputs_named = ("q", "k", "v", "log_alpha", "beta", "initial_state")
+    names = ("o", "final state", *(f"gradient of {x}" for x in inputs_named))
+    for name, got, want in zip(
+        names, (*actual[:2], *actual[2]), (*expected[:2], *expected[2]), strict=True
+    ):
+        assert_close(got, want, F32, name)
 
 
 @check("a (data 2, seq 4) mesh with the batch sharded over data, the default schedule")
