@@ -103,3 +103,13 @@ def scan_blocks_backward(step_bwd, xs, d_finals, resets=None):
     carry = (jnp.zeros_like(d_finals[0]), d_init)
     (_, d_init), outs = jax.lax.scan(body, carry, (resets, xs), reverse=True)
     return outs, d_init
+
+
+def barrier_off_cpu(*xs):
+    """``xs`` as they are; off CPU behind an optimisation barrier, so that XLA neither
+    moves work across it nor keeps what is made before it for what comes after (the callers
+    say why, with the memory it saves). On CPU XLA may merge freely: memory is plenty there
+    and the barrier only cost time."""
+    return jax.lax.platform_dependent(
+        *xs, cpu=lambda *a: a, default=lambda *a: jax.lax.optimization_barrier(a)
+    )

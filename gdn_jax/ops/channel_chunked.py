@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
-from gdn_jax.ops.blocks import scan_blocks, scan_blocks_backward
+from gdn_jax.ops.blocks import barrier_off_cpu, scan_blocks, scan_blocks_backward
 from gdn_jax.ops.channel_decays import (
     ChannelDecays,
     channel_decays,
@@ -205,9 +205,7 @@ def _hoisted_backward(inputs, starts, resets, d_ys, d_finals):
     )
     # As in chunked.py: off CPU a barrier keeps XLA from keeping the decays of stage 1
     # through the loop for chunk_grads, which forms them again after it.
-    kept, d_u = jax.lax.platform_dependent(
-        inputs, d_u, cpu=lambda *a: a, default=lambda *a: jax.lax.optimization_barrier(a)
-    )
+    kept, d_u = barrier_off_cpu(inputs, d_u)
     q, k, v, *gates = cast_to(starts.dtype, *kept)
     d = (d_ys, corrections, d_u, d_k_to_end, d_whole)
     # The gradients of GRADS_GROUP chunks at a time: all at once, the levels' factors and

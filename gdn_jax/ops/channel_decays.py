@@ -52,6 +52,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from gdn_jax.ops.blocks import barrier_off_cpu
+
 
 class ChannelDecays(NamedTuple):
     """The decays of one chunk of ``C`` tokens (a power of two) from its start and to its
@@ -166,9 +168,7 @@ def _after(done, log_alpha):
     batched over all chunks (KDA's hoisted forward+backward on a v5e chip: 1504 MiB with it,
     1588 without); XLA:CPU's temp is the same either way and the barrier cost it 5-7% of
     KDA's time (docs/benchmarks.md)."""
-    return jax.lax.platform_dependent(
-        done, log_alpha, cpu=lambda *a: a, default=lambda *a: jax.lax.optimization_barrier(a)
-    )
+    return barrier_off_cpu(done, log_alpha)
 
 
 def _first_halves(x: Float[Array, "NB h K"]) -> Float[Array, "C K"]:

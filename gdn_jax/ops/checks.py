@@ -275,24 +275,21 @@ def check_householder_steps(fn: str, q, k, v, log_alpha, beta, n, *, lead: int) 
     check_positive_int(fn, num_householder=n)
     check_arrays(fn, q=q, k=k, v=v, log_alpha=log_alpha, beta=beta)
     rank = 2 + 2 * lead
-    check_rank(fn, "q", q, rank, "[B, T, H, K]" if lead else "[T, K]")
-    tokens = q.shape[lead]
-    steps = (*q.shape[:lead], tokens * n)
-    layouts = {
-        "k": ("[B, T n, H, K]", (*steps, *q.shape[lead + 1 :]))
+    q_layout, k_layout, v_layout = (
+        ("[B, T, H, K]", "[B, T n, H, K]", "[B, T n, HV, V]")
         if lead
-        else ("[T n, K]", (*steps, q.shape[-1])),
-        "v": ("[B, T n, HV, V]", None) if lead else ("[T n, V]", None),
-    }
-    for name, x in (("k", k), ("v", v)):
-        layout, expected = layouts[name]
+        else ("[T, K]", "[T n, K]", "[T n, V]")
+    )
+    check_rank(fn, "q", q, rank, q_layout)
+    steps = (*q.shape[:lead], q.shape[lead] * n)
+    wanted = {"k": (k, k_layout, (*steps, *q.shape[lead + 1 :])), "v": (v, v_layout, steps)}
+    for name, (x, layout, leading) in wanted.items():
         check_rank(fn, name, x, rank, layout)
-        got = tuple(x.shape)
-        if got[: lead + 1] != steps or (expected is not None and got != expected):
-            shape = expected if expected is not None else (*steps, "...")
+        if tuple(x.shape[: len(leading)]) != leading:
+            shape = leading if name == "k" else (*steps, "...")
             raise ValueError(
                 f"{fn}: {name} must have shape {layout} with n = num_householder = {n} steps "
-                f"a token = {shape}, got {got}"
+                f"a token = {shape}, got {tuple(x.shape)}"
             )
     heads = v.shape[lead + 1 :][:1] if lead else ()
     per_token = (*q.shape[: lead + 1], *heads)

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
-from gdn_jax.ops.blocks import scan_blocks, scan_blocks_backward
+from gdn_jax.ops.blocks import barrier_off_cpu, scan_blocks, scan_blocks_backward
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR, ChunkDecays, chunk_decays, chunk_decays_bwd
 from gdn_jax.ops.dispatch import run_schedule
 from gdn_jax.ops.varlen import pack_layout
@@ -261,9 +261,7 @@ def _hoisted_backward(write, inputs, starts, resets, d_ys, d_finals):
     # formed again indeed, after the loop, rather than kept through it: a barrier keeps XLA
     # from merging them with those before it. On CPU, where memory is plenty and the batched
     # products are slow, XLA merges them (docs/benchmarks.md).
-    inputs, d_u = jax.lax.platform_dependent(
-        inputs, d_u, cpu=lambda *a: a, default=lambda *a: jax.lax.optimization_barrier(a)
-    )
+    inputs, d_u = barrier_off_cpu(inputs, d_u)
     q, k, v = cast_to(starts.dtype, *inputs[:3])
     decays, beta = over_chunks(chunk_decays)(inputs[3]), inputs[4]
     d = (d_ys, corrections, d_u, d_k_to_end, d_whole)
