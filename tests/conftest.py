@@ -19,12 +19,13 @@ Each value here is read from the environment first, so a run started by another 
 worker, a subprocess test) inherits the first process's choices.
 """
 
+import functools
 import os
 import shutil
 import tempfile
 
 import pytest
-import runs
+from support import child_session, runs
 
 _MADE_ROOT = "GDN_TEST_RUN_ROOT" not in os.environ
 if _MADE_ROOT:
@@ -57,7 +58,7 @@ def _set_up_test_process():
     rare garbage collections (``process_setup``), the XLA flags, the session's numerics and
     the compilation cache. The xdist controller, which runs none, skips it (2.4 s of
     importing before it starts the workers)."""
-    import process_setup
+    from support import process_setup
 
     process_setup.set_up()
 
@@ -67,7 +68,11 @@ def _set_up_test_process():
 
     # Importing gdn_jax starts no backend, so the flags still take effect here.
     add_flags(COMPILE_FAST)
-    add_cpu_flags()
+    child = os.environ.get(child_session.CHILD_ENV, "")
+    if child.startswith("devices="):
+        add_flags({"xla_force_host_platform_device_count": child.split("=")[1]})
+    if child != "user_xla":  # a user's process keeps XLA:CPU's default library fusions
+        add_cpu_flags()
     jax.config.update("jax_enable_x64", True)
     jax.config.update("jax_numpy_dtype_promotion", "strict")
     jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -84,17 +89,70 @@ def pytest_configure(config):
         _set_up_test_process()
     config.addinivalue_line(
         "markers",
+        "child(devices=N, user_xla=False): run in the child pytest session of its kind "
+        "(support/child_session.py): on N CPU devices, or compiled as a user's process is",
+    )
+    config.addinivalue_line(
+        "markers",
         "costly(seconds): a long test (subprocesses, several devices) and its time in a full "
         "run on 2 cores; it is scheduled first, longest first",
     )
 
 
+IN_CHILD = child_session.CHILD_ENV in os.environ
+# This process's child sessions' tests, by kind: {kind: [nodeid, ...]}.
+CHILD_TESTS = {}
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
 def pytest_collection_modifyitems(config, items):
     def cost(item):
         marker = item.get_closest_marker("costly")
-        return marker.args[0] if marker else 0.0
+        # A child session's tests go first: the first of them waits for the whole session.
+        in_child = not IN_CHILD and item.get_closest_marker("child")
+        return 1e6 if in_child else marker.args[0] if marker else 0.0
 
     items.sort(key=cost, reverse=True)  # stable: the rest keep pytest's order
+    CHILD_TESTS.clear()
+    for item in items:
+        marker = item.get_closest_marker("child")
+        if marker is not None:
+            CHILD_TESTS.setdefault(child_session.kind(marker), []).append(item.nodeid)
+
+
+@functools.cache
+def _child_outcomes(kind):
+    return child_session.run(kind, CHILD_TESTS[kind], dict(os.environ), ROOTDIR)
+
+
+ROOTDIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A ``child`` test runs its body in its child session and reports that outcome here."""
+    marker = pyfuncitem.get_closest_marker("child")
+    if marker is None or IN_CHILD:
+        return None
+    outcome, text = _child_outcomes(child_session.kind(marker))[pyfuncitem.nodeid]
+    if outcome == "failed":
+        pytest.fail(f"in the child session:\n{text}", pytrace=False)
+    if outcome == "skipped":
+        pytest.skip(f"in the child session: {text}")
+    return True
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if IN_CHILD:
+        child_session.record(dict(nodeid=nodeid, when="start"))
+
+
+def pytest_runtest_logreport(report):
+    if IN_CHILD:
+        text = report.longreprtext[-6000:] if report.outcome != "passed" else ""
+        child_session.record(
+            dict(nodeid=report.nodeid, when=report.when, outcome=report.outcome, text=text)
+        )
 
 
 def pytest_unconfigure(config):

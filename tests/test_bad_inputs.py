@@ -8,10 +8,10 @@ import re
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cpu_schedule import SCHEDULE
 from flax import nnx
-from reference import random_inputs
-from tolerance import assert_close
+from support.cpu_schedule import SCHEDULE
+from support.reference import random_inputs
+from support.tolerance import assert_close
 
 import gdn_jax
 from gdn_jax import GatedDeltaNet, LanguageModel, ModelConfig, SoftmaxAttention, generate

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from hlo import count, dots, has_square
-from tpu_programs import compile_program, devices, op_program
+from support.hlo import count, dots, has_square
+from support.tpu_programs import compile_program, devices, op_program
 
 pytest.importorskip("libtpu", reason='compiling for TPU needs libtpu: pip install -e ".[test]"')
 

@@ -10,9 +10,9 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from cpu_schedule import SCHEDULE  # noqa: E402
 from flax import nnx  # noqa: E402
-from tolerance import assert_relative_rms  # noqa: E402
+from support.cpu_schedule import SCHEDULE  # noqa: E402
+from support.tolerance import assert_relative_rms  # noqa: E402
 from transformers import DynamicCache, Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: E402
 from transformers.models.qwen3_next.modeling_qwen3_next import (  # noqa: E402
     Qwen3NextGatedDeltaNet,

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from cpu_schedule import SCHEDULE
 from flax import nnx
+from support.cpu_schedule import SCHEDULE
+from support.tolerance import assert_relative_rms
 from test_interop import (
     GDN_LAYER_CONFIG,
     REAL_HEADS,
@@ -27,7 +28,6 @@ from test_interop import (
     numpy_state,
     run_torch,
 )
-from tolerance import assert_relative_rms
 from transformers.models.olmo_hybrid.modeling_olmo_hybrid import OlmoHybridGatedDeltaNet
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from cpu_schedule import SCHEDULE
 from flax import nnx
+from support.cpu_schedule import SCHEDULE
+from support.tolerance import assert_relative_rms
 from test_interop import (
     assert_checkpoint_layers_match,
     assert_family_decoding_matches,
@@ -23,7 +24,6 @@ from test_interop import (
     run_torch,
 )
 from test_interop_families import LENGTHS, packed
-from tolerance import assert_relative_rms
 from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridDeltaAttention
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextLinearAttention
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention

@@ -10,8 +10,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from reference import random_inputs, random_state  # noqa: E402
-from tolerance import assert_close  # noqa: E402
+from support.reference import random_inputs, random_state  # noqa: E402
+from support.tolerance import assert_close  # noqa: E402
 from transformers.models.kimi_linear.modeling_kimi_linear import (  # noqa: E402
     chunk_kimi_delta_attention,
     recurrent_kimi_delta_attention,

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tolerance import assert_close
+from support.tolerance import assert_close
 
 from gdn_jax.ops.attention import causal_attention, rotary
 

@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cpu_schedule import SCHEDULE
 from flax import nnx
-from reference import erase_write_reference
+from support.cpu_schedule import SCHEDULE
+from support.reference import erase_write_reference
+from support.tolerance import assert_close
 from test_layers import HIDDEN, inputs
-from tolerance import assert_close
 
 from gdn_jax.layers import GatedDeltaNet2, NoWeightDecay
 

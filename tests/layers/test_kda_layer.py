@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
-from cpu_schedule import SCHEDULE
 from flax import nnx
-from reference import grouped_heads_reference
+from support.cpu_schedule import SCHEDULE
+from support.reference import grouped_heads_reference
+from support.tolerance import assert_close
 from test_layers import HIDDEN, inputs
-from tolerance import assert_close
 from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridDeltaAttention
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
 

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cpu_schedule import SCHEDULE
 from flax import nnx
-from reference import grouped_heads_reference
-from tolerance import assert_close
+from support.cpu_schedule import SCHEDULE
+from support.reference import grouped_heads_reference
+from support.tolerance import assert_close
 
 from gdn_jax.layers import (
     DeltaNet,

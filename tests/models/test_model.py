@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cpu_schedule import SCHEDULE
 from flax import nnx
-from tolerance import assert_close
+from support.cpu_schedule import SCHEDULE
+from support.tolerance import assert_close
 
 from gdn_jax.models import LanguageModel, ModelConfig, generate
 

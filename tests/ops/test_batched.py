@@ -2,17 +2,17 @@
 
 import functools
 
-import cpu_schedule as ops
 import jax
 import jax.numpy as jnp
 import pytest
-from reference import gated_delta_reference, random_inputs, random_state
-from tolerance import assert_close
+from support import cpu_schedule as on_cpu
+from support.reference import gated_delta_reference, random_inputs, random_state
+from support.tolerance import assert_close
 
 import gdn_jax
 
 batched = jax.jit(
-    ops.gated_delta_rule, static_argnames=("impl", "chunk_size", "use_qk_l2norm", "scale")
+    on_cpu.gated_delta_rule, static_argnames=("impl", "chunk_size", "use_qk_l2norm", "scale")
 )
 
 
@@ -22,7 +22,7 @@ def test_matches_single_head_functions_vmapped_by_hand(impl):
     state = random_state(1, 2, 3, 12, 16)
     out, final = batched(q, k, v, la, b, initial_state=state, impl=impl, chunk_size=32)
     single = {
-        "chunked": functools.partial(ops.gated_delta_rule_chunked, chunk_size=32),
+        "chunked": functools.partial(on_cpu.gated_delta_rule_chunked, chunk_size=32),
         "recurrent": gdn_jax.gated_delta_rule_recurrent,
     }[impl]
 
@@ -71,7 +71,7 @@ def test_grouped_value_heads_gradients_sum_over_the_group():
     q, k, v, la, b = random_inputs(3, 40, 8, 8, lead=(1,), heads=(2, 4))
 
     def loss(impl, q, k, v, la, b):
-        out, final = ops.gated_delta_rule(q, k, v, la, b, impl=impl, chunk_size=16)
+        out, final = on_cpu.gated_delta_rule(q, k, v, la, b, impl=impl, chunk_size=16)
         return jnp.sum(out**2) + jnp.sum(final)
 
     g_chk = jax.jit(jax.grad(functools.partial(loss, "chunked"), argnums=range(5)))(q, k, v, la, b)
@@ -93,7 +93,7 @@ def test_qk_l2norm_equals_normalising_outside():
     def loss(norm_inside, q, k):
         if not norm_inside:
             q, k = gdn_jax.l2_normalize(q), gdn_jax.l2_normalize(k)
-        out, _ = ops.gated_delta_rule(q, k, v, la, b, use_qk_l2norm=norm_inside)
+        out, _ = on_cpu.gated_delta_rule(q, k, v, la, b, use_qk_l2norm=norm_inside)
         return jnp.sum(out**2)
 
     for a, e in zip(

@@ -2,18 +2,18 @@
 
 import functools
 
-import cpu_schedule as ops
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import gated_delta_reference, random_inputs, random_state
-from tolerance import assert_close
+from support import cpu_schedule as on_cpu
+from support.reference import gated_delta_reference, random_inputs, random_state
+from support.tolerance import assert_close
 
 import gdn_jax
 
 recurrent = jax.jit(gdn_jax.gated_delta_rule_recurrent)
-chunked = jax.jit(ops.gated_delta_rule_chunked, static_argnames="chunk_size")
+chunked = jax.jit(on_cpu.gated_delta_rule_chunked, static_argnames="chunk_size")
 
 EDGES = {
     "no decay": dict(log_alpha=0.0),
@@ -58,7 +58,7 @@ def test_gradients_finite_at_gate_edges():
     b = b.at[::5].set(0.0).at[1::5].set(2.0)
 
     def loss(*args):
-        y, s = ops.gated_delta_rule_chunked(*args, chunk_size=16)
+        y, s = on_cpu.gated_delta_rule_chunked(*args, chunk_size=16)
         return jnp.sum(y**2) + jnp.sum(s**2)
 
     grads = jax.jit(jax.grad(loss, argnums=range(5)))(q, k, v, la, b)
@@ -91,7 +91,7 @@ def test_minus_infinity_gate_is_a_full_reset():
     forms = {"recurrent": gdn_jax.gated_delta_rule_recurrent}
     forms.update(
         {
-            f"chunked {c}": functools.partial(ops.gated_delta_rule_chunked, chunk_size=c)
+            f"chunked {c}": functools.partial(on_cpu.gated_delta_rule_chunked, chunk_size=c)
             for c in (16, 64)
         }
     )
@@ -111,7 +111,7 @@ def test_minus_infinity_gate_is_a_full_reset():
             assert_close(g, e, jnp.float32, f"{name} d{arg}")
 
 
-chunked_in = jax.jit(ops.gated_delta_rule_chunked, static_argnames=("chunk_size", "schedule"))
+chunked_in = jax.jit(on_cpu.gated_delta_rule_chunked, static_argnames=("chunk_size", "schedule"))
 
 
 @pytest.mark.parametrize("schedule", ["in_scan", "hoisted"])
@@ -142,7 +142,7 @@ def test_a_nan_stays_in_its_packed_sequence():
     that reset (blocks.scan_blocks), so one is tested."""
     q, k, v, la, b = random_inputs(21, 40, 4, 3, lead=(1,), heads=(1, 1))
     cu = jnp.asarray([0, 10, 25, 40], jnp.int32)
-    packed = jax.jit(functools.partial(ops.gated_delta_rule, chunk_size=16))
+    packed = jax.jit(functools.partial(on_cpu.gated_delta_rule, chunk_size=16))
     y, finals = packed(q, k.at[0, 15].set(jnp.nan), v, la, b, cu_seqlens=cu)
     nan_rows = np.flatnonzero(~np.isfinite(np.asarray(y[0])).all((1, 2)))
     assert nan_rows.tolist() == list(range(10, 25))

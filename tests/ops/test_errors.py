@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import random_inputs
-from tolerance import assert_close
+from support.reference import random_inputs
+from support.tolerance import assert_close
 
 import gdn_jax
 

@@ -2,18 +2,18 @@
 
 import functools
 
-import cpu_schedule as ops
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import gated_delta_reference, random_inputs, random_state
-from tolerance import assert_close
+from support import cpu_schedule as on_cpu
+from support.reference import gated_delta_reference, random_inputs, random_state
+from support.tolerance import assert_close
 
 import gdn_jax
 
 recurrent = jax.jit(gdn_jax.gated_delta_rule_recurrent)
-chunked = jax.jit(ops.gated_delta_rule_chunked, static_argnames="chunk_size")
+chunked = jax.jit(on_cpu.gated_delta_rule_chunked, static_argnames="chunk_size")
 
 
 def check_forms_agree(inputs, chunk_size, initial_state=None, dtype=jnp.float32):

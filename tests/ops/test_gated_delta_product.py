@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
-from reference import householder_reference, random_state
-from tolerance import assert_close
+from support.reference import householder_reference, random_state
+from support.tolerance import assert_close
 
 import gdn_jax
 

@@ -4,14 +4,14 @@ each other, KDA and the gated delta rule."""
 
 import functools
 
-import cpu_schedule as ops
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
-from reference import erase_write_reference, random_inputs, random_state
-from tolerance import assert_close
+from support import cpu_schedule as on_cpu
+from support.reference import erase_write_reference, random_inputs, random_state
+from support.tolerance import assert_close
 
 import gdn_jax
 
@@ -19,9 +19,9 @@ HEADS, V_HEADS, KEY, VALUE = 2, 4, 12, 10
 NAMES = ("q", "k", "v", "log_alpha", "b", "w", "initial_state")
 
 gdn2 = jax.jit(
-    ops.gdn2, static_argnames=("impl", "chunk_size", "schedule", "use_qk_l2norm", "scale")
+    on_cpu.gdn2, static_argnames=("impl", "chunk_size", "schedule", "use_qk_l2norm", "scale")
 )
-gdn2_chunked = jax.jit(ops.gdn2_chunked, static_argnames=("scale", "chunk_size", "schedule"))
+gdn2_chunked = jax.jit(on_cpu.gdn2_chunked, static_argnames=("scale", "chunk_size", "schedule"))
 
 
 def gdn2_inputs(seed, seq_len, key_dim, value_dim, *, dtype=jnp.float32, lead=(), heads=None, **kw):
@@ -54,7 +54,7 @@ def loop_per_head(q, k, v, la, b, w, state, n, i):
 def outputs_and_grads(form, **options):
     """One jitted program per form: ``(y, final, grads of every input)`` for fixed random
     cotangents of ``y`` and the final state."""
-    fn = {"recurrent": gdn_jax.gdn2_recurrent, "chunked": ops.gdn2_chunked}[form]
+    fn = {"recurrent": gdn_jax.gdn2_recurrent, "chunked": on_cpu.gdn2_chunked}[form]
 
     def run(q, k, v, la, b, w, state, ct_y, ct_s):
         def loss(*args):
@@ -148,7 +148,7 @@ def test_chunked_equals_recurrent_in_float64(schedule):
 def test_chunked_finite_differences_float64():
     q, k, v, la, b, w = gdn2_inputs(50, 37, 4, 3, dtype=jnp.float64)
     state = random_state(51, 3, 4, dtype=jnp.float64)
-    run = jax.jit(lambda *a: ops.gdn2_chunked(*a[:6], initial_state=a[6], chunk_size=32))
+    run = jax.jit(lambda *a: on_cpu.gdn2_chunked(*a[:6], initial_state=a[6], chunk_size=32))
     check_grads(run, (q, k, v, la, b, w, state), order=1, modes=["rev"], eps=1e-6)
 
 
@@ -184,7 +184,7 @@ def test_residuals_are_the_inputs_and_one_state_per_chunk():
 
         def run(*a):
             options = dict(initial_state=a[6], chunk_size=chunk, schedule=schedule)
-            return ops.gdn2_chunked(*a[:6], **options)
+            return on_cpu.gdn2_chunked(*a[:6], **options)
 
         vjp_fn = jax.eval_shape(lambda *a: jax.vjp(run, *a)[1], *args)
         saved = sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(vjp_fn))
@@ -214,8 +214,8 @@ def test_batched_grouped_heads_match_the_loop_per_head(impl):
             assert_close(final[n, i], s, jnp.float32, f"sequence {n}, value head {i}")
 
 
-kda = jax.jit(ops.kda, static_argnames=("impl", "chunk_size"))
-gdn = jax.jit(ops.gated_delta_rule, static_argnames=("impl", "chunk_size"))
+kda = jax.jit(on_cpu.kda, static_argnames=("impl", "chunk_size"))
+gdn = jax.jit(on_cpu.gated_delta_rule, static_argnames=("impl", "chunk_size"))
 
 
 @pytest.mark.parametrize("impl", ["chunked", "recurrent"])
@@ -247,7 +247,7 @@ def test_packed_sequences_equal_separate_runs():
     def run(*args, impl):
         def loss(*args):
             options = dict(initial_state=args[6], chunk_size=16, cu_seqlens=cu_seqlens)
-            o, f = ops.gdn2(*args[:6], impl=impl, **options)
+            o, f = on_cpu.gdn2(*args[:6], impl=impl, **options)
             return jnp.sum(o * ct_out) + jnp.sum(f**2), (o, f)
 
         return jax.grad(loss, argnums=range(7), has_aux=True)(*args)

@@ -2,14 +2,14 @@
 
 import functools
 
-import cpu_schedule as ops
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
-from reference import random_inputs, random_state
-from tolerance import assert_close, assert_close_to_scale
+from support import cpu_schedule as on_cpu
+from support.reference import random_inputs, random_state
+from support.tolerance import assert_close, assert_close_to_scale
 
 import gdn_jax
 
@@ -44,7 +44,7 @@ def test_chunked_vjp_matches_recurrent_autodiff(seq_len, key_dim, value_dim, chu
     )
     expected = grads_of(gdn_jax.gated_delta_rule_recurrent, args, seed=1)
     actual = grads_of(
-        lambda *a, **kw: ops.gated_delta_rule_chunked(*a, **kw, chunk_size=chunk_size),
+        lambda *a, **kw: on_cpu.gated_delta_rule_chunked(*a, **kw, chunk_size=chunk_size),
         args,
         seed=1,
     )
@@ -56,7 +56,7 @@ def test_chunked_vjp_matches_recurrent_autodiff(seq_len, key_dim, value_dim, chu
 def test_gradients_reach_every_input():
     args = (*random_inputs(2, 40, 8, 8), random_state(3, 8, 8))
     grads = grads_of(
-        lambda *a, **kw: ops.gated_delta_rule_chunked(*a, **kw, chunk_size=16), args, 4
+        lambda *a, **kw: on_cpu.gated_delta_rule_chunked(*a, **kw, chunk_size=16), args, 4
     )
     for name, g in zip(NAMES, grads, strict=True):
         assert np.all(np.isfinite(g)) and np.any(g != 0), name
@@ -66,7 +66,7 @@ def test_gradients_reach_every_input():
 def test_finite_differences_float64(form):
     fn = {
         "recurrent": gdn_jax.gated_delta_rule_recurrent,
-        "chunked": lambda *a, **kw: ops.gated_delta_rule_chunked(*a, **kw, chunk_size=16),
+        "chunked": lambda *a, **kw: on_cpu.gated_delta_rule_chunked(*a, **kw, chunk_size=16),
     }[form]
     q, k, v, la, b = random_inputs(5, 37, 5, 4, dtype=jnp.float64)
     state = random_state(6, 4, 5, dtype=jnp.float64)
@@ -84,7 +84,7 @@ def test_float64_vjp_matches_recurrent_tightly():
     )
     expected = grads_of(gdn_jax.gated_delta_rule_recurrent, args, seed=9)
     actual = grads_of(
-        lambda *a, **kw: ops.gated_delta_rule_chunked(*a, **kw, chunk_size=32), args, seed=9
+        lambda *a, **kw: on_cpu.gated_delta_rule_chunked(*a, **kw, chunk_size=32), args, seed=9
     )
     for name, a, e in zip(NAMES, actual, expected, strict=True):
         assert_close(a, e, jnp.float64, f"d{name}")
@@ -120,7 +120,7 @@ def test_chunked_residuals_are_one_state_per_chunk():
     args = (*random_inputs(10, seq_len, key_dim, value_dim), random_state(11, value_dim, key_dim))
 
     def forward(*a):
-        return ops.gated_delta_rule_chunked(*a[:5], initial_state=a[5], chunk_size=chunk)
+        return on_cpu.gated_delta_rule_chunked(*a[:5], initial_state=a[5], chunk_size=chunk)
 
     _, vjp_fn = jax.vjp(forward, *args)
     saved = sum(x.size for x in jax.tree_util.tree_leaves(vjp_fn))

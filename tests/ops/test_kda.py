@@ -3,14 +3,14 @@ batched entry point against the float64 loop, each other and the gated delta rul
 
 import functools
 
-import cpu_schedule as ops
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
-from reference import gated_delta_reference, random_inputs, random_state
-from tolerance import assert_close
+from support import cpu_schedule as on_cpu
+from support.reference import gated_delta_reference, random_inputs, random_state
+from support.tolerance import assert_close
 
 import gdn_jax
 from gdn_jax.ops.channel_decays import channel_decays, channel_scores
@@ -18,9 +18,11 @@ from gdn_jax.ops.channel_decays import channel_decays, channel_scores
 HEADS, V_HEADS, KEY, VALUE = 2, 4, 12, 10
 NAMES = ("q", "k", "v", "log_alpha", "beta", "initial_state")
 
-kda = jax.jit(ops.kda, static_argnames=("impl", "chunk_size", "schedule", "use_qk_l2norm", "scale"))
+kda = jax.jit(
+    on_cpu.kda, static_argnames=("impl", "chunk_size", "schedule", "use_qk_l2norm", "scale")
+)
 kda_recurrent = jax.jit(gdn_jax.kda_recurrent, static_argnames="scale")
-kda_chunked = jax.jit(ops.kda_chunked, static_argnames=("scale", "chunk_size", "schedule"))
+kda_chunked = jax.jit(on_cpu.kda_chunked, static_argnames=("scale", "chunk_size", "schedule"))
 
 
 def batched_inputs(seed, seq_len, batch=1, **kw):
@@ -42,7 +44,7 @@ def loop_per_head(q, k, v, la, b, state, n, i):
 def outputs_and_grads(form, **options):
     """One jitted program per form: ``(y, final, grads of every input)`` for fixed random
     cotangents of ``y`` and the final state, so values and gradients compile together."""
-    fn = {"recurrent": gdn_jax.kda_recurrent, "chunked": ops.kda_chunked}[form]
+    fn = {"recurrent": gdn_jax.kda_recurrent, "chunked": on_cpu.kda_chunked}[form]
 
     def run(q, k, v, la, b, state, ct_y, ct_s):
         def loss(*args):
@@ -157,7 +159,7 @@ def test_chunked_equals_recurrent_in_float64():
 def test_chunked_finite_differences_float64():
     q, k, v, la, b = random_inputs(50, 37, 4, 3, dtype=jnp.float64, per_channel=True)
     state = random_state(51, 3, 4, dtype=jnp.float64)
-    run = jax.jit(lambda *a: ops.kda_chunked(*a[:5], initial_state=a[5], chunk_size=32))
+    run = jax.jit(lambda *a: on_cpu.kda_chunked(*a[:5], initial_state=a[5], chunk_size=32))
     check_grads(run, (q, k, v, la, b, state), order=1, modes=["rev"], eps=1e-6)
 
 
@@ -220,7 +222,7 @@ def test_residuals_are_the_inputs_and_one_state_per_chunk():
 
         def run(*a):
             options = dict(initial_state=a[5], chunk_size=chunk, schedule=schedule)
-            return ops.kda_chunked(*a[:5], **options)
+            return on_cpu.kda_chunked(*a[:5], **options)
 
         # Shapes only: the pullback's leaves are what the backward keeps.
         vjp_fn = jax.eval_shape(lambda *a: jax.vjp(run, *a)[1], *args)
@@ -251,7 +253,7 @@ def test_batched_grouped_heads_match_the_loop_per_head(impl):
             assert_close(final[n, i], s, jnp.float32, f"sequence {n}, value head {i}")
 
 
-gdn = jax.jit(ops.gated_delta_rule, static_argnames=("impl", "chunk_size"))
+gdn = jax.jit(on_cpu.gated_delta_rule, static_argnames=("impl", "chunk_size"))
 
 
 @pytest.mark.parametrize("impl", ["chunked", "recurrent"])
@@ -276,7 +278,7 @@ def test_packed_sequences_equal_separate_runs():
     def run(*args, impl):
         def loss(*args):
             options = dict(initial_state=args[5], chunk_size=16, cu_seqlens=cu_seqlens)
-            o, f = ops.kda(*args[:5], impl=impl, **options)
+            o, f = on_cpu.kda(*args[:5], impl=impl, **options)
             return jnp.sum(o * ct_out) + jnp.sum(f**2), (o, f)
 
         return jax.grad(loss, argnums=range(6), has_aux=True)(*args)

@@ -2,14 +2,14 @@
 
 import functools
 
-import cpu_schedule as ops
 import jax
 import jax.numpy as jnp
 import pytest
-from reference import gated_delta_reference, random_inputs, random_state
-from tolerance import assert_close
+from support import cpu_schedule as on_cpu
+from support.reference import gated_delta_reference, random_inputs, random_state
+from support.tolerance import assert_close
 
-rule = jax.jit(ops.gated_linear_attention, static_argnames=("impl", "chunk_size"))
+rule = jax.jit(on_cpu.gated_linear_attention, static_argnames=("impl", "chunk_size"))
 
 
 @pytest.mark.parametrize("impl", ["chunked", "recurrent"])
@@ -47,7 +47,7 @@ def test_chunked_gradients_match_recurrent():
     state = random_state(4, 2, 2, 8, 8)
 
     def loss(impl, *a):
-        out, final = ops.gated_linear_attention(
+        out, final = on_cpu.gated_linear_attention(
             *a[:5], initial_state=a[5], impl=impl, chunk_size=16
         )
         return jnp.sum(out**2) + jnp.sum(final**2)

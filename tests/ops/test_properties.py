@@ -2,20 +2,20 @@
 
 import os
 
-import cpu_schedule as ops
 import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import gated_delta_reference, random_inputs, random_state
-from tolerance import assert_close
+from support import cpu_schedule as on_cpu
+from support.reference import gated_delta_reference, random_inputs, random_state
+from support.tolerance import assert_close
 
 # Each example compiles new shapes (~1-3 s), so the default run draws few of them;
 # GDN_HYPOTHESIS_EXAMPLES=200 pytest tests/ops/test_properties.py searches harder.
 EXAMPLES = int(os.environ.get("GDN_HYPOTHESIS_EXAMPLES", "8"))
 # Under jit: one compilation per drawn shape instead of one per operation.
-chunked = jax.jit(ops.gated_delta_rule_chunked, static_argnames="chunk_size")
+chunked = jax.jit(on_cpu.gated_delta_rule_chunked, static_argnames="chunk_size")
 SETTINGS = settings(
     max_examples=EXAMPLES, deadline=None, derandomize="GDN_HYPOTHESIS_EXAMPLES" not in os.environ
 )

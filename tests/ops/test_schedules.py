@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hlo import has_square, loop_bodies
 from jax.test_util import check_grads
-from reference import random_inputs, random_state
-from tolerance import assert_close
+from support.hlo import has_square, loop_bodies
+from support.reference import random_inputs, random_state
+from support.tolerance import assert_close
 
 import gdn_jax
 from gdn_jax.models import LanguageModel, ModelConfig

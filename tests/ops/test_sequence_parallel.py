@@ -1,16 +1,8 @@
-"""The sequence-parallel gated delta rule: checks on 8 devices in a subprocess, bad arguments here.
-
-The device count is fixed when JAX starts, and this process already started it with one
-CPU device, so ``sequence_parallel_checks.py`` runs every multi-device comparison (2, 4 and
-8 shards against the one-device op: outputs, final states, every gradient, packed sequences
-across shard boundaries, the halo, the collectives' sizes) in one subprocess.
-"""
+"""The sequence-parallel ops on one device: one shard is the one-device op, and the
+arguments' errors. On several devices: test_sequence_parallel_shards.py."""
 
 import functools
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,23 +10,12 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
-from tolerance import assert_close
+from support.tolerance import assert_close
 
 import gdn_jax
 from gdn_jax.ops import gated_delta_rule_seq_parallel, halo_from_previous
 
-CHECKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sequence_parallel_checks.py")
 B, T, H, HV, K, V = 1, 12, 2, 4, 8, 16
-
-
-@pytest.mark.costly(16)
-def test_multi_device_checks_pass(subprocess_env):
-    # The script adds its 8 devices to the run's XLA flags. The timeout guards against a
-    # hang: the checks take about 16 s on 2 loaded cores.
-    result = subprocess.run(
-        [sys.executable, CHECKS], env=subprocess_env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
 
 
 def inputs(batch=B, seq_len=T):

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
-from reference import random_inputs, random_state
-from tolerance import assert_close
+from support.reference import random_inputs, random_state
+from support.tolerance import assert_close
 
 from gdn_jax.ops.chunked import (
     chunk_backward,

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import gated_delta_reference
+from support.reference import gated_delta_reference
 
 import gdn_jax
 

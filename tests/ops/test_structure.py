@@ -9,8 +9,8 @@ here; no accelerator is needed to check the structure.
 import jax
 import jax.numpy as jnp
 import pytest
-from hlo import dots, has_square, loop_bodies
-from reference import random_inputs, random_state
+from support.hlo import dots, has_square, loop_bodies
+from support.reference import random_inputs, random_state
 
 import gdn_jax
 

@@ -18,8 +18,8 @@ at this size, docs/benchmarks.md).
 import re
 
 import pytest
-from hlo import computations, dots, has_square
-from tpu_programs import op_program
+from support.hlo import computations, dots, has_square
+from support.tpu_programs import op_program
 
 pytest.importorskip("libtpu", reason='compiling for TPU needs libtpu: pip install -e ".[test]"')
 

@@ -2,17 +2,17 @@
 
 import functools
 
-import cpu_schedule as ops
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import grouped_heads_reference, random_inputs, random_state
-from tolerance import assert_close
+from support import cpu_schedule as on_cpu
+from support.reference import grouped_heads_reference, random_inputs, random_state
+from support.tolerance import assert_close
 
 HEADS, V_HEADS, KEY, VALUE = 2, 4, 12, 10
 
-rule = jax.jit(ops.gated_delta_rule, static_argnames=("impl", "chunk_size"))
+rule = jax.jit(on_cpu.gated_delta_rule, static_argnames=("impl", "chunk_size"))
 
 
 def packed_and_separate(cu, impl, chunk_size=16, with_state=True):
@@ -98,7 +98,7 @@ def test_gradients_equal_per_sequence_gradients(impl):
     ct_final = jnp.asarray(rng.standard_normal(state.shape), jnp.float32)
 
     def packed_loss(*args):
-        out, final = ops.gated_delta_rule(
+        out, final = on_cpu.gated_delta_rule(
             *args[:5],
             initial_state=args[5],
             impl=impl,
@@ -125,7 +125,9 @@ def test_traced_cu_seqlens_compile_once():
     @jax.jit
     def run(cu, *args):
         traces.append(1)
-        return ops.gated_delta_rule(*args[:5], initial_state=args[5], chunk_size=16, cu_seqlens=cu)
+        return on_cpu.gated_delta_rule(
+            *args[:5], initial_state=args[5], chunk_size=16, cu_seqlens=cu
+        )
 
     for cu in ([0, 10, 64], [0, 33, 64], [0, 0, 64]):
         out, final = run(jnp.asarray(cu, jnp.int32), *inputs, state)
@@ -152,7 +154,7 @@ def test_tokens_past_a_traced_last_offset_are_inert(impl):
     # to no sequence. They must not touch any sequence, and their outputs are zero.
     inputs, state, _ = packed_and_separate([0, 20, 40, 50], impl)
     run = jax.jit(
-        lambda cu, *args: ops.gated_delta_rule(
+        lambda cu, *args: on_cpu.gated_delta_rule(
             *args[:5], initial_state=args[5], impl=impl, chunk_size=16, cu_seqlens=cu
         )
     )

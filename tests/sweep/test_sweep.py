@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runs import TINY
+from support.runs import TINY
 from sweep_trainer import accuracy
 
 from gdn_jax.sweep import cli

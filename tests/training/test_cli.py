@@ -19,7 +19,7 @@ import sys
 
 import pytest
 import yaml
-from runs import INTERRUPTED, REPO, TINY, command_args, logged, train
+from support.runs import INTERRUPTED, REPO, TINY, command_args, logged, train
 
 
 def one_line_error(result, pattern, status=2):

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from runs import REPO, TINY
-from tolerance import assert_close
+from support.runs import REPO, TINY
+from support.tolerance import assert_close
 
 from gdn_jax.data.mqar import MQARConfig, make_batch, make_mqar
 from gdn_jax.layers import NoWeightDecay

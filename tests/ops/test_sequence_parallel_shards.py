@@ -1,61 +1,34 @@
-"""Sequence-parallel checks on 8 virtual CPU devices; run by test_sequence_parallel.py.
+"""The sequence-parallel ops on 2, 4 and 8 of 8 CPU devices against the one-device op, in
+the child session of kind ``devices=8`` (support/child_session.py: the device count is fixed
+when JAX starts).
 
-The device count is fixed when JAX starts, so these run in their own process. The checks
-compare ``gated_delta_rule_seq_parallel`` on 2, 4 and 8 shards with the one-device
-``gdn_jax.gated_delta_rule`` (chunked): outputs, final states and the gradient of every
-input, with the tolerance table, with and without an initial state, and with packed
-sequences across shard boundaries in float32 and float64, each in one schedule or the
-other. The same for the linear rule, KDA, GDN-2 (also packed) and Gated DeltaProduct
-(n = 2), with fewer cases.
-Also: a two-axis mesh, the sizes of the arrays that cross devices (Gated DeltaNet and
-GDN-2), ``halo_from_previous`` and the divisibility error. Prints one line per check and exits with
-status 1 if any failed.
-
-    python tests/ops/sequence_parallel_checks.py   # sets its own XLA_FLAGS
+``gated_delta_rule_seq_parallel`` against ``gdn_jax.gated_delta_rule`` (chunked): outputs,
+final states and the gradient of every input, with the tolerance table, with and without an
+initial state, and with packed sequences across shard boundaries in float32 and float64, each
+in one schedule or the other. The same for the linear rule, KDA, GDN-2 (also packed) and
+Gated DeltaProduct (n = 2), with fewer cases. Also: a two-axis mesh, the sizes of the arrays
+that cross devices (Gated DeltaNet and GDN-2), ``halo_from_previous`` and the divisibility
+error. The arguments' errors on one device are test_sequence_parallel.py's.
 """
 
 import functools
-import os
 import re
-import sys
-import time
-import traceback
 
-DEVICES = 8
-# Compiling is nearly all of this script's time (the programs are tiny): LLVM's optimisation
-# level 0 halves it and changes nothing but rounding. A value the caller gave is kept.
-FLAGS = {
-    "xla_force_host_platform_device_count": str(DEVICES),
-    "xla_backend_optimization_level": "0",
-}
-# The support modules (process_setup, tolerance) live in tests/, one level up.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from support.tolerance import assert_close
 
-import process_setup  # noqa: E402
+import gdn_jax
+import gdn_jax.ops
+from gdn_jax.ops import gated_delta_rule_seq_parallel
+from gdn_jax.ops.conv import causal_depthwise_conv, halo_from_previous
+from gdn_jax.ops.rules import RULES
 
-process_setup.set_up()  # as in conftest.py
-
-from gdn_jax.training.xla_flags import add_flags  # noqa: E402
-
-add_flags(FLAGS)  # importing gdn_jax starts no backend: in time for the first computation
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-from tolerance import assert_close  # noqa: E402
-
-import gdn_jax  # noqa: E402
-import gdn_jax.ops  # noqa: E402
-from gdn_jax.ops import gated_delta_rule_seq_parallel  # noqa: E402
-from gdn_jax.ops.conv import causal_depthwise_conv, halo_from_previous  # noqa: E402
-from gdn_jax.ops.rules import RULES  # noqa: E402
-
-# The standard of tests/conftest.py.
-jax.config.update("jax_enable_x64", True)
-jax.config.update("jax_numpy_dtype_promotion", "strict")
-jax.config.update("jax_numpy_rank_promotion", "raise")
+pytestmark = pytest.mark.child(devices=8)
 
 # T / n = 40, 20, 10 tokens per shard: none a multiple of C, one shorter than C, and none
 # equal to another dimension, so a token-sized collective cannot pass for a state-sized one.
@@ -71,27 +44,6 @@ PACKED = {
     "empty ends": [0, 0, 33, 40, 40, 80, 80],
     "ends before T": [0, 12, 30, 30, 61, 61, 61],
 }
-FAILURES = []
-if jax.device_count() < DEVICES:
-    sys.exit(f"FAIL expected {DEVICES} devices, got {jax.device_count()}: XLA_FLAGS came too late")
-
-
-def check(name, *args):
-    """Run the decorated check now with ``args``; print its result and time, and record a
-    failure instead of stopping."""
-
-    def decorate(fn):
-        began = time.perf_counter()
-        try:
-            fn(*args)
-        except Exception:  # noqa: BLE001 - every failure is reported, then the script fails
-            FAILURES.append(name)
-            print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
-        else:
-            print(f"ok   {name} ({time.perf_counter() - began:.1f} s)", flush=True)
-        return fn
-
-    return decorate
 
 
 def random_inputs(seed, batch, num_states, rule="gated_delta_rule"):
@@ -169,31 +121,30 @@ def compare(
 
 # Without an initial state only the zeros made before the shard_map differ: one shard count.
 # Each schedule on one of the two.
-for shards, with_state, schedule in ((2, False, "in_scan"), (8, True, "hoisted")):
+@pytest.mark.parametrize(
+    "shards, with_state, schedule", [(2, False, "in_scan"), (8, True, "hoisted")]
+)
+def test_shards_equal_one_device(shards, with_state, schedule):
     inputs, state, weights = random_inputs(shards, B, B)
-    state = state if with_state else None
-
-    @check(f"{shards} shards, {'an' if with_state else 'no'} initial state, {schedule}", shards)
-    def _(shards, inputs=inputs, state=state, weights=weights, schedule=schedule):
-        compare(shards, inputs, state, weights, schedule)
+    compare(shards, inputs, state if with_state else None, weights, schedule)
 
 
 # Packed sequences with an initial state each: in float32 on 2 shards, and on 8 shards (the
 # most boundaries) in float64 to 1e-9, where a lost term cannot hide in rounding.
-for shards, dtype, schedule in ((2, F32, "in_scan"), (8, jnp.float64, "hoisted")):
+@pytest.mark.parametrize("label", PACKED)
+@pytest.mark.parametrize(
+    "shards, dtype, schedule", [(2, "float32", "in_scan"), (8, "float64", "hoisted")]
+)
+def test_packed_sequences_across_shards_equal_one_device(shards, dtype, schedule, label):
     inputs, state, weights = random_inputs(10 + shards, 1, len(PACKED["crossing"]) - 1)
     inputs, state, weights = jax.tree.map(
         functools.partial(jnp.asarray, dtype=dtype), (inputs, state, weights)
     )
-    for label, offsets in PACKED.items():
-
-        @check(f"{shards} shards, packed: {label}, {jnp.dtype(dtype)}, {schedule}", shards, offsets)
-        def _(shards, offsets, inputs=inputs, state=state, weights=weights, schedule=schedule):
-            compare(shards, inputs, state, weights, schedule, jnp.asarray(offsets, jnp.int32))
+    offsets = jnp.asarray(PACKED[label], jnp.int32)
+    compare(shards, inputs, state, weights, schedule, offsets)
 
 
-@check("linear rule, 4 shards, q and k L2-normalised inside, hoisted schedule")
-def _():
+def test_linear_rule_on_4_shards_with_qk_l2norm_hoisted():
     rule = "gated_linear_attention"
     inputs, state, weights = random_inputs(20, B, B, rule)
     compare(4, inputs, state, weights, "hoisted", rule=rule, use_qk_l2norm=True)
@@ -201,8 +152,7 @@ def _():
 
 # The channel-gated rules on 4 shards with initial states: KDA, and GDN-2 with packed
 # sequences across the boundaries, each in one schedule.
-@check("kda, 4 shards, an initial state, L2-normalised q and k, hoisted")
-def _():
+def test_kda_on_4_shards_with_an_initial_state_hoisted():
     inputs, state, weights = random_inputs(30, B, B, "kda")
     compare(4, inputs, state, weights, "hoisted", rule="kda", use_qk_l2norm=True)
 
@@ -210,14 +160,12 @@ def _():
 GDN2_PACKED = jnp.asarray(PACKED["crossing"], jnp.int32)
 
 
-@check("gdn2, 4 shards, packed: crossing, in_scan")
-def _():
+def test_gdn2_on_4_shards_with_packed_sequences_in_scan():
     inputs, state, weights = random_inputs(31, 1, len(PACKED["crossing"]) - 1, "gdn2")
     compare(4, inputs, state, weights, "in_scan", GDN2_PACKED, rule="gdn2")
 
 
-@check("gated_delta_product (n = 2), 4 shards, an initial state, in_scan")
-def _():
+def test_gated_delta_product_on_4_shards_with_an_initial_state_in_scan():
     n, shards = 2, 4
     inputs, state, weights = random_inputs(32, B, B)
     q, _, _, log_alpha, _ = inputs
@@ -239,8 +187,7 @@ def _():
         assert_close(got, want, F32, name)
 
 
-@check("a (data 2, seq 4) mesh with the batch sharded over data, the default schedule")
-def _():
+def test_data_and_seq_mesh_with_the_batch_over_data_in_the_default_schedule():
     inputs, state, weights = random_inputs(21, B, B)
     expected = loss_and_grads(
         gdn_jax.gated_delta_rule, inputs, state, weights, None, chunk_size=C, impl="chunked"
@@ -263,37 +210,37 @@ COLLECTIVE = re.compile(
 )
 
 
-# The programs of the 8-shard check and of GDN-2's packed check above, already compiled.
+# The programs of an 8-shard test and of GDN-2's packed test above (compiled once).
 CROSSING = {
     "gated_delta_rule": dict(seed=22, batch=B, shards=8, schedule="hoisted", offsets=None),
     "gdn2": dict(seed=31, batch=1, shards=4, schedule="in_scan", offsets=GDN2_PACKED),
 }
-for rule, case in CROSSING.items():
-
-    @check(f"{rule}: only state-sized arrays cross devices, forward and backward", rule, case)
-    def _(rule, case):
-        shards, local, offsets = case["shards"], T // case["shards"], case["offsets"]
-        states = case["batch"] if offsets is None else offsets.shape[0] - 1
-        inputs, state, weights = random_inputs(case["seed"], case["batch"], states, rule)
-        options = dict(chunk_size=C, schedule=case["schedule"], mesh=mesh_of(shards))
-        parallel = getattr(gdn_jax.ops, f"{rule}_seq_parallel")
-        run = jitted_loss(parallel, len(inputs), False, tuple(sorted(options.items())))
-        hlo = run.lower(*inputs, state, offsets, weights).compile().as_text()
-        found = COLLECTIVE.findall(hlo)
-        kinds = {op for _, op in found}
-        # The gather of the carries, its transpose, and the sums of the final states.
-        assert {"all-gather", "all-reduce"} <= kinds, f"collectives found: {found}"
-        bound = shards * max(case["batch"], states) * HV * (V + K) * K
-        for shape_text, op in found:
-            for dims in re.findall(r"\[([\d,]*)\]", shape_text):
-                dims = [int(d) for d in dims.split(",") if d]
-                assert local not in dims and T not in dims, f"token-sized {op}: {shape_text}"
-                assert int(np.prod(dims)) <= bound, f"{op} of {shape_text} exceeds {bound}"
-        print("     collectives:", sorted({f"{op} {shape}" for shape, op in found}))
 
 
-@check("halo_from_previous: the previous shard's last tokens, and a sharded convolution")
-def _():
+@pytest.mark.parametrize("rule", CROSSING)
+def test_only_state_sized_arrays_cross_devices(rule):
+    case = CROSSING[rule]
+    shards, local, offsets = case["shards"], T // case["shards"], case["offsets"]
+    states = case["batch"] if offsets is None else offsets.shape[0] - 1
+    inputs, state, weights = random_inputs(case["seed"], case["batch"], states, rule)
+    options = dict(chunk_size=C, schedule=case["schedule"], mesh=mesh_of(shards))
+    parallel = getattr(gdn_jax.ops, f"{rule}_seq_parallel")
+    run = jitted_loss(parallel, len(inputs), False, tuple(sorted(options.items())))
+    hlo = run.lower(*inputs, state, offsets, weights).compile().as_text()
+    found = COLLECTIVE.findall(hlo)
+    kinds = {op for _, op in found}
+    # The gather of the carries, its transpose, and the sums of the final states.
+    assert {"all-gather", "all-reduce"} <= kinds, f"collectives found: {found}"
+    bound = shards * max(case["batch"], states) * HV * (V + K) * K
+    for shape_text, op in found:
+        for dims in re.findall(r"\[([\d,]*)\]", shape_text):
+            dims = [int(d) for d in dims.split(",") if d]
+            assert local not in dims and T not in dims, f"token-sized {op}: {shape_text}"
+            assert int(np.prod(dims)) <= bound, f"{op} of {shape_text} exceeds {bound}"
+    print("     collectives:", sorted({f"{op} {shape}" for shape, op in found}))
+
+
+def test_halo_is_the_previous_shards_last_tokens_and_convolves_like_one_device():
     shards, width, channels = 8, 3, 5
     mesh = mesh_of(shards)
     rng = np.random.default_rng(23)
@@ -326,8 +273,7 @@ def _():
         raise AssertionError("a halo wider than a shard was accepted")
 
 
-@check("T not divisible by the axis size is refused")
-def _():
+def test_t_not_divisible_by_the_axis_size_is_refused():
     inputs, _, _ = random_inputs(24, B, B)
     cut = tuple(x[:, : T - 2] for x in inputs)
     try:
@@ -336,9 +282,3 @@ def _():
         assert "T=78 (q.shape[1]) must be divisible by the 8 devices" in str(error), error
     else:
         raise AssertionError("T=78 over 8 shards was accepted")
-
-
-if FAILURES:
-    print(f"{len(FAILURES)} check(s) failed: {', '.join(FAILURES)}")
-    sys.exit(1)
-print("all sequence-parallel checks passed")

@@ -8,7 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # A model small enough to train in seconds; the recurrent impl compiles about 3x faster than
 # the chunked one, and here the loop, not the op, is under test.
 TINY = [

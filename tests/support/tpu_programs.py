@@ -7,10 +7,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-from hlo import count, loop_bodies
 
 import gdn_jax
 from gdn_jax import tpu_compile
+from support.hlo import count, loop_bodies
 
 
 @dataclasses.dataclass(frozen=True)

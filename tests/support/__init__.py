@@ -1,0 +1,2 @@
+"""What the tests share: the tolerance table, the float64 references, the CPU schedule, HLO
+readers, training-run helpers, the TPU programs and the set-up of every test process."""
