@@ -18,8 +18,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gdn_jax.training.xla_flags import CPU_FLAGS
-
 # What a child session is: "devices=N" or "user_xla", read by conftest.py before JAX starts.
 CHILD_ENV = "GDN_TEST_CHILD"
 # Where the child writes one JSON line per test it starts and per report.
@@ -75,6 +73,9 @@ def run(child: str, nodeids: list[str], env: dict, rootdir: Path) -> dict:
 def user_environment(environ: dict) -> dict:
     """``environ`` without the suite's XLA:CPU library-fusion choice (``CPU_FLAGS``), which a
     user's process does not set; the flags that only make compiling cheaper stay."""
+    # Imported here: conftest.py imports this module before gdn_jax's annotations are hooked.
+    from gdn_jax.training.xla_flags import CPU_FLAGS
+
     flags = [
         flag
         for flag in environ.get("XLA_FLAGS", "").split()
