@@ -1,13 +1,19 @@
-"""Bad input raises ValueError at trace time, naming the argument and showing shapes."""
+"""Bad arguments to the ops raise ValueError at trace time, naming the argument and showing
+its shape or value: shapes, dtypes, options (chunk_size, scale, impl, schedule), Python lists
+where arrays go, and forward-mode autodiff through the chunked form, which says what to use."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from support.reference import random_inputs
 from support.tolerance import assert_close
 
 import gdn_jax
+from gdn_jax import GatedDeltaNet
 
 
 def batched_inputs(batch=1, seq_len=8, heads=2, v_heads=2, key_dim=4, value_dim=3):
@@ -101,6 +107,43 @@ def test_unsupported_chunk_size(chunk_size):
     q, k, v, la, b = random_inputs(0, 8, 4, 4)
     with pytest.raises(ValueError, match="chunk_size"):
         gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, chunk_size=chunk_size)
+
+
+def test_chunk_size_must_be_an_int():
+    q, k, v, la, b = random_inputs(0, 8, 4, 4)
+    with pytest.raises(ValueError, match=r"chunk_size=64.0 must be one of"):
+        gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, chunk_size=64.0)
+    with pytest.raises(ValueError, match=r"GatedDeltaNet: chunk_size=64.0 must be one of"):
+        GatedDeltaNet(16, 2, 8, chunk_size=64.0, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan")])
+def test_scale_must_be_a_finite_positive_number(scale):
+    q, k, v, la, b = random_inputs(0, 8, 4, 4)
+    message = r"scale=.* must be a finite number > 0"
+    for fn in (gdn_jax.gated_delta_rule_chunked, gdn_jax.gated_delta_rule_recurrent):
+        with pytest.raises(ValueError, match=message):
+            fn(q, k, v, la, b, scale=scale)
+    with pytest.raises(ValueError, match=message):
+        gdn_jax.gated_delta_rule(
+            q[None, :, None],
+            k[None, :, None],
+            v[None, :, None],
+            la[None, :, None],
+            b[None, :, None],
+            scale=scale,
+        )
+
+
+def test_python_lists_are_named_not_attribute_errors():
+    q, k, v, la, b = random_inputs(0, 8, 4, 4)
+    with pytest.raises(ValueError, match=r"gated_delta_rule_chunked: q must be an array, got list"):
+        gdn_jax.gated_delta_rule_chunked(np.asarray(q).tolist(), k, v, la, b)
+    batched = [x[None, :, None] for x in (q, k, v)] + [x[None, :, None] for x in (la, b)]
+    with pytest.raises(
+        ValueError, match=r"gated_delta_rule: cu_seqlens must be an array, got list"
+    ):
+        gdn_jax.gated_delta_rule(*batched, cu_seqlens=[0, 4, 8])
 
 
 def test_unknown_impl():
@@ -201,3 +244,30 @@ def test_step_takes_python_numbers_as_gates():
         assert_close(y, expected[1], jnp.float32)
     with pytest.raises(ValueError, match="gated_delta_step: beta must be a floating array"):
         gdn_jax.gated_delta_step(state, q, k, v, 0, True)
+
+
+@pytest.mark.parametrize("impl", ["chunked", "recurrent"])
+def test_forward_mode_autodiff_through_the_chunked_form_says_what_to_use(impl):
+    q, k, v, la, b = (x[None, :, None] for x in random_inputs(0, 20, 4, 4))
+
+    def out(q):
+        return gdn_jax.gated_delta_rule(q, k, v, la, b, impl=impl, chunk_size=16)[0]
+
+    if impl == "recurrent":  # forward mode runs through the recurrent form
+        jax.jvp(out, (q,), (q,))
+        return
+    message = (
+        r"gated_delta_rule: forward-mode autodiff \(jax.jvp, jax.jacfwd\) reaches q, but the "
+        r"chunked form differentiates in reverse mode only \(a hand-written custom_vjp\); for "
+        r"forward mode use impl=\"recurrent\""
+    )
+    for forward in (lambda: jax.jvp(out, (q,), (q,)), lambda: jax.jacfwd(out)(q)):
+        with pytest.raises(ValueError, match=message):
+            forward()
+    one_head = functools.partial(gdn_jax.gated_delta_rule_chunked, chunk_size=16)
+    with pytest.raises(ValueError, match=r"for forward mode use gated_delta_rule_recurrent"):
+        jax.jvp(lambda q: one_head(q, k[0, :, 0], v[0, :, 0], la[0, :, 0], b[0, :, 0])[0],
+                (q[0, :, 0],), (q[0, :, 0],))  # fmt: skip
+    # Forward over reverse needs no forward-mode rule of the op: the Hessian works.
+    hessian = jax.jit(jax.hessian(lambda q: jnp.sum(out(q) ** 2)))(q)
+    assert np.isfinite(hessian).all()
