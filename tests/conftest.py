@@ -171,3 +171,17 @@ def subprocess_env():
 def finished_run(subprocess_env):
     """A finished ``python train.py`` run of ``runs.TINY``, made once per test run. Read only."""
     return runs.finished_run(ROOT, subprocess_env)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The small hybrid ``LanguageModel`` (``support.small_model.HYBRID``) whose input checks
+    tests/layers/test_layer_inputs.py and tests/models/test_model_inputs.py call, one per test
+    module; a module that defines its own ``model`` fixture uses that instead."""
+    # Imported here, not above: gdn_jax must be imported after _set_up_test_process.
+    from flax import nnx
+    from support.small_model import HYBRID
+
+    from gdn_jax import LanguageModel
+
+    return LanguageModel(HYBRID, rngs=nnx.Rngs(0))
