@@ -1,0 +1,131 @@
+"""What LanguageModel, ModelConfig and generate check of what they are given: token ids of the
+wrong rank or dtype or outside the vocabulary, empty or 1-d prompts, masks that are not left
+padding or hold values other than 0 and 1, temperatures and PRNG keys, config field types, and
+the NumPy numbers they take where Python numbers are. Each refusal is a ValueError naming the
+argument and its value."""
+
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from support.reference import random_inputs
+from support.small_model import tokens
+from support.tolerance import assert_close
+
+import gdn_jax
+from gdn_jax import GatedDeltaNet, KimiDeltaAttention, ModelConfig, generate
+from gdn_jax.layers import input_checks
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -1.0])
+def test_generate_refuses_a_temperature_that_is_not_a_finite_positive_number(model, temperature):
+    with pytest.raises(ValueError, match=r"generate: temperature=(nan|inf|-1.0) must be"):
+        generate(model, tokens(1, 3), max_new_tokens=2, temperature=temperature)
+
+
+@pytest.mark.parametrize("prompt", [jnp.zeros((2, 0), jnp.int32), jnp.zeros((3,), jnp.int32)])
+def test_generate_refuses_an_empty_or_one_dimensional_prompt(model, prompt):
+    with pytest.raises(ValueError, match=r"generate: prompt must be integer tokens \[B, T\]"):
+        generate(model, prompt, max_new_tokens=2)
+
+
+def test_model_tokens_of_the_wrong_rank_or_dtype(model):
+    for bad in (tokens(2, 6)[0], tokens(2, 6).astype(jnp.float32)):
+        with pytest.raises(ValueError, match=r"LanguageModel: tokens must be integer ids \[B, T\]"):
+            model(bad)
+
+
+def test_token_ids_outside_the_vocabulary(model):
+    """They used to give NaN logits (50) or read another token's row (-5 read token 45)."""
+    for bad in (50, -5):
+        ids = tokens(1, 4).at[0, 2].set(bad)
+        message = rf"LanguageModel: tokens must be ids in \[0, vocab_size=50\), got \[{bad}\]"
+        with pytest.raises(ValueError, match=message):
+            model(ids)
+        with pytest.raises(ValueError, match=message):
+            model.prefill(ids, model.init_cache(1, 4))
+        with pytest.raises(ValueError, match=r"generate: prompt must be ids in \[0, vocab_size"):
+            generate(model, ids, max_new_tokens=1)
+    # Under jit they cannot be checked, and are clipped, the documented way: -5 reads token
+    # 0 and 50 token 49. Padding may hold any id: it is neither checked nor read.
+    forward = nnx.jit(lambda model, ids, mask: model(ids, mask=mask))
+    mask = jnp.ones((1, 5), jnp.int32).at[0, 0].set(0)
+    clipped = jnp.asarray([[0, 0, 49, 7, 3]], jnp.int32)
+    outside = jnp.asarray([[-7, -5, 50, 7, 3]], jnp.int32)
+    expected = forward(model, clipped, mask)
+    assert_close(forward(model, outside, mask), expected, jnp.float32)
+    input_checks.check_token_ids("LanguageModel", "tokens", outside.at[0, 1:3].set(0), 50, mask)
+
+
+def test_generate_checks_mask_values_and_the_key(model):
+    """A mask of 2s used to pass (its values are traced in the jitted decoder), and an int
+    key gave JAX's own TypeError."""
+    with pytest.raises(ValueError, match=r"generate: mask must hold only 0 and 1, got values \[2"):
+        generate(model, tokens(1, 3), mask=jnp.full((1, 3), 2), max_new_tokens=1)
+    for key in (0, jnp.zeros(3, jnp.uint32)):
+        with pytest.raises(ValueError, match=r"generate: key must be a PRNG key from jax.random"):
+            generate(model, tokens(1, 3), max_new_tokens=1, temperature=1.0, key=key)
+
+
+@pytest.mark.parametrize(
+    ("row", "mask"),
+    [
+        (1, [[0, 1, 1], [1, 1, 0]]),  # right padding: it would decode on from the pad
+        (0, [[1, 0, 1], [1, 1, 1]]),  # a hole
+        (1, [[1, 1, 1], [0, 0, 0]]),  # no token at all
+    ],
+)
+def test_generate_and_prefill_refuse_a_mask_that_is_not_left_padding(model, row, mask):
+    mask = jnp.asarray(mask, jnp.int32)
+    shown = re.escape(str(np.asarray(mask[row]).tolist()))
+    message = (
+        rf"mask row {row} must be left padding \(zeros, then ones, at least one one\), got {shown}"
+    )
+    with pytest.raises(ValueError, match=rf"generate: {message}"):
+        generate(model, tokens(2, 3), mask=mask, max_new_tokens=2)
+    with pytest.raises(ValueError, match=rf"LanguageModel: {message}"):
+        model.prefill(tokens(2, 3), model.init_cache(2, 5), mask=mask)
+
+
+def test_array_scalars_are_refused_as_not_a_python_number(model):
+    """A 0-d array used to get "must be a finite number > 0", which it may well be."""
+    q, k, v, la, b = random_inputs(0, 8, 4, 4)
+    message = r"gated_delta_rule_chunked: scale must be a Python number, got an array of shape"
+    for scale in (jnp.asarray(0.5), np.asarray(0.5)):
+        with pytest.raises(ValueError, match=message):
+            gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, scale=scale)
+    for temperature in (jnp.asarray(0.7), jnp.asarray(0.0)):
+        with pytest.raises(ValueError, match=r"generate: temperature must be a Python number"):
+            generate(model, tokens(1, 3), max_new_tokens=2, temperature=temperature)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("num_heads", True, "must be a positive integer"),
+        ("head_dim", 8.0, "must be a positive integer or None"),
+        ("expand_v", "2", "must be a number"),
+        ("use_gate", 1, "must be true or false"),
+    ],
+)
+def test_model_config_field_types(field, value, message):
+    with pytest.raises(ValueError, match=rf"ModelConfig.{field}={value!r}: {message}"):
+        ModelConfig(**{field: value}).validate()
+
+
+def test_numpy_numbers_are_taken_wherever_python_numbers_are(model):
+    q, k, v, la, b = random_inputs(0, 20, 4, 4)
+    y, _ = gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, chunk_size=np.int64(16))
+    expected, _ = gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, chunk_size=16)
+    assert_close(y, expected, jnp.float32)
+    layer = GatedDeltaNet(16, 2, 8, chunk_size=np.int32(16), rngs=nnx.Rngs(0))
+    assert type(layer.chunk_size) is int
+    kda = KimiDeltaAttention(16, 2, 8, gate_lower_bound=np.float32(-5), rngs=nnx.Rngs(0))
+    assert kda.gate_lower_bound == -5.0
+    out = generate(model, tokens(1, 3), max_new_tokens=np.int64(2))
+    assert out.shape == (1, 2)
+    assert ModelConfig(d_model=np.int64(16), num_heads=np.int64(2)).validate().d_model == 16
+    with pytest.raises(ValueError, match=r"chunk_size=np.True_ must be one of"):
+        gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, chunk_size=np.True_)
