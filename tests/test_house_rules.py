@@ -1,4 +1,5 @@
-"""Rules about the code itself: enforced annotations and no private imports across modules."""
+"""Rules about the code itself: the public names at the top level of gdn_jax, enforced
+annotations and no private imports across modules."""
 
 import ast
 from pathlib import Path
@@ -8,11 +9,16 @@ import jaxtyping
 import pytest
 
 import gdn_jax
+from gdn_jax import GatedDeltaNet, LanguageModel
 from gdn_jax.ops.chunked import chunked_rule
 from gdn_jax.ops.recurrent import recurrent_rule
 from gdn_jax.ops.step import delta_step
 
 PACKAGE = Path(gdn_jax.__file__).parent
+
+
+def test_top_level_exports():
+    assert gdn_jax.GatedDeltaNet is GatedDeltaNet and gdn_jax.LanguageModel is LanguageModel
 
 
 def test_core_shape_annotations_are_checked_in_the_test_session():
