@@ -74,6 +74,10 @@ class MQARConfig:
         """Two-token query slots after the context."""
         return (self.seq_len - 2 * self.num_kv_pairs) // 2
 
+    def describe(self) -> str:
+        """The task in one line, for the training command's banner."""
+        return f"seq_len={self.seq_len}, kv pairs={self.num_kv_pairs}, vocab={self.vocab_size}"
+
 
 def _num_keys(vocab_size: int) -> int:
     # Token 0 is reserved for filler, so keys are [1, vocab // 2).

@@ -46,7 +46,8 @@ def program_name() -> str:
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog=program_name(),
-        description="Train a small Gated DeltaNet on multi-query associative recall (MQAR).",
+        description="Train a small Gated DeltaNet on a synthetic task: multi-query "
+        "associative recall (MQAR) or state tracking (data.task).",
     )
     parser.add_argument(
         "--config",
@@ -134,8 +135,7 @@ def _main(argv) -> int:
     print(f"devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()})")
     print(
         f"model: {config.model.mixers}, d_model={config.model.d_model}; data: "
-        f"seq_len={config.data.seq_len}, kv pairs={config.data.num_kv_pairs}, "
-        f"vocab={config.data.vocab_size}; out: {config.train.out_dir}"
+        f"{config.data.describe()}; out: {config.train.out_dir}"
     )
     try:
         summary = run(config, resume=args.resume, overwrite=args.overwrite)

@@ -14,7 +14,8 @@ import re
 
 import jax
 
-from gdn_jax.data.mqar import make_batch, make_mqar
+from gdn_jax.data.mqar import make_batch
+from gdn_jax.data.tasks import make_examples
 from gdn_jax.tpu_compile import Topology, compile_for, devices_per_chip
 from gdn_jax.training import mesh as mesh_lib
 from gdn_jax.training.config import Config
@@ -45,7 +46,7 @@ class StepMemory:
 
 def abstract_batch(config: Config) -> dict:
     """One step's batch as ``jax.ShapeDtypeStruct``s: the shapes of a generated example."""
-    example = make_batch(*make_mqar(config.data, num_examples=1, seed=0))
+    example = make_batch(*make_examples(config.data, num_examples=1, seed=0))
     size = config.train.batch_size
     return {k: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype) for k, x in example.items()}
 

@@ -2,6 +2,8 @@
 
 Every key is checked against the dataclass fields and every value against the field's type
 at start-up, so a typo fails before anything compiles, with the dotted name in the message.
+The ``data`` section is the config of the task its ``task`` key names (``data.tasks.TASKS``;
+MQAR when absent).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from gdn_jax.data.mqar import MQARConfig
+from gdn_jax.data.tasks import DEFAULT_TASK, TASKS, TaskConfig, task_name
 from gdn_jax.models.config import ModelConfig
 from gdn_jax.models.lm import check_buildable
 
@@ -78,10 +81,11 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Everything a run needs: the model, the MQAR task and the training loop."""
+    """Everything a run needs: the model, the task and the training loop."""
 
     model: ModelConfig = ModelConfig()
-    data: MQARConfig = MQARConfig()
+    # The config of one of data.tasks.TASKS, read from a data section by its task key.
+    data: TaskConfig = MQARConfig()
     train: TrainConfig = TrainConfig()
 
     def validate(self) -> Config:
@@ -119,9 +123,12 @@ class Config:
         if t.target_accuracy is not None and not 0 < t.target_accuracy <= 1:
             raise ValueError(f"train.target_accuracy={t.target_accuracy} must be in (0, 1]")
         if self.model.vocab_size != self.data.vocab_size:
+            # A task whose vocabulary follows from its other fields says which it is.
+            given = "vocab_size" in {f.name for f in dataclasses.fields(self.data)}
             raise ValueError(
                 f"model.vocab_size={self.model.vocab_size} must equal "
                 f"data.vocab_size={self.data.vocab_size}"
+                + ("" if given else f" ({self.data.describe()})")
             )
         return self
 
@@ -136,6 +143,8 @@ def _convert(value, annotation, name):
             return None
         for arg in (a for a in args if a is not type(None)):
             return _convert(value, arg, name)
+    if annotation is TaskConfig:
+        return _task_config(value, name)
     if dataclasses.is_dataclass(annotation):
         if not isinstance(value, dict):
             raise ValueError(f"{name} must be a mapping of {annotation.__name__} fields")
@@ -158,6 +167,18 @@ def _convert(value, annotation, name):
     raise ValueError(
         f"{name}={value!r} must be of type {getattr(annotation, '__name__', annotation)}"
     )
+
+
+def _task_config(value, name) -> TaskConfig:
+    """The config of the task that ``value``'s ``task`` key names (``DEFAULT_TASK`` when it
+    has none), from the rest of ``value``."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a mapping of a task's fields")
+    fields = dict(value)
+    task = fields.pop("task", DEFAULT_TASK)
+    if not isinstance(task, str) or task not in TASKS:
+        raise ValueError(f"{name}.task={task!r} is not a task; allowed: {tuple(TASKS)}")
+    return from_dict(TASKS[task].config, fields, prefix=f"{name}.")
 
 
 def from_dict(cls, data: dict, *, prefix: str = ""):
@@ -237,11 +258,20 @@ def parse_yaml(text: str, where: str):
 
 
 def to_dict(config: Config) -> dict:
-    """The resolved config as plain YAML-able data (tuples as lists)."""
+    """The resolved config as plain YAML-able data (tuples as lists).
+
+    The data section begins with its ``task``, except for ``DEFAULT_TASK``: a resolved MQAR
+    config is then the same as before tasks existed, so the ``config.yaml`` of an earlier run
+    still resumes and a sweep's earlier cells keep their keys (a digest of this dict).
+    """
 
     def plain(x):
         if isinstance(x, dict):
             return {k: plain(v) for k, v in x.items()}
         return list(map(plain, x)) if isinstance(x, tuple | list) else x
 
-    return plain(dataclasses.asdict(config))
+    resolved = plain(dataclasses.asdict(config))
+    task = task_name(config.data)
+    if task != DEFAULT_TASK:
+        resolved["data"] = {"task": task, **resolved["data"]}
+    return resolved

@@ -1,4 +1,4 @@
-"""Held-out evaluation: a fixed set of MQAR examples from the test seed, batched once."""
+"""Held-out evaluation: a fixed set of the task's examples from the test seed, batched once."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import math
 
 import numpy as np
 
-from gdn_jax.data.mqar import make_batch, make_mqar, split_seeds
+from gdn_jax.data.mqar import make_batch, split_seeds
+from gdn_jax.data.tasks import make_examples
 from gdn_jax.training import mesh as mesh_lib
 from gdn_jax.training.config import Config
 from gdn_jax.training.metrics_log import MetricsLog
@@ -18,7 +19,7 @@ def held_out_set(config: Config, batch_shardings) -> list[dict]:
     train = config.train
     _, test_seed = split_seeds(train.seed)
     num_batches = math.ceil(train.eval_examples / train.batch_size)
-    inputs, labels = make_mqar(
+    inputs, labels = make_examples(
         config.data, num_examples=num_batches * train.batch_size, seed=test_seed
     )
     rows = (slice(i * train.batch_size, (i + 1) * train.batch_size) for i in range(num_batches))

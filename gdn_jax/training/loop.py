@@ -1,4 +1,4 @@
-"""The MQAR training run: check, claim the run directory, build, restore or start, the steps.
+"""The training run: check, claim the run directory, build, restore or start, the steps.
 
 ``run`` reads as the story of a run. Nothing is written before every check has passed, and a
 run directory belongs to one run (``run_dir.py``). The step loop keeps the device busy: each
@@ -25,7 +25,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from gdn_jax.data.mqar import make_batch, make_mqar, split_seeds
+from gdn_jax.data.mqar import make_batch, split_seeds
+from gdn_jax.data.tasks import make_examples
 from gdn_jax.training import checkpoints as ckpt
 from gdn_jax.training import mesh as mesh_lib
 from gdn_jax.training import run_dir
@@ -157,7 +158,7 @@ def _step_loop(run: RunState, start: int, held_out, callbacks, stop_requests) ->
         )
     try:
         while step < train.steps:
-            inputs, labels = make_mqar(
+            inputs, labels = make_examples(
                 config.data, num_examples=train.batch_size, seed=batch_seed(train_seed, step)
             )
             batch = mesh_lib.place(make_batch(inputs, labels), run.batch_shardings)
