@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 from support import cpu_schedule as on_cpu
+from support import forms
+from support.forms import with_state_and_cotangents
 from support.reference import gated_delta_reference, random_inputs, random_state
 from support.tolerance import assert_close
 
@@ -40,41 +42,17 @@ def loop_per_head(q, k, v, la, b, state, n, i):
     )  # fmt: skip
 
 
-@functools.cache
-def outputs_and_grads(form, **options):
-    """One jitted program per form: ``(y, final, grads of every input)`` for fixed random
-    cotangents of ``y`` and the final state, so values and gradients compile together."""
-    fn = {"recurrent": gdn_jax.kda_recurrent, "chunked": on_cpu.kda_chunked}[form]
-
-    def run(q, k, v, la, b, state, ct_y, ct_s):
-        def loss(*args):
-            y, s = fn(*args[:5], initial_state=args[5], **options)
-            return jnp.sum(y * ct_y) + jnp.sum(s * ct_s), (y, s)
-
-        grads, (y, s) = jax.grad(loss, argnums=range(6), has_aux=True)(q, k, v, la, b, state)
-        return y, s, grads
-
-    return jax.jit(run)
-
-
 def single_head_args(seed, seq_len, key_dim, value_dim, dtype=jnp.float32, **kw):
     inputs = random_inputs(seed, seq_len, key_dim, value_dim, dtype=dtype, per_channel=True, **kw)
-    state = random_state(seed + 1, value_dim, key_dim, dtype=dtype)
-    cotangents = (
-        random_state(seed + 2, seq_len, value_dim, dtype=dtype),
-        random_state(seed + 3, value_dim, key_dim, dtype=dtype),
-    )
-    return (*inputs, state, *cotangents)
+    return with_state_and_cotangents(inputs, seed, seq_len, key_dim, value_dim, dtype)
 
 
 def assert_forms_agree(args, dtype, chunked_options, label=""):
-    expected = outputs_and_grads("recurrent")(*args)
-    actual = outputs_and_grads("chunked", **chunked_options)(*args)
-    assert_close(actual[0], expected[0], dtype, f"{label} y")
-    assert_close(actual[1], expected[1], dtype, f"{label} final state")
-    for name, a, e in zip(NAMES, actual[2], expected[2], strict=True):
-        assert np.isfinite(a).all(), f"{label} d{name}"
-        assert_close(a, e, dtype, f"{label} d{name}")
+    forms.assert_forms_agree("kda", args, dtype, chunked_options, label)
+
+
+def outputs_and_grads(form, **options):
+    return forms.outputs_and_grads("kda", form, **options)
 
 
 # --- the step and the recurrent form against the float64 loop --------------------------------
@@ -214,27 +192,9 @@ def test_extent_of_a_nan_at_one_token():
 def test_residuals_are_the_inputs_and_one_state_per_chunk():
     """What the backward keeps grows with T by the inputs and one [V, K] state per chunk
     (two lengths, so the constant masks the recomputation needs cancel out)."""
-    key_dim, value_dim, chunk = 8, 8, 64
-
-    def saved_and_inputs(seq_len, schedule):
-        q, k, v, la, b, state, *_ = single_head_args(70, seq_len, key_dim, value_dim)
-        args = (q, k, v, la, b, state)
-
-        def run(*a):
-            options = dict(initial_state=a[5], chunk_size=chunk, schedule=schedule)
-            return on_cpu.kda_chunked(*a[:5], **options)
-
-        # Shapes only: the pullback's leaves are what the backward keeps.
-        vjp_fn = jax.eval_shape(lambda *a: jax.vjp(run, *a)[1], *args)
-        saved = sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(vjp_fn))
-        return saved, sum(x.size for x in args)
-
-    for schedule in ("in_scan", "hoisted"):
-        (saved_1, inputs_1), (saved_2, inputs_2) = (
-            saved_and_inputs(seq_len, schedule) for seq_len in (256, 512)
-        )
-        states = (256 // chunk) * value_dim * key_dim
-        assert saved_2 - saved_1 <= inputs_2 - inputs_1 + states, schedule
+    forms.assert_residuals_are_inputs_and_one_state_per_chunk(
+        "kda", lambda seq_len: single_head_args(70, seq_len, 8, 8)[:6], chunk=64
+    )
 
 
 # --- the batched entry point -------------------------------------------------------------------

@@ -1,0 +1,84 @@
+"""What the channel-gated rules' op tests share (tests/ops/test_kda.py, test_gdn2.py): one
+jitted program per form of a rule's single-head op, recurrent or chunked in the CPU schedule,
+that returns the outputs, the final state and the gradient of every input for fixed random
+cotangents (so values and gradients compile together), and the comparison of two forms."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gdn_jax
+from gdn_jax.ops.rules import RULES
+from support import cpu_schedule as on_cpu
+from support.reference import random_state
+from support.tolerance import assert_close
+
+
+@functools.cache
+def outputs_and_grads(rule, form, **options):
+    """``run(*inputs, state, ct_y, ct_s) -> (y, final, grads of the inputs and the state)``
+    of ``rule``'s single-head op in ``form`` ("recurrent" or "chunked")."""
+    chunked = getattr(on_cpu, f"{rule}_chunked")
+    fn = getattr(gdn_jax, f"{rule}_recurrent") if form == "recurrent" else chunked
+    num_inputs = 3 + len(RULES[rule].gates)
+
+    def run(*args):
+        *inputs, state, ct_y, ct_s = args
+
+        def loss(*args):
+            y, s = fn(*args[:num_inputs], initial_state=args[num_inputs], **options)
+            return jnp.sum(y * ct_y) + jnp.sum(s * ct_s), (y, s)
+
+        argnums = range(num_inputs + 1)
+        grads, (y, s) = jax.grad(loss, argnums=argnums, has_aux=True)(*inputs, state)
+        return y, s, grads
+
+    return jax.jit(run)
+
+
+def with_state_and_cotangents(inputs, seed, seq_len, key_dim, value_dim, dtype):
+    """``inputs`` followed by a random initial state and the cotangents of y and the final
+    state, the arguments of an ``outputs_and_grads`` program."""
+    state = random_state(seed + 1, value_dim, key_dim, dtype=dtype)
+    cotangents = (
+        random_state(seed + 2, seq_len, value_dim, dtype=dtype),
+        random_state(seed + 3, value_dim, key_dim, dtype=dtype),
+    )
+    return (*inputs, state, *cotangents)
+
+
+def assert_forms_agree(rule, args, dtype, chunked_options, label=""):
+    """The chunked form with ``chunked_options`` equals the recurrent one on ``args``: y,
+    the final state and every gradient, each finite, to ``dtype``'s tolerance."""
+    expected = outputs_and_grads(rule, "recurrent")(*args)
+    actual = outputs_and_grads(rule, "chunked", **chunked_options)(*args)
+    assert_close(actual[0], expected[0], dtype, f"{label} y")
+    assert_close(actual[1], expected[1], dtype, f"{label} final state")
+    names = ("q", "k", "v", *RULES[rule].gate_names, "initial_state")
+    for name, a, e in zip(names, actual[2], expected[2], strict=True):
+        assert np.isfinite(a).all(), f"{label} d{name}"
+        assert_close(a, e, dtype, f"{label} d{name}")
+
+
+def assert_residuals_are_inputs_and_one_state_per_chunk(rule, args_of_length, chunk):
+    """What the backward of ``rule``'s chunked form keeps grows with ``T`` by the inputs and
+    one ``[V, K]`` state per chunk, in both schedules: measured at two lengths (256 and
+    512, by ``args_of_length(T) -> (*inputs, state)``), so that the constant masks the
+    recomputation needs cancel out. Shapes only: the pullback's leaves are what it keeps."""
+    chunked = getattr(on_cpu, f"{rule}_chunked")
+    for schedule in ("in_scan", "hoisted"):
+        sizes = []
+        for seq_len in (256, 512):
+            args = args_of_length(seq_len)
+
+            def run(*a, schedule=schedule):
+                return chunked(*a[:-1], initial_state=a[-1], chunk_size=chunk, schedule=schedule)
+
+            vjp_fn = jax.eval_shape(lambda *a, run=run: jax.vjp(run, *a)[1], *args)
+            saved = sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(vjp_fn))
+            sizes.append((saved, sum(x.size for x in args)))
+        (saved_1, inputs_1), (saved_2, inputs_2) = sizes
+        states = (256 // chunk) * args[-1].size
+        assert saved_2 - saved_1 <= inputs_2 - inputs_1 + states, schedule
