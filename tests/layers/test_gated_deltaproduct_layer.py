@@ -2,12 +2,12 @@
 gradients, flash-linear-attention's parameter count, bad arguments. Padding, packing and
 decoding are test_layers.py's, with the other mixers."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from support.cpu_schedule import SCHEDULE
+from support.layer_forms import assert_layers_agree_with_gradients, parameter_count
 from support.reference import householder_reference
 from support.tolerance import assert_close
 from test_layers import HIDDEN, inputs
@@ -90,17 +90,7 @@ def test_layer_matches_numpy_reference(options):
 def test_chunked_and_recurrent_layers_agree_with_gradients():
     chunked, recurrent = make(schedule="hoisted"), make(impl="recurrent")
     x = inputs(1, 2, 25)
-
-    def loss(layer, x):
-        return jnp.sum(jnp.sin(layer(x)))
-
-    grad = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))
-    (l_c, (g_c, gx_c)), (l_r, (g_r, gx_r)) = grad(chunked, x), grad(recurrent, x)
-    assert_close(l_c, l_r, jnp.float32)
-    assert_close(gx_c, gx_r, jnp.float32)
-    flat_r = dict(nnx.to_flat_state(g_r))
-    for path, g in nnx.to_flat_state(g_c):
-        assert_close(g.get_value(), flat_r[path].get_value(), jnp.float32, str(path))
+    assert_layers_agree_with_gradients(chunked, recurrent, x)
 
 
 def fla_parameter_count(hidden, heads, head_dim, expand_v, v_heads, n, conv, forget, gate):
@@ -134,8 +124,7 @@ def fla_parameter_count(hidden, heads, head_dim, expand_v, v_heads, n, conv, for
 )
 def test_parameter_count_matches_flash_linear_attention(config):
     layer = nnx.eval_shape(lambda: GatedDeltaProduct(**config, rngs=nnx.Rngs(0)))
-    count = sum(x.size for x in jax.tree.leaves(nnx.state(layer, nnx.Param)))
-    assert count == fla_parameter_count(
+    assert parameter_count(layer) == fla_parameter_count(
         config["hidden_size"], config["num_heads"], config["head_dim"],
         config.get("expand_v", 2.0), config.get("num_v_heads", config["num_heads"]),
         config.get("num_householder", 2), config.get("conv_size", 4),

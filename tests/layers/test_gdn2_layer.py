@@ -2,12 +2,12 @@
 gradients, flash-linear-attention's parameter count, initialisation, bad arguments. Padding,
 packing and decoding are test_layers.py's, with the other mixers."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from support.cpu_schedule import SCHEDULE
+from support.layer_forms import assert_layers_agree_with_gradients, parameter_count
 from support.reference import erase_write_reference
 from support.tolerance import assert_close
 from test_layers import HIDDEN, inputs
@@ -98,17 +98,7 @@ def test_chunked_and_recurrent_layers_agree_with_gradients():
     chunked = make(schedule="hoisted")  # the GPU and TPU schedule; test_layers.py runs auto
     recurrent = make(impl="recurrent")
     x = inputs(1, 2, 40)
-
-    def loss(layer, x):
-        return jnp.sum(jnp.sin(layer(x)))
-
-    grad = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))
-    (l_c, (g_c, gx_c)), (l_r, (g_r, gx_r)) = grad(chunked, x), grad(recurrent, x)
-    assert_close(l_c, l_r, jnp.float32)
-    assert_close(gx_c, gx_r, jnp.float32)
-    flat_r = dict(nnx.to_flat_state(g_r))
-    for path, g in nnx.to_flat_state(g_c):
-        assert_close(g.get_value(), flat_r[path].get_value(), jnp.float32, str(path))
+    assert_layers_agree_with_gradients(chunked, recurrent, x)
 
 
 def fla_parameter_count(hidden, heads, head_dim, expand_v, v_heads, conv, conv_bias):
@@ -127,10 +117,6 @@ def fla_parameter_count(hidden, heads, head_dim, expand_v, v_heads, conv, conv_b
     return count + value_dim * hidden  # o_proj
 
 
-def count(layer):
-    return sum(x.size for x in jax.tree.leaves(nnx.state(layer, nnx.Param)))
-
-
 @pytest.mark.parametrize(
     "config",
     [
@@ -141,7 +127,7 @@ def count(layer):
 )
 def test_parameter_count_matches_flash_linear_attention(config):
     layer = nnx.eval_shape(lambda: GatedDeltaNet2(**config, rngs=nnx.Rngs(0)))
-    assert count(layer) == fla_parameter_count(
+    assert parameter_count(layer) == fla_parameter_count(
         config["hidden_size"],
         config["num_heads"],
         config["head_dim"],

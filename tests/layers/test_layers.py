@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from support.cpu_schedule import SCHEDULE
+from support.layer_forms import assert_layers_agree_with_gradients
 from support.reference import grouped_heads_reference
 from support.tolerance import assert_close
 
@@ -111,12 +112,7 @@ def test_chunked_and_recurrent_layers_agree_with_gradients(cls):
     def loss(layer, x):
         return jnp.sum(layer(x) ** 2)
 
-    grad = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))
-    (l_c, (g_c, gx_c)), (l_r, (g_r, gx_r)) = grad(chunked, x), grad(recurrent, x)
-    assert_close(l_c, l_r, jnp.float32)
-    assert_close(gx_c, gx_r, jnp.float32)
-    for a, e in zip(jax.tree.leaves(g_c), jax.tree.leaves(g_r), strict=True):
-        assert_close(a, e, jnp.float32)
+    assert_layers_agree_with_gradients(chunked, recurrent, x, loss)
 
 
 def fla_parameter_count(hidden, heads, head_dim, expand_v, v_heads, conv, use_gate, conv_bias):
