@@ -1,5 +1,5 @@
 """Rules about the code itself: the public names at the top level of gdn_jax, enforced
-annotations and no private imports across modules."""
+annotations, no private imports across modules, and small modules and functions."""
 
 import ast
 from pathlib import Path
@@ -69,5 +69,40 @@ def test_no_module_imports_a_private_name_from_another():
         str(path.relative_to(PACKAGE)): found
         for path in sorted(PACKAGE.rglob("*.py"))
         if (found := private_uses(path.read_text()))
+    }
+    assert not offenders, offenders
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 80
+
+
+def oversized(path: Path) -> list[str]:
+    """The module ``path`` if it is over ``MAX_MODULE_LINES`` lines, and its functions over
+    ``MAX_FUNCTION_LINES`` (docstring included)."""
+    source = path.read_text()
+    found = []
+    if len(source.splitlines()) > MAX_MODULE_LINES:
+        found.append(f"the module: {len(source.splitlines())} lines")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                found.append(f"{node.name}: {lines} lines")
+    return found
+
+
+def test_the_size_check_can_fail(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "big.py").write_text(f"def f():\n{body}\n")
+    assert oversized(tmp_path / "big.py") == [f"f: {MAX_FUNCTION_LINES + 1} lines"]
+
+
+def test_modules_and_functions_are_small():
+    """Small files whose names say what they hold: no module of gdn_jax over 400 lines, no
+    function over 80."""
+    offenders = {
+        str(path.relative_to(PACKAGE)): found
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (found := oversized(path))
     }
     assert not offenders, offenders
