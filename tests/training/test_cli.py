@@ -447,7 +447,7 @@ def test_out_of_memory_is_one_line_and_the_directory_stays_usable(tmp_path, monk
     def held_out_too_big(config, *, num_examples, seed):
         raise MemoryError
 
-    monkeypatch.setattr(evaluation, "make_mqar", held_out_too_big)
+    monkeypatch.setattr(evaluation, "make_examples", held_out_too_big)
     one_line_error(
         command(tmp_path / "run"),
         r"out of memory \(MemoryError\) with .*train.eval_examples=16; shrink ",
