@@ -1,10 +1,13 @@
 """Gated DeltaProduct (Siems et al., 2025): ``num_householder`` delta-rule steps per token,
 each with its own key, value and ``beta``, the decay once per token.
 
-Wiring only, around ``gdn_jax.gated_delta_product``. The parameters follow
-flash-linear-attention's ``GatedDeltaProduct`` (``fla/layers/gated_deltaproduct.py``): its
-``k_proj``, ``v_proj`` and ``b_proj`` make ``n`` keys, values and betas a token (features
-laid out ``(n h d)``), its short convolutions run over those, so parameter counts match.
+Wiring only, around ``gdn_jax.gated_delta_product``. The parameters are
+flash-linear-attention's ``GatedDeltaProduct``'s (``fla/layers/gated_deltaproduct.py``), so
+the counts match: its ``k_proj``, ``v_proj`` and ``b_proj`` make ``n`` keys, values and betas
+a token and its short convolutions run over those. Their columns are head-major,
+``(h n d)``, where fla's are step-major, ``(n h d)``: a ``model`` axis over the columns then
+splits whole heads and no key or value crosses devices (fla's weights load by permuting
+the columns).
 """
 
 from __future__ import annotations
@@ -43,9 +46,7 @@ class GatedDeltaProduct(RecurrentLayer):
     ``silu(g_proj(x))`` (plain RMSNorm without ``use_gate``); bias-free ``o_proj``.
 
     A mesh ``seq`` axis splits it by tokens, each token's steps on its shard
-    (``gdn_jax.ops.gated_delta_product_seq_parallel``). The ``model`` axis splits the
-    projections' columns, which in fla's ``(n h d)`` layout are not whole heads: XLA then
-    moves the keys and values between devices.
+    (``gdn_jax.ops.gated_delta_product_seq_parallel``); a ``model`` axis splits its heads.
     """
 
     def __init__(
@@ -116,8 +117,7 @@ class GatedDeltaProduct(RecurrentLayer):
         if real is not None:
             beta = jnp.where(real, beta, 0)
             log_alpha = None if log_alpha is None else jnp.where(real, log_alpha, 0)
-        # fla's "(n h)" betas of a token: step j of value head h at j * HV + h.
-        beta = beta.reshape(batch, seq_len * self.num_householder, self.num_v_heads)
+        beta = self._steps(beta, self.num_v_heads, 1)[..., 0]
         o, state = self._recurrence(
             q, k, v, (log_alpha, beta), cu_seqlens=cu_seqlens, cache=cache, impl=impl,
             seq_mesh=seq_mesh,

@@ -146,8 +146,8 @@ class RecurrentLayer(nnx.Module):
         self.key_dim, self.value_dim = num_heads * head_dim, num_v_heads * head_v_dim
         self.allow_neg_eigval, self.use_gate = allow_neg_eigval, use_gate
         self.impl, self.schedule, self.conv_size = impl, schedule, conv_size
-        # Keys and values per token: several for Gated DeltaProduct, laid out as
-        # flash-linear-attention's "(n h d)" features of one token.
+        # Keys and values per token: several for Gated DeltaProduct, each head's side by
+        # side ("(h n d)" features of one token, see _steps).
         self.steps_per_token = steps_per_token
         self.widths = (
             self.key_dim,
@@ -267,8 +267,16 @@ class RecurrentLayer(nnx.Module):
                 cu_seqlens=cu_seqlens,
                 seq_mesh=seq_mesh,
             )
-        steps = seq_len * self.steps_per_token
         q = q.reshape(batch, seq_len, self.num_heads, self.head_dim)
-        k = k.reshape(batch, steps, self.num_heads, self.head_dim)
-        v = v.reshape(batch, steps, self.num_v_heads, self.head_v_dim)
+        k = self._steps(k, self.num_heads, self.head_dim)
+        v = self._steps(v, self.num_v_heads, self.head_v_dim)
         return q, k, v, real, conv_cache
+
+    def _steps(self, z, heads, width):
+        """``z [B, T, heads * n * width]``, each head's ``n`` steps side by side (head-major,
+        so that a ``model`` axis over the columns splits whole heads), as the rule's steps
+        ``[B, T n, heads, width]``: a token's ``n`` steps in order."""
+        batch, seq_len, _ = z.shape
+        n = self.steps_per_token
+        z = z.reshape(batch, seq_len, heads, n, width).swapaxes(2, 3)
+        return z.reshape(batch, seq_len * n, heads, width)

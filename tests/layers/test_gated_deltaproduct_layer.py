@@ -45,11 +45,14 @@ def reference_layer(layer, x):
         y = sum(w[i] * padded[i : i + seq_len] for i in range(w.shape[0]))
         return y * sigmoid(y)
 
+    def steps(z, heads):  # head-major (h n d) columns -> [T n, heads, d]
+        return z.reshape(seq_len, heads, n, -1).swapaxes(1, 2).reshape(seq_len * n, heads, -1)
+
     q = conv(x @ value(layer.q_proj.kernel), layer.q_conv1d).reshape(seq_len, heads, key_dim)
-    k = conv(x @ value(layer.k_proj.kernel), layer.k_conv1d).reshape(seq_len * n, heads, key_dim)
-    v = conv(x @ value(layer.v_proj.kernel), layer.v_conv1d).reshape(seq_len * n, v_heads, -1)
+    k = steps(conv(x @ value(layer.k_proj.kernel), layer.k_conv1d), heads)
+    v = steps(conv(x @ value(layer.v_proj.kernel), layer.v_conv1d), v_heads)
     q, k = (z / np.sqrt(np.sum(z * z, -1, keepdims=True) + 1e-6) for z in (q, k))
-    beta = sigmoid(x @ value(layer.b_proj.kernel)).reshape(seq_len * n, v_heads)
+    beta = steps(sigmoid(x @ value(layer.b_proj.kernel)), v_heads)[..., 0]
     beta = 2 * beta if layer.allow_neg_eigval else beta
     log_alpha = None
     if layer.use_forget_gate:
