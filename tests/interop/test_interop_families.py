@@ -254,7 +254,7 @@ def test_family_tensors_and_configs_are_checked():
         QWEN3_5.layer_kwargs({**qwen, "output_gate_type": "sigmoid"})
     with pytest.raises(ValueError, match=r"olmo_hybrid_layer_prefixes: config has no layer_types"):
         OLMO_HYBRID.layer_prefixes({"num_hidden_layers": 4})
-    # A short layer_types used to give fewer layers, silently.
+    # A short layer_types would give fewer layers, silently.
     short = dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3)
     with pytest.raises(
         ValueError,

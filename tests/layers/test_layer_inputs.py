@@ -69,8 +69,8 @@ def test_layer_inputs_of_the_wrong_width_or_rank(layers, x):
 
 
 def test_caches_that_do_not_fit_the_layer_are_named(layers, model):
-    """These used to give vmap, concatenate, AttributeError or zip errors, or (a cache
-    without convolution histories) no error at all."""
+    """Unchecked, these end in vmap, concatenate, AttributeError or zip errors, or (a cache
+    without convolution histories) in no error at all."""
     gdn, attention = layers
     plain = GatedDeltaNet(16, 2, 8, use_short_conv=False, chunk_size=16, rngs=nnx.Rngs(0))
     narrow = GatedDeltaNet(16, 2, 4, use_short_conv=False, chunk_size=16, rngs=nnx.Rngs(0))

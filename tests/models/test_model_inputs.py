@@ -38,7 +38,7 @@ def test_model_tokens_of_the_wrong_rank_or_dtype(model):
 
 
 def test_token_ids_outside_the_vocabulary(model):
-    """They used to give NaN logits (50) or read another token's row (-5 read token 45)."""
+    """Unchecked, they give NaN logits (50) or read another token's row (-5 reads token 45)."""
     for bad in (50, -5):
         ids = tokens(1, 4).at[0, 2].set(bad)
         message = rf"LanguageModel: tokens must be ids in \[0, vocab_size=50\), got \[{bad}\]"
@@ -60,8 +60,8 @@ def test_token_ids_outside_the_vocabulary(model):
 
 
 def test_generate_checks_mask_values_and_the_key(model):
-    """A mask of 2s used to pass (its values are traced in the jitted decoder), and an int
-    key gave JAX's own TypeError."""
+    """Unchecked, a mask of 2s passes (its values are traced in the jitted decoder), and an
+    int key gives JAX's own TypeError."""
     with pytest.raises(ValueError, match=r"generate: mask must hold only 0 and 1, got values \[2"):
         generate(model, tokens(1, 3), mask=jnp.full((1, 3), 2), max_new_tokens=1)
     for key in (0, jnp.zeros(3, jnp.uint32)):
@@ -90,7 +90,7 @@ def test_generate_and_prefill_refuse_a_mask_that_is_not_left_padding(model, row,
 
 
 def test_array_scalars_are_refused_as_not_a_python_number(model):
-    """A 0-d array used to get "must be a finite number > 0", which it may well be."""
+    """Unchecked, a 0-d array is told "must be a finite number > 0", which it may well be."""
     q, k, v, la, b = random_inputs(0, 8, 4, 4)
     message = r"gated_delta_rule_chunked: scale must be a Python number, got an array of shape"
     for scale in (jnp.asarray(0.5), np.asarray(0.5)):

@@ -216,7 +216,7 @@ def test_errors_are_raised_while_tracing_under_jit():
 
 @pytest.mark.parametrize(("key_dim", "value_dim"), [(0, 3), (4, 0)])
 def test_empty_feature_dims_are_shape_errors_in_every_op(key_dim, value_dim):
-    """K = 0 used to be a ZeroDivisionError from the default scale ``K ** -0.5``."""
+    """Unchecked, K = 0 is a ZeroDivisionError from the default scale ``K ** -0.5``."""
     name, layout = ("q", "K") if key_dim == 0 else ("v", "V")
     message = rf"{name} must be .* with {layout} >= 1, got shape"
     q, v, gates = jnp.zeros((8, key_dim)), jnp.zeros((8, value_dim)), jnp.zeros(8)
@@ -231,7 +231,7 @@ def test_empty_feature_dims_are_shape_errors_in_every_op(key_dim, value_dim):
 
 
 def test_step_takes_python_numbers_as_gates():
-    """Python ints used to raise an AttributeError while the error message was built."""
+    """Unchecked, Python ints raise an AttributeError while the error message is built."""
     state = jnp.asarray(np.random.default_rng(0).normal(size=(3, 4)), jnp.float32)
     q, k, v = jnp.ones(4, jnp.float32), jnp.full(4, 0.5, jnp.float32), jnp.ones(3, jnp.float32)
     expected = gdn_jax.gated_delta_step(
