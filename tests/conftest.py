@@ -12,7 +12,10 @@ Compiling is most of this suite's time (the arrays are tiny), so:
   compilation cache (a hit loads the identical executable: the cache is keyed by the
   program) and the one finished tiny training run that the tests which only read a run
   share (``finished_run``).
-- The tests marked ``costly`` (subprocesses, multi-device runs) go first, longest first,
+- The tests marked ``child`` (several devices, or a user's XLA flags) run in one child pytest
+  session per kind (``support/child_session.py``; the hooks below start it, report its
+  outcomes and, in the child, set it up and record what it ran); they go first.
+- The tests marked ``costly`` (subprocesses, multi-device runs) go next, longest first,
   so that none is left to run alone at the end; xdist's worksteal scheduling (pyproject.toml)
   keeps neighbouring tests, which share compiled programs, on one worker.
 Each value here is read from the environment first, so a run started by another (an xdist
