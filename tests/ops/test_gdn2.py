@@ -18,7 +18,6 @@ from support.tolerance import assert_close
 import gdn_jax
 
 HEADS, V_HEADS, KEY, VALUE = 2, 4, 12, 10
-NAMES = ("q", "k", "v", "log_alpha", "b", "w", "initial_state")
 
 gdn2 = jax.jit(
     on_cpu.gdn2, static_argnames=("impl", "chunk_size", "schedule", "use_qk_l2norm", "scale")
@@ -200,34 +199,10 @@ def test_one_gate_for_erase_and_write_is_kda_and_equal_channels_the_gated_delta_
 
 def test_packed_sequences_equal_separate_runs():
     cu = [0, 5, 5, 70, 100]  # an empty sequence, and sequences across chunk boundaries
-    cu_seqlens = jnp.asarray(cu, jnp.int32)
     inputs = batched_inputs(7, 100)
     state = random_state(8, len(cu) - 1, V_HEADS, VALUE, KEY)
     ct_out = random_state(9, 1, 100, V_HEADS, VALUE)
-
-    @functools.partial(jax.jit, static_argnames="impl")
-    def run(*args, impl):
-        def loss(*args):
-            options = dict(initial_state=args[6], chunk_size=16, cu_seqlens=cu_seqlens)
-            o, f = on_cpu.gdn2(*args[:6], impl=impl, **options)
-            return jnp.sum(o * ct_out) + jnp.sum(f**2), (o, f)
-
-        return jax.grad(loss, argnums=range(7), has_aux=True)(*args)
-
-    grads, (out, final) = run(*inputs, state, impl="chunked")
-    *arrays, state, out, final = (np.asarray(x) for x in (*inputs, state, out, final))
-    for n, (lo, hi) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
-        piece = tuple(x[:, lo:hi] for x in arrays)
-        for i in range(V_HEADS):
-            if hi == lo:  # an empty sequence returns its initial state
-                assert_close(final[n, i], state[n, i], jnp.float32, f"sequence {n}")
-                continue
-            y, s = loop_per_head(*piece, state[n : n + 1], 0, i)
-            assert_close(out[0, lo:hi, i], y, jnp.float32, f"sequence {n}, head {i}")
-            assert_close(final[n, i], s, jnp.float32, f"sequence {n}, head {i}")
-    grads_recurrent, _ = run(*inputs, state, impl="recurrent")
-    for name, a, e in zip(NAMES, grads, grads_recurrent, strict=True):
-        assert_close(a, e, jnp.float32, f"packed d{name}")
+    forms.assert_packed_equals_separate("gdn2", inputs, state, ct_out, cu, loop_per_head)
 
 
 def test_bfloat16_inputs_keep_a_float32_state():

@@ -82,3 +82,39 @@ def assert_residuals_are_inputs_and_one_state_per_chunk(rule, args_of_length, ch
         (saved_1, inputs_1), (saved_2, inputs_2) = sizes
         states = (256 // chunk) * args[-1].size
         assert saved_2 - saved_1 <= inputs_2 - inputs_1 + states, schedule
+
+
+def assert_packed_equals_separate(rule, inputs, state, ct_out, cu, loop_per_head):
+    """``rule``'s batched op on packed sequences (``cu``, traced): each sequence's outputs
+    and final state equal the float64 loop on it alone (``loop_per_head(*inputs, state, n,
+    i)`` for sequence ``n`` and value head ``i``; an empty sequence keeps its initial state),
+    and the chunked form's gradients equal the packed recurrent form's, whose resets
+    blocks.scan_blocks shares with it but whose per-token steps share nothing."""
+    op, num_inputs = getattr(on_cpu, rule), len(inputs)
+    cu_seqlens = jnp.asarray(cu, jnp.int32)
+
+    @functools.partial(jax.jit, static_argnames="impl")
+    def run(*args, impl):
+        def loss(*args):
+            options = dict(initial_state=args[num_inputs], chunk_size=16, cu_seqlens=cu_seqlens)
+            o, f = op(*args[:num_inputs], impl=impl, **options)
+            return jnp.sum(o * ct_out) + jnp.sum(f**2), (o, f)
+
+        return jax.grad(loss, argnums=range(num_inputs + 1), has_aux=True)(*args)
+
+    grads, (out, final) = run(*inputs, state, impl="chunked")
+    # Sliced in NumPy: eager slices of JAX arrays would compile a program per shape.
+    *arrays, state, out, final = (np.asarray(x) for x in (*inputs, state, out, final))
+    for n, (lo, hi) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        piece = tuple(x[:, lo:hi] for x in arrays)
+        for i in range(out.shape[2]):
+            if hi == lo:  # an empty sequence returns its initial state
+                assert_close(final[n, i], state[n, i], jnp.float32, f"sequence {n}")
+                continue
+            y, s = loop_per_head(*piece, state[n : n + 1], 0, i)
+            assert_close(out[0, lo:hi, i], y, jnp.float32, f"sequence {n}, head {i}")
+            assert_close(final[n, i], s, jnp.float32, f"sequence {n}, head {i}")
+    grads_recurrent, _ = run(*inputs, state, impl="recurrent")
+    names = ("q", "k", "v", *RULES[rule].gate_names, "initial_state")
+    for name, a, e in zip(names, grads, grads_recurrent, strict=True):
+        assert_close(a, e, jnp.float32, f"packed d{name}")
