@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 from flax import nnx
 from support.cpu_schedule import SCHEDULE
-from support.layer_forms import assert_layers_agree_with_gradients, parameter_count
+from support.layer_forms import (
+    assert_layers_agree_with_gradients,
+    param_value,
+    parameter_count,
+    sigmoid,
+)
 from support.reference import householder_reference
 from support.tolerance import assert_close
 from test_layers import HIDDEN, inputs
@@ -26,14 +31,10 @@ def make(seed=0, **kw):
     return layer
 
 
-def sigmoid(x):
-    return 1 / (1 + np.exp(-x))
-
-
 def reference_layer(layer, x):
     """The layer's forward for one sequence ``x [T, D]``, in float64 NumPy, from its params
     (fla's ``GatedDeltaProduct.forward``, written out)."""
-    value = lambda p: np.asarray(p[...], np.float64)  # noqa: E731
+    value = param_value
     seq_len, x = x.shape[0], np.asarray(x, np.float64)
     n, heads, v_heads, key_dim = (
         layer.num_householder, layer.num_heads, layer.num_v_heads, layer.head_dim

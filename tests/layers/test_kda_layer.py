@@ -8,7 +8,12 @@ import pytest
 import transformers
 from flax import nnx
 from support.cpu_schedule import SCHEDULE
-from support.layer_forms import assert_layers_agree_with_gradients, parameter_count
+from support.layer_forms import (
+    assert_layers_agree_with_gradients,
+    param_value,
+    parameter_count,
+    sigmoid,
+)
 from support.reference import grouped_heads_reference
 from support.tolerance import assert_close
 from test_layers import HIDDEN, inputs
@@ -37,13 +42,9 @@ def make(seed=0, **kw):
     return layer
 
 
-def sigmoid(x):
-    return 1 / (1 + np.exp(-x))
-
-
 def reference_layer(layer, x):
     """The layer's forward for one sequence ``x [T, D]``, in float64 NumPy, from its params."""
-    value = lambda p: np.asarray(p[...], np.float64)  # noqa: E731
+    value = param_value
     seq_len, x = x.shape[0], np.asarray(x, np.float64)
 
     def linear(proj, z):

@@ -3,6 +3,7 @@ loss and the gradients of the input and of every parameter, and the parameter co
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from support.tolerance import assert_close
@@ -27,3 +28,13 @@ def assert_layers_agree_with_gradients(chunked, recurrent, x, loss=sine_loss):
 
 def parameter_count(layer) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(layer, nnx.Param)))
+
+
+def sigmoid(x):
+    """NumPy's, for the float64 references of the layers."""
+    return 1 / (1 + np.exp(-x))
+
+
+def param_value(p):
+    """A parameter's value as a float64 NumPy array, for those references."""
+    return np.asarray(p[...], np.float64)
