@@ -41,11 +41,11 @@ def assert_state_sized_loops(program, *, max_dots):
         assert not has_square(body, CHUNK)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("schedule", ["hoisted", "in_scan"])
-def test_op_compiles_for_tpu_with_its_schedules_loops(schedule, dtype):
-    forward = op_program(TOPOLOGY, schedule, dtype, SHAPE, CHUNK, grad=False)
-    both = op_program(TOPOLOGY, schedule, dtype, SHAPE, CHUNK, grad=True)
+def test_op_compiles_for_tpu_with_its_schedules_loops(schedule):
+    # bfloat16 inputs, as TPUs train (the float32 programs have the same loops: measured).
+    forward = op_program(TOPOLOGY, schedule, "bfloat16", SHAPE, CHUNK, grad=False)
+    both = op_program(TOPOLOGY, schedule, "bfloat16", SHAPE, CHUNK, grad=True)
     assert (forward.whiles, both.whiles) == (1, 2)
     for program in (forward, both):
         assert program.memory.temp_size_in_bytes == 0
