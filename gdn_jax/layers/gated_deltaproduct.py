@@ -21,7 +21,9 @@ from flax import nnx
 
 from gdn_jax.layers.params import (
     COLUMNS,
+    HEAD_DECAY,
     PER_HEAD,
+    GateInit,
     NoWeightDecay,
     a_log_init,
     bias_free_linear,
@@ -42,7 +44,8 @@ class GatedDeltaProduct(RecurrentLayer):
     the op); ``beta = sigmoid(b_proj(x))``, ``n`` a token and value head (times 2 with
     ``allow_neg_eigval``, on by default as in flash-linear-attention); with
     ``use_forget_gate``, Gated DeltaNet's ``log_alpha = -exp(A_log) * softplus(a_proj(x) +
-    dt_bias)`` once a token, else no decay; the rule; a per-head RMSNorm gated by
+    dt_bias)`` once a token (``A_log`` and ``dt_bias`` initialised as Gated DeltaNet's, from
+    ``gate_init``), else no decay; the rule; a per-head RMSNorm gated by
     ``silu(g_proj(x))`` (plain RMSNorm without ``use_gate``); bias-free ``o_proj``.
 
     A mesh ``seq`` axis splits it by tokens, each token's steps on its shard
@@ -71,8 +74,15 @@ class GatedDeltaProduct(RecurrentLayer):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         kernel_init=None,
+        gate_init: GateInit | None = None,
         rngs: nnx.Rngs,
     ):
+        checks.require(
+            type(self).__name__,
+            use_forget_gate or gate_init is None,
+            f"gate_init={gate_init} sets the forget gate's initial law; use_forget_gate=False",
+        )
+        law = (gate_init or GateInit()).over(HEAD_DECAY, type(self).__name__)
         checks.check_positive_int(type(self).__name__, num_householder=num_householder)
         super().__init__(
             hidden_size, num_heads, head_dim, expand_v=expand_v, num_v_heads=num_v_heads,
@@ -90,8 +100,8 @@ class GatedDeltaProduct(RecurrentLayer):
         self.b_proj = linear(hidden_size, heads * num_householder, COLUMNS)
         self.a_proj = linear(hidden_size, heads, COLUMNS) if use_forget_gate else None
         if use_forget_gate:
-            a_log = a_log_init(rngs.params(), (heads,), param_dtype)
-            dt_bias = dt_bias_init(rngs.params(), (heads,), param_dtype)
+            a_log = a_log_init(rngs.params(), (heads,), law, param_dtype)
+            dt_bias = dt_bias_init(rngs.params(), (heads,), law, param_dtype)
             self.A_log = param(a_log, PER_HEAD, NoWeightDecay)
             self.dt_bias = param(dt_bias, PER_HEAD, NoWeightDecay)
         self.g_proj = linear(hidden_size, self.value_dim, COLUMNS) if use_gate else None

@@ -18,8 +18,10 @@ from flax import nnx
 
 from gdn_jax.layers.kda import kda_log_decay
 from gdn_jax.layers.params import (
+    CHANNEL_DECAY,
     COLUMNS,
     PER_HEAD,
+    GateInit,
     NoWeightDecay,
     a_log_init,
     bias_free_linear,
@@ -45,10 +47,11 @@ class GatedDeltaNet2(RecurrentLayer):
     (``g_b_proj`` with a bias; plain RMSNorm without ``use_gate``); bias-free ``o_proj``.
     The gates read the layer input, not the convolution output.
 
-    Initialisation as flash-linear-attention's: ``A_log = log U(1, 16)`` (zeros with a
-    ``gate_lower_bound``, as in ``KimiDeltaAttention``, which bounds each step's decay
-    below by ``exp(gate_lower_bound)``), ``dt_bias`` the inverse softplus of a log-uniform
-    ``dt`` in ``[1e-3, 0.1]``, the output gate's bias zero. ``chunk_size``, ``impl`` and
+    Initialisation as flash-linear-attention's by default (``gate_init``, a ``GateInit``,
+    changes the ranges): ``A_log = log U(1, 16)`` (zeros with a ``gate_lower_bound``, as in
+    ``KimiDeltaAttention``, which bounds each step's decay below by
+    ``exp(gate_lower_bound)``), ``dt_bias`` the inverse softplus of a log-uniform ``dt`` in
+    ``[1e-3, 0.1]``, the output gate's bias zero. ``chunk_size``, ``impl`` and
     ``schedule`` are the op's (``gdn_jax.gdn2``).
 
     A mesh ``model`` axis splits it by heads (the low-rank ``f_a_proj`` and ``g_a_proj`` are
@@ -76,8 +79,10 @@ class GatedDeltaNet2(RecurrentLayer):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         kernel_init=None,
+        gate_init: GateInit | None = None,
         rngs: nnx.Rngs,
     ):
+        law = (gate_init or GateInit()).over(CHANNEL_DECAY, type(self).__name__)
         checks.check_lower_bound(type(self).__name__, "gate_lower_bound", gate_lower_bound)
         super().__init__(
             hidden_size, num_heads, head_dim, expand_v=expand_v, num_v_heads=num_v_heads,
@@ -97,10 +102,10 @@ class GatedDeltaNet2(RecurrentLayer):
         self.b_proj = linear(hidden_size, self.key_dim, COLUMNS)
         self.w_proj = linear(hidden_size, self.value_dim, COLUMNS)
         if gate_lower_bound is None:
-            a_log = a_log_init(rngs.params(), (num_heads,), param_dtype, minval=1.0)
+            a_log = a_log_init(rngs.params(), (num_heads,), law, param_dtype)
         else:
             a_log = jnp.zeros((num_heads,), param_dtype)
-        dt_bias = dt_bias_init(rngs.params(), (self.key_dim,), param_dtype)
+        dt_bias = dt_bias_init(rngs.params(), (self.key_dim,), law, param_dtype)
         self.A_log = param(a_log, PER_HEAD, NoWeightDecay)
         self.dt_bias = param(dt_bias, PER_HEAD, NoWeightDecay)
         # Each assigned once: NNX fixes an attribute's data/static status at first assignment.

@@ -21,8 +21,10 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from gdn_jax.layers.params import (
+    CHANNEL_DECAY,
     COLUMNS,
     PER_HEAD,
+    GateInit,
     NoWeightDecay,
     a_log_init,
     bias_free_linear,
@@ -69,9 +71,10 @@ class KimiDeltaAttention(RecurrentLayer):
     ``use_gate``, where ``output_gate_bias`` has nothing to add to); bias-free ``o_proj``. The gates read the layer input, not the convolution
     output.
 
-    Initialisation as flash-linear-attention's: ``A_log = log U(1, 16)`` (zeros with a
-    ``gate_lower_bound``, where ``exp(A_log)`` scales the sigmoid's input), ``dt_bias`` the
-    inverse softplus of a log-uniform ``dt`` in ``[1e-3, 0.1]``, the output gate's bias zero.
+    Initialisation as flash-linear-attention's by default (``gate_init``, a ``GateInit``,
+    changes the ranges): ``A_log = log U(1, 16)`` (zeros with a ``gate_lower_bound``, where
+    ``exp(A_log)`` scales the sigmoid's input), ``dt_bias`` the inverse softplus of a
+    log-uniform ``dt`` in ``[1e-3, 0.1]``, the output gate's bias zero.
     ``chunk_size``, ``impl`` and ``schedule`` are the op's (``gdn_jax.kda``), as in
     ``GatedDeltaNet``.
 
@@ -103,8 +106,10 @@ class KimiDeltaAttention(RecurrentLayer):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         kernel_init=None,
+        gate_init: GateInit | None = None,
         rngs: nnx.Rngs,
     ):
+        law = (gate_init or GateInit()).over(CHANNEL_DECAY, type(self).__name__)
         checks.check_lower_bound(type(self).__name__, "gate_lower_bound", gate_lower_bound)
         super().__init__(
             hidden_size, num_heads, head_dim, expand_v=expand_v, num_v_heads=num_v_heads,
@@ -126,10 +131,10 @@ class KimiDeltaAttention(RecurrentLayer):
         self.f_proj = None if low_rank_gates else linear(hidden_size, self.gate_dim, COLUMNS)
         self.b_proj = linear(hidden_size, self.num_v_heads, COLUMNS)
         if gate_lower_bound is None:
-            a_log = a_log_init(rngs.params(), (self.num_v_heads,), param_dtype, minval=1.0)
+            a_log = a_log_init(rngs.params(), (self.num_v_heads,), law, param_dtype)
         else:
             a_log = jnp.zeros((self.num_v_heads,), param_dtype)
-        dt_bias = dt_bias_init(rngs.params(), (self.gate_dim,), param_dtype)
+        dt_bias = dt_bias_init(rngs.params(), (self.gate_dim,), law, param_dtype)
         self.A_log = param(a_log, PER_HEAD, NoWeightDecay)
         self.dt_bias = param(dt_bias, PER_HEAD, NoWeightDecay)
 

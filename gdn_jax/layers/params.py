@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import no_type_check
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from gdn_jax.ops.checks import is_real_number
 
 # Head (tensor) parallelism: the mesh axis "model" splits every layer by heads. Each parameter
 # carries how it splits in Flax's partitioning metadata (``nnx.get_partition_spec``):
@@ -37,20 +43,61 @@ class NoWeightDecay(nnx.Param):
     ``nnx.OfType(NoWeightDecay)`` or ``isinstance``."""
 
 
-def a_log_init(key, shape, dtype=jnp.float32, *, minval=0.0):
-    """``A_log = log(A)``, ``A ~ U(minval, 16)``: per-head decay rates spread over an order
-    of magnitude (Gated DeltaNet's and Mamba-2's initialisation; KDA draws from U(1, 16))."""
-    a = jax.random.uniform(key, shape, jnp.float32, minval=minval, maxval=16.0)
+@no_type_check  # data, from YAML too: over() names a bad field
+@dataclasses.dataclass(frozen=True)
+class GateInit:
+    """The initial law of a decay gate ``log_alpha = -exp(A_log) * softplus(a + dt_bias)``:
+    ``A ~ U(a_min, a_max)`` with ``A_log = log A``, and ``softplus(dt_bias) = dt`` with ``dt``
+    log-uniform in ``[dt_min, dt_max]``, clamped below at ``dt_floor``. ``exp(-A dt)`` is what
+    a step keeps of the state at init, so these ranges set the layer's memory span before it
+    learns one. A field left ``None`` is the layer's default: flash-linear-attention's
+    (``HEAD_DECAY`` for one decay per head, ``CHANNEL_DECAY`` for one per key channel)."""
+
+    a_min: float | None = None
+    a_max: float | None = None
+    dt_min: float | None = None
+    dt_max: float | None = None
+    dt_floor: float | None = None
+
+    def over(self, default: GateInit, fn: str) -> GateInit:
+        """This law's fields over ``default``'s, checked: a ``ValueError`` that names
+        ``fn``'s ``gate_init`` field and its value."""
+        given = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        law = dataclasses.replace(default, **given)
+        for field, value in dataclasses.asdict(law).items():
+            if not (is_real_number(value) and math.isfinite(value)):
+                raise ValueError(f"{fn}: gate_init.{field}={value!r} must be a finite number")
+        rules = (
+            (0 <= law.a_min <= law.a_max, "needs 0 <= a_min <= a_max"),
+            (0 < law.dt_min <= law.dt_max, "needs 0 < dt_min <= dt_max"),
+            (law.dt_floor > 0, "needs dt_floor > 0"),
+        )
+        for holds, rule in rules:
+            if not holds:
+                raise ValueError(f"{fn}: gate_init={law} {rule}")
+        return law
+
+
+# flash-linear-attention's laws: Gated DeltaNet's (Mamba-2's) for one decay per head, KDA's
+# (and GDN-2's) for one per key channel, whose A starts at 1.
+HEAD_DECAY = GateInit(a_min=0.0, a_max=16.0, dt_min=1e-3, dt_max=0.1, dt_floor=1e-4)
+CHANNEL_DECAY = dataclasses.replace(HEAD_DECAY, a_min=1.0)
+
+
+def a_log_init(key, shape, law: GateInit, dtype=jnp.float32):
+    """``A_log = log(A)``, ``A ~ U(law.a_min, law.a_max)``: decay rates spread over an order
+    of magnitude with the default laws."""
+    a = jax.random.uniform(key, shape, jnp.float32, minval=law.a_min, maxval=law.a_max)
     # U(0, 16) can return exactly 0; the floor keeps log finite without visibly moving the law.
     return jnp.log(jnp.maximum(a, 1e-4)).astype(dtype)
 
 
-def dt_bias_init(key, shape, dtype=jnp.float32, *, dt_min=1e-3, dt_max=1e-1, dt_floor=1e-4):
-    """``dt_bias = softplus^{-1}(dt)`` with ``dt`` log-uniform in ``[dt_min, dt_max]``, clamped
-    below at ``dt_floor``, so that ``softplus(dt_bias)`` starts at ``dt``."""
+def dt_bias_init(key, shape, law: GateInit, dtype=jnp.float32):
+    """``dt_bias = softplus^{-1}(dt)`` with ``dt`` log-uniform in ``[law.dt_min, law.dt_max]``,
+    clamped below at ``law.dt_floor``, so that ``softplus(dt_bias)`` starts at ``dt``."""
     u = jax.random.uniform(key, shape, jnp.float32)
-    dt = jnp.exp(u * (jnp.log(dt_max) - jnp.log(dt_min)) + jnp.log(dt_min))
-    dt = jnp.maximum(dt, dt_floor)
+    low, high = math.log(law.dt_min), math.log(law.dt_max)
+    dt = jnp.maximum(jnp.exp(u * (high - low) + low), law.dt_floor)
     return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
 
 

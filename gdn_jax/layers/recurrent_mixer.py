@@ -19,7 +19,9 @@ from flax import nnx
 
 from gdn_jax.layers.params import (
     COLUMNS,
+    HEAD_DECAY,
     PER_HEAD,
+    GateInit,
     NoWeightDecay,
     a_log_init,
     bias_free_linear,
@@ -55,6 +57,8 @@ class RecurrentMixer(RecurrentLayer):
     ``alpha = 1``; the chunked rule with ``scale = head_dim ** -0.5``; a per-head RMSNorm
     gated by ``silu(g_proj(x))`` (plain RMSNorm without ``use_gate``); bias-free ``o_proj``.
     ``a_proj`` and ``b_proj`` read the layer input, not the convolution output.
+    ``A_log`` and ``dt_bias`` start from ``gate_init`` (a ``GateInit``; unset fields are
+    flash-linear-attention's ``A ~ U(0, 16)`` and ``dt`` log-uniform in ``[1e-3, 0.1]``).
     ``chunk_size``, ``impl`` and ``schedule`` are the op's (``gdn_jax.gated_delta_rule``):
     ``schedule="auto"`` is chosen where the program is lowered, so both schedules are
     traced; naming one traces it alone.
@@ -87,6 +91,7 @@ class RecurrentMixer(RecurrentLayer):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         kernel_init=None,
+        gate_init: GateInit | None = None,
         rngs: nnx.Rngs,
     ):
         name = type(self).__name__
@@ -96,6 +101,12 @@ class RecurrentMixer(RecurrentLayer):
             "build GatedDeltaNet, DeltaNet, GatedLinearAttention or LinearAttention, which "
             "say whether the mixer has a decay gate and a delta correction",
         )
+        checks.require(
+            name,
+            self.decay or gate_init is None,
+            f"gate_init={gate_init} sets a decay gate's initial law, which {name} does not have",
+        )
+        law = (gate_init or GateInit()).over(HEAD_DECAY, name)
         checks.require(
             name,
             self.delta or not allow_neg_eigval,
@@ -116,8 +127,8 @@ class RecurrentMixer(RecurrentLayer):
         self.a_proj = linear(hidden_size, heads, COLUMNS) if self.decay else None
         self.b_proj = linear(hidden_size, heads, COLUMNS) if self.delta else None
         if self.decay:
-            a_log = a_log_init(rngs.params(), (heads,), param_dtype)
-            dt_bias = dt_bias_init(rngs.params(), (heads,), param_dtype)
+            a_log = a_log_init(rngs.params(), (heads,), law, param_dtype)
+            dt_bias = dt_bias_init(rngs.params(), (heads,), law, param_dtype)
             self.A_log = param(a_log, PER_HEAD, NoWeightDecay)
             self.dt_bias = param(dt_bias, PER_HEAD, NoWeightDecay)
         self.g_proj = linear(hidden_size, self.value_dim, COLUMNS) if use_gate else None

@@ -9,6 +9,7 @@ from typing import Literal, no_type_check
 import jax
 import jax.numpy as jnp
 
+from gdn_jax.layers.params import GateInit
 from gdn_jax.models.mixers import MIXERS
 from gdn_jax.ops.checks import Impl, Schedule, is_real_number
 
@@ -68,6 +69,13 @@ class ModelConfig:
     norm_eps: float = 1e-5
     # Std of the normal init of projections and embeddings (flash-linear-attention: 0.02).
     init_std: float = 0.02
+    # Initial law of the decay gates of the mixers with one decay per head (gdn, gated_linear,
+    # gated_deltaproduct) and one per key channel (kda, gdn2): A ~ U(a_min, a_max), dt
+    # log-uniform in [dt_min, dt_max] floored at dt_floor. An unset field is the layer's
+    # default, flash-linear-attention's (A from U(0, 16) a head, U(1, 16) a channel; dt in
+    # [1e-3, 0.1], floor 1e-4).
+    head_gate_init: GateInit = GateInit()
+    channel_gate_init: GateInit = GateInit()
     # Activation and parameter dtypes.
     dtype: str = "float32"
     param_dtype: str = "float32"

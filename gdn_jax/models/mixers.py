@@ -52,12 +52,16 @@ def recurrent_kwargs(config) -> dict:
     )
 
 
-def recurrent(layer, *, negative_eigenvalues: bool) -> Callable[..., TokenMixer]:
+def recurrent(layer, *, negative_eigenvalues: bool, decay: str | None) -> Callable[..., TokenMixer]:
     """The builder of a recurrent ``layer``; ``negative_eigenvalues``: whether it takes the
-    model-wide ``allow_neg_eigval`` (the mixers with a delta correction)."""
+    model-wide ``allow_neg_eigval`` (the mixers with a delta correction); ``decay``: its
+    decay gate, ``"head"`` or ``"channel"`` (the config's ``head_gate_init`` or
+    ``channel_gate_init``), or ``None``."""
 
     def build(config, common):
         extra = dict(allow_neg_eigval=config.allow_neg_eigval) if negative_eigenvalues else {}
+        if decay is not None:
+            extra["gate_init"] = getattr(config, f"{decay}_gate_init")
         heads = (config.d_model, config.num_heads, config.key_head_dim)
         return layer(*heads, **recurrent_kwargs(config), **extra, **common)
 
@@ -69,7 +73,7 @@ def delta_product(config, common) -> TokenMixer:
     heads = (config.d_model, config.num_heads, config.key_head_dim)
     return GatedDeltaProduct(
         *heads, **recurrent_kwargs(config), allow_neg_eigval=config.allow_neg_eigval,
-        num_householder=config.num_householder, **common,
+        num_householder=config.num_householder, gate_init=config.head_gate_init, **common,
     )  # fmt: skip
 
 
@@ -92,32 +96,32 @@ def attention(*, short_conv: bool) -> Callable[..., TokenMixer]:
 MIXERS: dict[str, MixerSpec] = {
     "gdn": MixerSpec(
         GatedDeltaNet,
-        recurrent(GatedDeltaNet, negative_eigenvalues=True),
+        recurrent(GatedDeltaNet, negative_eigenvalues=True, decay="head"),
         "Gated DeltaNet: decay and delta correction",
     ),
     "deltanet": MixerSpec(
         DeltaNet,
-        recurrent(DeltaNet, negative_eigenvalues=True),
+        recurrent(DeltaNet, negative_eigenvalues=True, decay=None),
         "DeltaNet: delta correction, no decay (`log_alpha = 0`)",
     ),
     "gated_linear": MixerSpec(
         GatedLinearAttention,
-        recurrent(GatedLinearAttention, negative_eigenvalues=False),
+        recurrent(GatedLinearAttention, negative_eigenvalues=False, decay="head"),
         "gated linear attention, Mamba2-style scalar decay, no delta",
     ),
     "linear": MixerSpec(
         LinearAttention,
-        recurrent(LinearAttention, negative_eigenvalues=False),
+        recurrent(LinearAttention, negative_eigenvalues=False, decay=None),
         "plain linear attention: neither",
     ),
     "kda": MixerSpec(
         KimiDeltaAttention,
-        recurrent(KimiDeltaAttention, negative_eigenvalues=True),
+        recurrent(KimiDeltaAttention, negative_eigenvalues=True, decay="channel"),
         "Kimi Delta Attention: delta correction, one decay per key channel",
     ),
     "gdn2": MixerSpec(
         GatedDeltaNet2,
-        recurrent(GatedDeltaNet2, negative_eigenvalues=True),
+        recurrent(GatedDeltaNet2, negative_eigenvalues=True, decay="channel"),
         "Gated DeltaNet-2: per-channel decay, erase gate on the keys, write gate on the values",
     ),
     "gated_deltaproduct": MixerSpec(

@@ -260,9 +260,11 @@ def parse_yaml(text: str, where: str):
 def to_dict(config: Config) -> dict:
     """The resolved config as plain YAML-able data (tuples as lists).
 
-    The data section begins with its ``task``, except for ``DEFAULT_TASK``: a resolved MQAR
-    config is then the same as before tasks existed, so the ``config.yaml`` of an earlier run
-    still resumes and a sweep's earlier cells keep their keys (a digest of this dict).
+    The data section begins with its ``task``, except for ``DEFAULT_TASK``, and a gate
+    initialisation left at the layers' defaults (``model.head_gate_init`` and
+    ``channel_gate_init`` with no field set) is left out: a resolved config is then the same
+    as before tasks and those fields existed, so the ``config.yaml`` of an earlier run still
+    resumes and a sweep's earlier cells keep their keys (a digest of this dict).
     """
 
     def plain(x):
@@ -271,6 +273,9 @@ def to_dict(config: Config) -> dict:
         return list(map(plain, x)) if isinstance(x, tuple | list) else x
 
     resolved = plain(dataclasses.asdict(config))
+    for field in ("head_gate_init", "channel_gate_init"):
+        if not any(v is not None for v in resolved["model"][field].values()):
+            del resolved["model"][field]
     task = task_name(config.data)
     if task != DEFAULT_TASK:
         resolved["data"] = {"task": task, **resolved["data"]}
