@@ -89,9 +89,14 @@ def reference_layer(layer, x):
     return o.reshape(seq_len, -1) @ kernel(layer.o_proj)
 
 
-# The forward of a layer, compiled once per layer structure and input shape for all the tests
-# below: the padding and packing tests call it at [1, 21] tokens, a shape they share.
+# A layer's calls, each compiled once per layer structure and input shape for all the tests
+# below, which pick their shapes to share programs: the padding and packing tests run the
+# forward at [1, 21] tokens, the padding and decoding tests the masked forward at [2, 30].
 forward = nnx.jit(lambda layer, x: layer(x))
+masked_forward = nnx.jit(lambda layer, x, mask: layer(x, mask=mask))
+packed_forward = nnx.jit(lambda layer, x, cu: layer(x, cu_seqlens=cu))
+prefill = nnx.jit(lambda layer, x, cache, mask: layer.prefill(x, cache, mask=mask))
+step = nnx.jit(lambda layer, x, cache: layer.step(x, cache))
 
 
 @pytest.mark.parametrize("cls", RECURRENT)
@@ -138,7 +143,7 @@ def fla_parameter_count(hidden, heads, head_dim, expand_v, v_heads, conv, use_ga
     ],
 )
 def test_parameter_count_matches_flash_linear_attention(config):
-    layer = GatedDeltaNet(**config, rngs=nnx.Rngs(0))
+    layer = nnx.eval_shape(lambda: GatedDeltaNet(**config, rngs=nnx.Rngs(0)))
     count = sum(x.size for x in jax.tree.leaves(nnx.state(layer, nnx.Param)))
     expected = fla_parameter_count(
         config["hidden_size"],
@@ -177,7 +182,7 @@ def test_padding_does_not_change_real_tokens(cls):
     )
     mask = np.ones((2, real + pad), np.int32)
     mask[0, :pad], mask[1, real:] = 0, 0
-    y_padded = nnx.jit(lambda layer, x, mask: layer(x, mask=mask))(layer, padded, mask)
+    y_padded = masked_forward(layer, padded, mask)
     y = forward(layer, x)
     assert_close(y_padded[:1, pad:], y, jnp.float32, "left padding")
     assert_close(y_padded[1:, :real], y, jnp.float32, "right padding")
@@ -191,33 +196,32 @@ def test_nan_padding_stays_out_of_real_tokens_in_the_hoisted_schedule():
     pad = jnp.stack([jnp.full((5, HIDDEN), jnp.nan), jnp.zeros((5, HIDDEN))]).astype(jnp.float32)
     x = jnp.concatenate([pad, jnp.tile(inputs(2, 1, 20), (2, 1, 1))], 1)
     mask = jnp.ones((2, 25), jnp.int32).at[:, :5].set(0)
-    y = nnx.jit(lambda layer, x, mask: layer(x, mask=mask))(layer, x, mask)
+    y = masked_forward(layer, x, mask)
     assert_close(y[0, 5:], y[1, 5:], jnp.float32)
 
 
 @pytest.mark.parametrize("cls", STATEFUL + ATTENTION)
 def test_packed_sequences_equal_separate_runs(cls):
     layer = make(cls)
-    cu = [0, 21, 21, 50]  # an empty sequence between two others
-    x = inputs(4, 1, 50)
-    packed = nnx.jit(lambda layer, x, cu: layer(x, cu_seqlens=cu))
-    y = packed(layer, x, jnp.asarray(cu, jnp.int32))
-    for lo, hi in ((0, 21), (21, 50)):
+    # An empty sequence between two others, of the padding test's 21 tokens each: the
+    # separate runs are its unpadded forward's program.
+    cu = [0, 21, 21, 42]
+    x = inputs(4, 1, 42)
+    y = packed_forward(layer, x, jnp.asarray(cu, jnp.int32))
+    for lo, hi in ((0, 21), (21, 42)):
         assert_close(y[:, lo:hi], forward(layer, x[:, lo:hi]), jnp.float32, f"tokens {lo}:{hi}")
 
 
 @pytest.mark.parametrize("cls", STATEFUL + ATTENTION)
 def test_prefill_then_steps_equals_parallel_forward(cls):
     layer = make(cls)
-    batch, prompt, total = 2, 11, 19
+    batch, prompt, total = 2, 22, 30  # the padding test's masked [2, 30] forward
     x = inputs(5, batch, total)
     mask = jnp.ones((batch, total), jnp.int32).at[1, :5].set(0)  # row 1 is left-padded
-    full = nnx.jit(lambda layer, x, m: layer(x, mask=m))(layer, x, mask)
+    full = masked_forward(layer, x, mask)
     cache = layer.init_cache(batch, total)
-    prefill = nnx.jit(lambda layer, x, c, m: layer.prefill(x, c, mask=m))
     y, cache = prefill(layer, x[:, :prompt], cache, mask[:, :prompt])
     outs = [y]
-    step = nnx.jit(lambda layer, x, c: layer.step(x, c))
     for t in range(prompt, total):
         y, cache = step(layer, x[:, t : t + 1], cache)
         outs.append(y)
@@ -229,11 +233,11 @@ def test_prefill_then_steps_equals_parallel_forward(cls):
 def test_padded_prefill_leaves_the_state_of_the_unpadded_prompt():
     layer = make(GatedDeltaNet)
     x = inputs(6, 1, 14)
-    prefill = nnx.jit(lambda layer, x, m: layer.prefill(x, mask=m))
-    _, cache = prefill(layer, x, jnp.ones((1, 14), jnp.int32))
+    prefill_empty = nnx.jit(lambda layer, x, m: layer.prefill(x, mask=m))  # no cache given
+    _, cache = prefill_empty(layer, x, jnp.ones((1, 14), jnp.int32))
     padded = jnp.concatenate([jnp.ones((1, 6, HIDDEN), jnp.float32), x], axis=1)
     mask = jnp.concatenate([jnp.zeros((1, 6)), jnp.ones((1, 14))], axis=1).astype(jnp.int32)
-    _, cache_padded = prefill(layer, padded, mask)
+    _, cache_padded = prefill_empty(layer, padded, mask)
     assert_close(cache_padded.state, cache.state, jnp.float32)
     for a, e in zip(cache_padded.conv, cache.conv, strict=True):
         assert_close(a, e, jnp.float32)
