@@ -90,8 +90,9 @@ def reference_layer(layer, x):
 
 
 # A layer's calls, each compiled once per layer structure and input shape for all the tests
-# below, which pick their shapes to share programs: the padding and packing tests run the
-# forward at [1, 21] tokens, the padding and decoding tests the masked forward at [2, 30].
+# below, which pick their shapes to share programs: the reference, padding and packing tests
+# run the forward at [2, 21] tokens, the padding and decoding tests the masked forward at
+# [2, 30].
 forward = nnx.jit(lambda layer, x: layer(x))
 masked_forward = nnx.jit(lambda layer, x, mask: layer(x, mask=mask))
 packed_forward = nnx.jit(lambda layer, x, cu: layer(x, cu_seqlens=cu))
@@ -102,7 +103,7 @@ step = nnx.jit(lambda layer, x, cache: layer.step(x, cache))
 @pytest.mark.parametrize("cls", RECURRENT)
 def test_layer_matches_numpy_reference(cls):
     layer = make(cls, allow_neg_eigval=cls is GatedDeltaNet)
-    x = inputs(0, 2, 37)
+    x = inputs(0, 2, 21)  # two chunks, the second partial
     y = forward(layer, x)
     for b in range(2):
         assert_close(y[b], reference_layer(layer, x[b]), jnp.float32)
@@ -171,21 +172,21 @@ def test_gate_parameters_are_initialised_and_excluded_from_decay():
 
 @pytest.mark.parametrize("cls", STATEFUL + ATTENTION)
 def test_padding_does_not_change_real_tokens(cls):
-    # Row 0 is left-padded, row 1 right-padded; both hold the same real tokens.
+    # Row 0 is left-padded, row 1 right-padded; each holds the real tokens of a row of x.
     layer = make(cls)
     real, pad = 21, 9
-    x = inputs(2, 1, real)
+    x = inputs(2, 2, real)
     # Whatever sits in the padding must not matter, NaN and inf included.
     noise = (inputs(3, 2, pad) * 10).at[:, 1].set(jnp.nan).at[:, -1].set(-jnp.inf)
     padded = jnp.concatenate(
-        [jnp.concatenate([noise[:1], x], 1), jnp.concatenate([x, noise[1:]], 1)]
+        [jnp.concatenate([noise[:1], x[:1]], 1), jnp.concatenate([x[1:], noise[1:]], 1)]
     )
     mask = np.ones((2, real + pad), np.int32)
     mask[0, :pad], mask[1, real:] = 0, 0
     y_padded = masked_forward(layer, padded, mask)
     y = forward(layer, x)
-    assert_close(y_padded[:1, pad:], y, jnp.float32, "left padding")
-    assert_close(y_padded[1:, :real], y, jnp.float32, "right padding")
+    assert_close(y_padded[:1, pad:], y[:1], jnp.float32, "left padding")
+    assert_close(y_padded[1:, :real], y[1:], jnp.float32, "right padding")
 
 
 def test_nan_padding_stays_out_of_real_tokens_in_the_hoisted_schedule():
@@ -203,13 +204,14 @@ def test_nan_padding_stays_out_of_real_tokens_in_the_hoisted_schedule():
 @pytest.mark.parametrize("cls", STATEFUL + ATTENTION)
 def test_packed_sequences_equal_separate_runs(cls):
     layer = make(cls)
-    # An empty sequence between two others, of the padding test's 21 tokens each: the
-    # separate runs are its unpadded forward's program.
-    cu = [0, 21, 21, 42]
+    cu = [0, 21, 21, 42]  # an empty sequence between two others
     x = inputs(4, 1, 42)
     y = packed_forward(layer, x, jnp.asarray(cu, jnp.int32))
-    for lo, hi in ((0, 21), (21, 42)):
-        assert_close(y[:, lo:hi], forward(layer, x[:, lo:hi]), jnp.float32, f"tokens {lo}:{hi}")
+    # The two sequences run separately as the rows of one batch, the padding test's unpadded
+    # [2, 21] forward.
+    separate = forward(layer, jnp.concatenate([x[:, :21], x[:, 21:]]))
+    for row, (lo, hi) in enumerate(((0, 21), (21, 42))):
+        assert_close(y[:, lo:hi], separate[row : row + 1], jnp.float32, f"tokens {lo}:{hi}")
 
 
 @pytest.mark.parametrize("cls", STATEFUL + ATTENTION)
