@@ -15,7 +15,7 @@ from support.layer_forms import (
 )
 from support.reference import erase_write_reference
 from support.tolerance import assert_close
-from test_layers import HIDDEN, inputs
+from test_layers import HIDDEN, forward, inputs
 
 from gdn_jax.layers import GatedDeltaNet2, NoWeightDecay
 
@@ -90,7 +90,7 @@ def reference_layer(layer, x):
 def test_layer_matches_numpy_reference(options):
     layer = make(**options)
     x = inputs(0, 2, 37)
-    y = nnx.jit(lambda layer, x: layer(x))(layer, x)
+    y = forward(layer, x)
     for b in range(2):
         assert_close(y[b], reference_layer(layer, x[b]), jnp.float32)
 

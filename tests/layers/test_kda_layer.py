@@ -16,7 +16,7 @@ from support.layer_forms import (
 )
 from support.reference import grouped_heads_reference
 from support.tolerance import assert_close
-from test_layers import HIDDEN, inputs
+from test_layers import HIDDEN, forward, inputs
 from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridDeltaAttention
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
 
@@ -84,7 +84,7 @@ def reference_layer(layer, x):
 def test_layer_matches_numpy_reference(options):
     layer = make(**options)
     x = inputs(0, 2, 37)
-    y = nnx.jit(lambda layer, x: layer(x))(layer, x)
+    y = forward(layer, x)
     for b in range(2):
         assert_close(y[b], reference_layer(layer, x[b]), jnp.float32)
 

@@ -89,15 +89,21 @@ def reference_layer(layer, x):
     return o.reshape(seq_len, -1) @ kernel(layer.o_proj)
 
 
-# The forward of a layer, compiled once per layer structure and input shape for all the tests
-# below: the padding and packing tests call it at [1, 21] tokens, a shape they share.
+# A layer's calls, each compiled once per layer structure and input shape for all the tests
+# below, which pick their shapes to share programs: the reference, padding and packing tests
+# run the forward at [2, 21] tokens, the padding and decoding tests the masked forward at
+# [2, 30].
 forward = nnx.jit(lambda layer, x: layer(x))
+masked_forward = nnx.jit(lambda layer, x, mask: layer(x, mask=mask))
+packed_forward = nnx.jit(lambda layer, x, cu: layer(x, cu_seqlens=cu))
+prefill = nnx.jit(lambda layer, x, cache, mask: layer.prefill(x, cache, mask=mask))
+step = nnx.jit(lambda layer, x, cache: layer.step(x, cache))
 
 
 @pytest.mark.parametrize("cls", RECURRENT)
 def test_layer_matches_numpy_reference(cls):
     layer = make(cls, allow_neg_eigval=cls is GatedDeltaNet)
-    x = inputs(0, 2, 37)
+    x = inputs(0, 2, 21)  # two chunks, the second partial
     y = forward(layer, x)
     for b in range(2):
         assert_close(y[b], reference_layer(layer, x[b]), jnp.float32)
@@ -138,7 +144,7 @@ def fla_parameter_count(hidden, heads, head_dim, expand_v, v_heads, conv, use_ga
     ],
 )
 def test_parameter_count_matches_flash_linear_attention(config):
-    layer = GatedDeltaNet(**config, rngs=nnx.Rngs(0))
+    layer = nnx.eval_shape(lambda: GatedDeltaNet(**config, rngs=nnx.Rngs(0)))
     count = sum(x.size for x in jax.tree.leaves(nnx.state(layer, nnx.Param)))
     expected = fla_parameter_count(
         config["hidden_size"],
@@ -166,21 +172,21 @@ def test_gate_parameters_are_initialised_and_excluded_from_decay():
 
 @pytest.mark.parametrize("cls", STATEFUL + ATTENTION)
 def test_padding_does_not_change_real_tokens(cls):
-    # Row 0 is left-padded, row 1 right-padded; both hold the same real tokens.
+    # Row 0 is left-padded, row 1 right-padded; each holds the real tokens of a row of x.
     layer = make(cls)
     real, pad = 21, 9
-    x = inputs(2, 1, real)
+    x = inputs(2, 2, real)
     # Whatever sits in the padding must not matter, NaN and inf included.
     noise = (inputs(3, 2, pad) * 10).at[:, 1].set(jnp.nan).at[:, -1].set(-jnp.inf)
     padded = jnp.concatenate(
-        [jnp.concatenate([noise[:1], x], 1), jnp.concatenate([x, noise[1:]], 1)]
+        [jnp.concatenate([noise[:1], x[:1]], 1), jnp.concatenate([x[1:], noise[1:]], 1)]
     )
     mask = np.ones((2, real + pad), np.int32)
     mask[0, :pad], mask[1, real:] = 0, 0
-    y_padded = nnx.jit(lambda layer, x, mask: layer(x, mask=mask))(layer, padded, mask)
+    y_padded = masked_forward(layer, padded, mask)
     y = forward(layer, x)
-    assert_close(y_padded[:1, pad:], y, jnp.float32, "left padding")
-    assert_close(y_padded[1:, :real], y, jnp.float32, "right padding")
+    assert_close(y_padded[:1, pad:], y[:1], jnp.float32, "left padding")
+    assert_close(y_padded[1:, :real], y[1:], jnp.float32, "right padding")
 
 
 def test_nan_padding_stays_out_of_real_tokens_in_the_hoisted_schedule():
@@ -191,33 +197,33 @@ def test_nan_padding_stays_out_of_real_tokens_in_the_hoisted_schedule():
     pad = jnp.stack([jnp.full((5, HIDDEN), jnp.nan), jnp.zeros((5, HIDDEN))]).astype(jnp.float32)
     x = jnp.concatenate([pad, jnp.tile(inputs(2, 1, 20), (2, 1, 1))], 1)
     mask = jnp.ones((2, 25), jnp.int32).at[:, :5].set(0)
-    y = nnx.jit(lambda layer, x, mask: layer(x, mask=mask))(layer, x, mask)
+    y = masked_forward(layer, x, mask)
     assert_close(y[0, 5:], y[1, 5:], jnp.float32)
 
 
 @pytest.mark.parametrize("cls", STATEFUL + ATTENTION)
 def test_packed_sequences_equal_separate_runs(cls):
     layer = make(cls)
-    cu = [0, 21, 21, 50]  # an empty sequence between two others
-    x = inputs(4, 1, 50)
-    packed = nnx.jit(lambda layer, x, cu: layer(x, cu_seqlens=cu))
-    y = packed(layer, x, jnp.asarray(cu, jnp.int32))
-    for lo, hi in ((0, 21), (21, 50)):
-        assert_close(y[:, lo:hi], forward(layer, x[:, lo:hi]), jnp.float32, f"tokens {lo}:{hi}")
+    cu = [0, 21, 21, 42]  # an empty sequence between two others
+    x = inputs(4, 1, 42)
+    y = packed_forward(layer, x, jnp.asarray(cu, jnp.int32))
+    # The two sequences run separately as the rows of one batch, the padding test's unpadded
+    # [2, 21] forward.
+    separate = forward(layer, jnp.concatenate([x[:, :21], x[:, 21:]]))
+    for row, (lo, hi) in enumerate(((0, 21), (21, 42))):
+        assert_close(y[:, lo:hi], separate[row : row + 1], jnp.float32, f"tokens {lo}:{hi}")
 
 
 @pytest.mark.parametrize("cls", STATEFUL + ATTENTION)
 def test_prefill_then_steps_equals_parallel_forward(cls):
     layer = make(cls)
-    batch, prompt, total = 2, 11, 19
+    batch, prompt, total = 2, 22, 30  # the padding test's masked [2, 30] forward
     x = inputs(5, batch, total)
     mask = jnp.ones((batch, total), jnp.int32).at[1, :5].set(0)  # row 1 is left-padded
-    full = nnx.jit(lambda layer, x, m: layer(x, mask=m))(layer, x, mask)
+    full = masked_forward(layer, x, mask)
     cache = layer.init_cache(batch, total)
-    prefill = nnx.jit(lambda layer, x, c, m: layer.prefill(x, c, mask=m))
     y, cache = prefill(layer, x[:, :prompt], cache, mask[:, :prompt])
     outs = [y]
-    step = nnx.jit(lambda layer, x, c: layer.step(x, c))
     for t in range(prompt, total):
         y, cache = step(layer, x[:, t : t + 1], cache)
         outs.append(y)
@@ -229,11 +235,11 @@ def test_prefill_then_steps_equals_parallel_forward(cls):
 def test_padded_prefill_leaves_the_state_of_the_unpadded_prompt():
     layer = make(GatedDeltaNet)
     x = inputs(6, 1, 14)
-    prefill = nnx.jit(lambda layer, x, m: layer.prefill(x, mask=m))
-    _, cache = prefill(layer, x, jnp.ones((1, 14), jnp.int32))
+    prefill_empty = nnx.jit(lambda layer, x, m: layer.prefill(x, mask=m))  # no cache given
+    _, cache = prefill_empty(layer, x, jnp.ones((1, 14), jnp.int32))
     padded = jnp.concatenate([jnp.ones((1, 6, HIDDEN), jnp.float32), x], axis=1)
     mask = jnp.concatenate([jnp.zeros((1, 6)), jnp.ones((1, 14))], axis=1).astype(jnp.int32)
-    _, cache_padded = prefill(layer, padded, mask)
+    _, cache_padded = prefill_empty(layer, padded, mask)
     assert_close(cache_padded.state, cache.state, jnp.float32)
     for a, e in zip(cache_padded.conv, cache.conv, strict=True):
         assert_close(a, e, jnp.float32)
