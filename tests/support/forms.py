@@ -3,7 +3,7 @@ or chunked (in the CPU schedule unless named), that returns the outputs, the fin
 the gradient of every input for given cotangents (so values and gradients compile together,
 and tests of one shape reuse one program: test_gradients.py, test_schedules.py, test_kda.py,
 test_gdn2.py), the same for the batched op on packed sequences (test_varlen.py and
-test_schedules.py), and the checks the channel-gated rules' tests (test_kda.py, test_gdn2.py)
+test_schedules.py), the batched ops jitted, and the checks the channel-gated rules' tests (test_kda.py, test_gdn2.py)
 share."""
 
 import functools
@@ -17,6 +17,15 @@ from gdn_jax.ops.rules import RULES
 from support import cpu_schedule as on_cpu
 from support.reference import random_state
 from support.tolerance import assert_close
+
+
+@functools.cache
+def batched(rule):
+    """``rule``'s batched op in the CPU schedule, jitted with its options static: one function
+    per rule, so that the tests of different files that call it at one shape share a program
+    (test_kda.py's and test_gdn2.py's comparisons with KDA and the gated delta rule)."""
+    options = ("impl", "chunk_size", "schedule", "use_qk_l2norm", "scale")
+    return jax.jit(getattr(on_cpu, rule), static_argnames=options)
 
 
 def outputs_and_grads(rule, form, **options):
