@@ -146,14 +146,18 @@ def test_packed_chunked_matches_packed_recurrent():
 def test_tokens_past_a_traced_last_offset_are_inert(impl):
     # Under jit cu_seqlens cannot be checked; a last offset below T leaves tokens that belong
     # to no sequence. They must not touch any sequence, and their outputs are zero.
-    inputs, state, _ = packed_and_separate([0, 20, 40, 50], impl)
-    run = jax.jit(
-        lambda cu, *args: on_cpu.gated_delta_rule(
-            *args[:5], initial_state=args[5], impl=impl, chunk_size=16, cu_seqlens=cu
-        )
+    # The shapes of test_outputs_and_final_states' boundaries case, whose program this reuses.
+    inputs, state, _ = packed_and_separate([0, 16, 32, 48], impl)
+    cu = [0, 20, 30, 40]
+    out, final = rule(
+        *inputs,
+        initial_state=state,
+        impl=impl,
+        chunk_size=16,
+        cu_seqlens=jnp.asarray(cu, jnp.int32),
     )
-    out, final = run(jnp.asarray([0, 20, 40], jnp.int32), *inputs, state[:2])
-    out_ref, final_ref = reference_separately(inputs, state[:2], [0, 20, 40])
+    out = np.asarray(out)  # sliced in NumPy: eager slices would compile a program each
+    out_ref, final_ref = reference_separately(inputs, state, cu)
     assert_close(out[:, :40], out_ref[:, :40], jnp.float32)
     assert_close(final, final_ref, jnp.float32)
     np.testing.assert_array_equal(out[:, 40:], 0)
