@@ -103,7 +103,7 @@ def test_gradients_equal_per_sequence_gradients(impl):
         return jnp.sum(out * ct_out) + jnp.sum(final * ct_final)
 
     args = (*inputs, state)
-    # The program test_schedules.py runs (in_scan) at these shapes.
+    # Chunked, the program test_schedules.py runs (in_scan) at these shapes.
     options = dict(impl=impl, chunk_size=16, schedule="in_scan")
     packed = forms.packed_outputs_and_grads("gated_delta_rule", **options)
     _, _, g_packed = packed(jnp.asarray(cu, jnp.int32), *args, ct_out, ct_final)
