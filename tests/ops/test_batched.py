@@ -4,16 +4,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from support import cpu_schedule as on_cpu
+from support import forms
 from support.reference import gated_delta_reference, random_inputs, random_state
 from support.tolerance import assert_close
 
 import gdn_jax
 
-batched = jax.jit(
-    on_cpu.gated_delta_rule, static_argnames=("impl", "chunk_size", "use_qk_l2norm", "scale")
-)
+batched = forms.batched("gated_delta_rule")
 
 
 @pytest.mark.parametrize("impl", ["chunked", "recurrent"])
@@ -34,7 +34,9 @@ def test_matches_single_head_functions_vmapped_by_hand(impl):
     assert out.shape == (2, 70, 3, 12) and final.shape == (2, 3, 12, 16)
     assert_close(out, out_ref, jnp.float32)
     assert_close(final, final_ref, jnp.float32)
-    # And against the float64 loop for one (batch, head).
+    # And against the float64 loop for one (batch, head), sliced in NumPy (eager slices of
+    # JAX arrays would compile a program per shape).
+    q, k, v, la, b, state, out, final = (np.asarray(x) for x in (q, k, v, la, b, state, out, final))
     y64, s64 = gated_delta_reference(
         q[1, :, 2],
         k[1, :, 2],
@@ -53,6 +55,8 @@ def test_grouped_value_heads_read_their_group_query_key_head(impl):
     heads, v_heads = 2, 6
     q, k, v, la, b = random_inputs(2, 50, 8, 8, lead=(1,), heads=(heads, v_heads))
     out, final = batched(q, k, v, la, b, impl=impl, chunk_size=16)
+    # Sliced in NumPy: eager slices of JAX arrays would compile a program per shape.
+    q, k, v, la, b, out, final = (np.asarray(x) for x in (q, k, v, la, b, out, final))
     group = v_heads // heads
     for i in range(v_heads):
         y, s = gated_delta_reference(
@@ -84,23 +88,28 @@ def test_grouped_value_heads_gradients_sum_over_the_group():
 
 def test_qk_l2norm_equals_normalising_outside():
     q, k, v, la, b = random_inputs(4, 45, 10, 6, lead=(2,), heads=(2, 2), unit_keys=False)
-    inside, s_inside = batched(q, k, v, la, b, use_qk_l2norm=True)
-    qn, kn = (x / jnp.sqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6) for x in (q, k))
-    outside, s_outside = batched(qn, kn, v, la, b)
+
+    # One program for each side, outputs and gradients together.
+    @functools.partial(jax.jit, static_argnames="norm_inside")
+    def outputs_and_grads(q, k, v, la, b, norm_inside):
+        def loss(q, k):
+            if not norm_inside:
+                q, k = gdn_jax.l2_normalize(q), gdn_jax.l2_normalize(k)
+            out, _ = on_cpu.gated_delta_rule(q, k, v, la, b, use_qk_l2norm=norm_inside)
+            return jnp.sum(out**2)
+
+        if norm_inside:
+            outputs = on_cpu.gated_delta_rule(q, k, v, la, b, use_qk_l2norm=True)
+        else:
+            qn, kn = (x / jnp.sqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6) for x in (q, k))
+            outputs = on_cpu.gated_delta_rule(qn, kn, v, la, b)
+        return outputs, jax.grad(loss, argnums=(0, 1))(q, k)
+
+    (inside, s_inside), grads_inside = outputs_and_grads(q, k, v, la, b, norm_inside=True)
+    (outside, s_outside), grads_outside = outputs_and_grads(q, k, v, la, b, norm_inside=False)
     assert_close(inside, outside, jnp.float32)
     assert_close(s_inside, s_outside, jnp.float32)
-
-    def loss(norm_inside, q, k):
-        if not norm_inside:
-            q, k = gdn_jax.l2_normalize(q), gdn_jax.l2_normalize(k)
-        out, _ = on_cpu.gated_delta_rule(q, k, v, la, b, use_qk_l2norm=norm_inside)
-        return jnp.sum(out**2)
-
-    for a, e in zip(
-        jax.jit(jax.grad(functools.partial(loss, True), argnums=(0, 1)))(q, k),
-        jax.jit(jax.grad(functools.partial(loss, False), argnums=(0, 1)))(q, k),
-        strict=True,
-    ):
+    for a, e in zip(grads_inside, grads_outside, strict=True):
         assert_close(a, e, jnp.float32)
 
 

@@ -30,6 +30,20 @@ def product_inputs(seed, seq_len, n, *, dtype=jnp.float32, lead=(), heads=None):
     return tuple(jnp.asarray(x, dtype) for x in (q, k, v, log_alpha, beta))
 
 
+# Jitted: eagerly each call would compile a program per operation.
+recurrent = jax.jit(
+    gdn_jax.gated_delta_product_recurrent, static_argnames=("num_householder", "scale")
+)
+chunked = jax.jit(
+    gdn_jax.gated_delta_product_chunked,
+    static_argnames=("num_householder", "scale", "chunk_size", "schedule"),
+)
+product = jax.jit(
+    gdn_jax.gated_delta_product, static_argnames=("num_householder", "impl", "chunk_size")
+)
+gated_delta_rule = jax.jit(gdn_jax.gated_delta_rule, static_argnames=("impl", "chunk_size"))
+
+
 @functools.cache
 def outputs_and_grads(form, n, **options):
     fn = {
@@ -63,12 +77,12 @@ def test_forms_match_the_float64_loop(dtype):
     q, k, v, la, b = product_inputs(0, 30, 3, dtype=dtype)
     state = random_state(1, VALUE, KEY, dtype=dtype)
     y_ref, s_ref = householder_reference(q, k, v, la, b, 3, scale=0.3, initial_state=state)
-    for fn in (gdn_jax.gated_delta_product_recurrent, gdn_jax.gated_delta_product_chunked):
+    for fn in (recurrent, chunked):
         y, s = fn(q, k, v, la, b, num_householder=3, scale=0.3, initial_state=state)
         assert y.dtype == dtype and y.shape == (30, VALUE)
         assert_close(y, y_ref, dtype, fn.__name__)
         assert_close(s, s_ref, dtype, fn.__name__)
-    y, s = gdn_jax.gated_delta_product_recurrent(q, k, v, None, b, num_householder=3, scale=0.3)
+    y, s = recurrent(q, k, v, None, b, num_householder=3, scale=0.3)
     y_ref, s_ref = householder_reference(q, k, v, None, b, 3, scale=0.3)
     assert_close(y, y_ref, dtype, "no forget gate")
 
@@ -98,11 +112,6 @@ def test_chunked_finite_differences_float64():
     check_grads(jax.jit(run), (q, k, v, la, b, state), order=1, modes=["rev"], eps=1e-6)
 
 
-product = jax.jit(
-    gdn_jax.gated_delta_product, static_argnames=("num_householder", "impl", "chunk_size")
-)
-
-
 @pytest.mark.parametrize("impl", ["chunked", "recurrent"])
 def test_batched_grouped_heads_match_the_loop_and_n_1_is_the_gated_delta_rule(impl):
     q, k, v, la, b = product_inputs(3, 21, 2, lead=(2,), heads=(2, 4))
@@ -111,6 +120,8 @@ def test_batched_grouped_heads_match_the_loop_and_n_1_is_the_gated_delta_rule(im
         q, k, v, la, b, num_householder=2, initial_state=state, impl=impl, chunk_size=16
     )
     assert out.shape == (2, 21, 4, VALUE) and final.shape == (2, 4, VALUE, KEY)
+    # Sliced in NumPy: eager slices of JAX arrays would compile a program per shape.
+    q, k, v, la, b, out, final = (np.asarray(x) for x in (q, k, v, la, b, out, final))
     for n in range(2):
         for i in range(4):
             h = i // 2
@@ -124,9 +135,7 @@ def test_batched_grouped_heads_match_the_loop_and_n_1_is_the_gated_delta_rule(im
     one = product(
         q1, k1, v1, la1, b1, num_householder=1, initial_state=state, impl=impl, chunk_size=16
     )
-    gdn = gdn_jax.gated_delta_rule(
-        q1, k1, v1, la1, b1, initial_state=state, impl=impl, chunk_size=16
-    )
+    gdn = gated_delta_rule(q1, k1, v1, la1, b1, initial_state=state, impl=impl, chunk_size=16)
     for a, e in zip(one, gdn, strict=True):
         assert_close(a, e, jnp.float32, "n = 1")
 
@@ -135,11 +144,12 @@ def test_packed_sequences_count_tokens_and_equal_separate_runs():
     cu = [0, 7, 7, 30]  # tokens: an empty sequence, and one across the 32-step chunks
     q, k, v, la, b = product_inputs(6, 30, 2, lead=(1,), heads=(1, 2))
     state = random_state(7, 3, 2, VALUE, KEY)
-    out, final = gdn_jax.gated_delta_product(
+    out, final = product(
         q, k, v, la, b, num_householder=2, initial_state=state, chunk_size=16,
         cu_seqlens=jnp.asarray(cu, jnp.int32),
     )  # fmt: skip
-    q, k, v, la, b, state = (np.asarray(x) for x in (q, k, v, la, b, state))
+    # Sliced in NumPy: eager slices of JAX arrays would compile a program per shape.
+    q, k, v, la, b, state, out, final = (np.asarray(x) for x in (q, k, v, la, b, state, out, final))
     for n, (lo, hi) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
         for i in range(2):
             if lo == hi:

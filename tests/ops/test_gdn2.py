@@ -19,10 +19,11 @@ import gdn_jax
 
 HEADS, V_HEADS, KEY, VALUE = 2, 4, 12, 10
 
-gdn2 = jax.jit(
-    on_cpu.gdn2, static_argnames=("impl", "chunk_size", "schedule", "use_qk_l2norm", "scale")
-)
+gdn2 = forms.batched("gdn2")
 gdn2_chunked = jax.jit(on_cpu.gdn2_chunked, static_argnames=("scale", "chunk_size", "schedule"))
+# Jitted: eagerly each call would compile a program per operation.
+gdn2_recurrent = jax.jit(gdn_jax.gdn2_recurrent, static_argnames="scale")
+gdn2_step = jax.jit(gdn_jax.gdn2_step, static_argnames="scale")
 
 
 def gdn2_inputs(seed, seq_len, key_dim, value_dim, *, dtype=jnp.float32, lead=(), heads=None, **kw):
@@ -69,15 +70,16 @@ def outputs_and_grads(form, **options):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 def test_step_and_recurrent_match_the_float64_loop(dtype):
-    q, k, v, la, b, w = gdn2_inputs(0, 40, KEY, VALUE, dtype=dtype)
+    # In NumPy: eager slices and products of JAX arrays would compile a program each.
+    q, k, v, la, b, w = (np.asarray(x) for x in gdn2_inputs(0, 40, KEY, VALUE, dtype=dtype))
     b = 2.0 * b  # negative eigenvalues allowed
     state = random_state(1, VALUE, KEY, dtype=dtype)
     y_ref, s_ref = erase_write_reference(q, k, v, la, b, w, scale=0.3, initial_state=state)
-    y, s = gdn_jax.gdn2_recurrent(q, k, v, la, b, w, scale=0.3, initial_state=state)
+    y, s = gdn2_recurrent(q, k, v, la, b, w, scale=0.3, initial_state=state)
     assert y.dtype == dtype and s.dtype == dtype
     assert_close(y, y_ref, dtype)
     assert_close(s, s_ref, dtype)
-    s1, y1 = gdn_jax.gdn2_step(state, q[0], k[0], v[0], la[0], b[0], w[0], scale=0.3)
+    s1, y1 = gdn2_step(state, q[0], k[0], v[0], la[0], b[0], w[0], scale=0.3)
     y1_ref, s1_ref = erase_write_reference(
         q[:1], k[:1], v[:1], la[:1], b[:1], w[:1], scale=0.3, initial_state=state
     )
@@ -94,9 +96,9 @@ def test_gates_act_on_their_own_axes():
     state = rng.standard_normal((3, 4))
     f64 = functools.partial(jnp.asarray, dtype=jnp.float64)
     zero_k, zero_g = np.zeros(4), np.zeros(4)
-    written, _ = gdn_jax.gdn2_step(f64(np.zeros((3, 4))), *map(f64, (zero_k, k, v, zero_g, b, w)))
+    written, _ = gdn2_step(f64(np.zeros((3, 4))), *map(f64, (zero_k, k, v, zero_g, b, w)))
     np.testing.assert_allclose(written, np.outer(w * v, k), rtol=1e-14)
-    erased, _ = gdn_jax.gdn2_step(f64(state), *map(f64, (zero_k, k, 0 * v, zero_g, b, w)))
+    erased, _ = gdn2_step(f64(state), *map(f64, (zero_k, k, 0 * v, zero_g, b, w)))
     np.testing.assert_allclose(erased, state - np.outer(state @ (b * k), k), rtol=1e-14)
 
 
@@ -134,13 +136,15 @@ def test_gate_edges_are_finite_and_exact(edge):
     """log_alpha 0 or -inf per channel; b and w exactly 0 and 1 (and 2 for b) per channel."""
     # The shapes and options of a case above: the same compiled programs.
     q, k, v, la, b, w, state, ct_y, ct_s = single_head_args(60, 130, 16, 24)
+    # Set in NumPy: eager updates of JAX arrays would compile a program each.
+    la, b, w = (np.array(x) for x in (la, b, w))
     if edge == "no decay":
-        la = jnp.zeros_like(la)
+        la[:] = 0.0
     else:
-        la = la.at[jnp.asarray([0, 17, 40, 41, 99]), jnp.asarray([0, 3, 3, 5, 1])].set(-jnp.inf)
-        la = la.at[:, 2].set(-jnp.inf)
-    b = b.at[::5].set(0.0).at[1::5].set(1.0).at[2::5, :3].set(2.0).at[:, 4].set(0.0)
-    w = w.at[::7].set(0.0).at[1::7].set(1.0).at[:, 5].set(0.0)
+        la[[0, 17, 40, 41, 99], [0, 3, 3, 5, 1]] = -np.inf
+        la[:, 2] = -np.inf
+    b[::5], b[1::5], b[2::5, :3], b[:, 4] = 0.0, 1.0, 2.0, 0.0
+    w[::7], w[1::7], w[:, 5] = 0.0, 1.0, 0.0
     args = (q, k, v, la, b, w, state, ct_y, ct_s)
     y_ref, s_ref = erase_write_reference(q, k, v, la, b, w, scale=16**-0.5, initial_state=state)
     options = dict(chunk_size=64, schedule="in_scan")
@@ -168,6 +172,10 @@ def test_batched_grouped_heads_match_the_loop_per_head(impl):
     state = random_state(4, 2, V_HEADS, VALUE, KEY)
     out, final = gdn2(q, k, v, la, b, w, initial_state=state, impl=impl, chunk_size=16)
     assert out.shape == (2, 33, V_HEADS, VALUE) and final.shape == (2, V_HEADS, VALUE, KEY)
+    # Sliced in NumPy: eager slices of JAX arrays would compile a program per shape.
+    q, k, v, la, b, w, state, out, final = (
+        np.asarray(x) for x in (q, k, v, la, b, w, state, out, final)
+    )
     for n in range(2):
         for i in range(V_HEADS):
             y, s = loop_per_head(q, k, v, la, b, w, state, n, i)
@@ -175,8 +183,8 @@ def test_batched_grouped_heads_match_the_loop_per_head(impl):
             assert_close(final[n, i], s, jnp.float32, f"sequence {n}, value head {i}")
 
 
-kda = jax.jit(on_cpu.kda, static_argnames=("impl", "chunk_size"))
-gdn = jax.jit(on_cpu.gated_delta_rule, static_argnames=("impl", "chunk_size"))
+# test_kda.py's programs at these shapes.
+kda, gdn = forms.batched("kda"), forms.batched("gated_delta_rule")
 
 
 @pytest.mark.parametrize("impl", ["chunked", "recurrent"])
@@ -222,7 +230,7 @@ def test_long_sequence_is_finite_and_matches_recurrent():
     inputs = gdn2_inputs(13, 16384, 8, 8, log_alpha_range=(-0.1, 0))
     y_chk, s_chk = gdn2_chunked(*inputs, chunk_size=64)
     assert np.isfinite(y_chk).all() and np.isfinite(s_chk).all()
-    y_rec, s_rec = jax.jit(gdn_jax.gdn2_recurrent)(*inputs)
+    y_rec, s_rec = gdn2_recurrent(*inputs)
     assert_close(y_chk, y_rec, jnp.float32)
     assert_close(s_chk, s_rec, jnp.float32)
 

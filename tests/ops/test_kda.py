@@ -19,11 +19,11 @@ from gdn_jax.ops.channel_decays import channel_decays, channel_scores
 
 HEADS, V_HEADS, KEY, VALUE = 2, 4, 12, 10
 
-kda = jax.jit(
-    on_cpu.kda, static_argnames=("impl", "chunk_size", "schedule", "use_qk_l2norm", "scale")
-)
+kda = forms.batched("kda")
 kda_recurrent = jax.jit(gdn_jax.kda_recurrent, static_argnames="scale")
 kda_chunked = jax.jit(on_cpu.kda_chunked, static_argnames=("scale", "chunk_size", "schedule"))
+# Jitted: eagerly each call would compile a program per operation.
+kda_step = jax.jit(gdn_jax.kda_step, static_argnames="scale")
 
 
 def batched_inputs(seed, seq_len, batch=1, **kw):
@@ -59,14 +59,16 @@ def outputs_and_grads(form, **options):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 def test_step_and_recurrent_match_the_float64_loop(dtype):
-    q, k, v, la, b = random_inputs(0, 40, KEY, VALUE, dtype=dtype, per_channel=True)
+    # In NumPy: eager slices of JAX arrays would compile a program each.
+    inputs = random_inputs(0, 40, KEY, VALUE, dtype=dtype, per_channel=True)
+    q, k, v, la, b = (np.asarray(x) for x in inputs)
     state = random_state(1, VALUE, KEY, dtype=dtype)
     y_ref, s_ref = gated_delta_reference(q, k, v, la, b, scale=0.3, initial_state=state)
     y, s = kda_recurrent(q, k, v, la, b, scale=0.3, initial_state=state)
     assert y.dtype == dtype and s.dtype == dtype
     assert_close(y, y_ref, dtype)
     assert_close(s, s_ref, dtype)
-    s1, y1 = gdn_jax.kda_step(state, q[0], k[0], v[0], la[0], b[0], scale=0.3)
+    s1, y1 = kda_step(state, q[0], k[0], v[0], la[0], b[0], scale=0.3)
     y1_ref, s1_ref = gated_delta_reference(
         q[:1], k[:1], v[:1], la[:1], b[:1], scale=0.3, initial_state=state
     )
@@ -79,7 +81,7 @@ def test_channels_decay_separately():
     state = random_state(2, 3, 4, dtype=jnp.float64)
     la = jnp.log(jnp.asarray([1.0, 0.5, 0.25, 0.0], jnp.float64))
     zeros = jnp.zeros(4, jnp.float64)
-    new, _ = gdn_jax.kda_step(state, zeros, zeros, jnp.zeros(3, jnp.float64), la, 0.0)
+    new, _ = kda_step(state, zeros, zeros, jnp.zeros(3, jnp.float64), la, 0.0)
     np.testing.assert_allclose(new, np.asarray(state) * [1.0, 0.5, 0.25, 0.0], rtol=1e-15)
 
 
@@ -144,19 +146,19 @@ GATE_EDGES = ["no decay", "channels reset", "mixed"]
 
 
 def edge_gates(edge, la):
-    seq_len, key_dim = la.shape
+    """``la`` with its edges set, in NumPy: eager updates of JAX arrays would compile a
+    program each."""
+    la = np.array(la)
     if edge == "no decay":
-        return jnp.zeros_like(la)
-    if edge == "channels reset":  # -inf in a few (token, channel) places, others random
-        return la.at[jnp.asarray([0, 17, 40, 41, 99]), jnp.asarray([0, 3, 3, 5, 1])].set(-jnp.inf)
-    # Mixed: channel 0 never decays, channel 1 always resets, channel 2 resets every 16
-    # tokens and decays by -0.01 between, the rest random.
-    t = jnp.arange(seq_len)
-    return (
-        la.at[:, 0].set(0.0)
-        .at[:, 1].set(-jnp.inf)
-        .at[:, 2].set(jnp.where(t % 16 == 3, -1e4, -0.01))
-    )  # fmt: skip
+        la[:] = 0.0
+    elif edge == "channels reset":  # -inf in a few (token, channel) places, others random
+        la[[0, 17, 40, 41, 99], [0, 3, 3, 5, 1]] = -np.inf
+    else:
+        # Mixed: channel 0 never decays, channel 1 always resets, channel 2 resets every 16
+        # tokens and decays by -0.01 between, the rest random.
+        la[:, 0], la[:, 1] = 0.0, -np.inf
+        la[:, 2] = np.where(np.arange(la.shape[0]) % 16 == 3, -1e4, -0.01)
+    return la
 
 
 @pytest.mark.parametrize("edge", GATE_EDGES)
@@ -164,7 +166,8 @@ def test_gate_edges_are_finite_and_exact(edge):
     # The shapes and options of a case above: the same compiled programs.
     q, k, v, la, b, state, ct_y, ct_s = single_head_args(60, 130, 16, 24)
     la = edge_gates(edge, la)
-    b = b.at[::5].set(0.0).at[1::5].set(2.0)  # no write and reflection too
+    b = np.array(b)
+    b[::5], b[1::5] = 0.0, 2.0  # no write and reflection too
     args = (q, k, v, la, b, state, ct_y, ct_s)
     y_ref, s_ref = gated_delta_reference(q, k, v, la, b, scale=16**-0.5, initial_state=state)
     y, s, _ = outputs_and_grads("chunked", chunk_size=64, schedule="in_scan")(*args)
@@ -180,8 +183,8 @@ def test_extent_of_a_nan_at_one_token():
     inputs = random_inputs(20, 40, 4, 3, per_channel=True)
     t, chunk_start = 20, 16
     for i, name in enumerate(["q", "k", "v", "log_alpha", "beta"]):
-        poisoned = list(inputs)
-        poisoned[i] = poisoned[i].at[t].set(jnp.nan)
+        poisoned = [np.array(x) for x in inputs]  # set in NumPy: eager updates compile
+        poisoned[i][t] = np.nan
         y, _ = kda_chunked(*poisoned, chunk_size=16)
         nan_rows = np.flatnonzero(~np.isfinite(np.asarray(y)).all(1))
         expected = [t] if name == "q" else list(range(chunk_start, 40))
@@ -205,6 +208,8 @@ def test_batched_grouped_heads_match_the_loop_per_head(impl):
     state = random_state(4, 2, V_HEADS, VALUE, KEY)
     out, final = kda(q, k, v, la, b, initial_state=state, impl=impl, chunk_size=16)
     assert out.shape == (2, 33, V_HEADS, VALUE) and final.shape == (2, V_HEADS, VALUE, KEY)
+    # Sliced in NumPy: eager slices of JAX arrays would compile a program per shape.
+    q, k, v, la, b, state, out, final = (np.asarray(x) for x in (q, k, v, la, b, state, out, final))
     for n in range(2):
         for i in range(V_HEADS):
             y, s = loop_per_head(q, k, v, la, b, state, n, i)
@@ -212,7 +217,7 @@ def test_batched_grouped_heads_match_the_loop_per_head(impl):
             assert_close(final[n, i], s, jnp.float32, f"sequence {n}, value head {i}")
 
 
-gdn = jax.jit(on_cpu.gated_delta_rule, static_argnames=("impl", "chunk_size"))
+gdn = forms.batched("gated_delta_rule")
 
 
 @pytest.mark.parametrize("impl", ["chunked", "recurrent"])

@@ -59,9 +59,10 @@ def test_chunked_matches_reference(problem):
 @given(st.integers(2, 150), st.integers(1, 149), st.sampled_from([16, 64]), st.integers(0, 999))
 def test_any_split_carries_state(seq_len, cut, chunk, seed):
     cut = min(cut, seq_len - 1)
-    inputs = random_inputs(seed, seq_len, 8, 6)
+    # Sliced and joined in NumPy: eagerly each slice would compile a program per shape.
+    inputs = [np.asarray(x) for x in random_inputs(seed, seq_len, 8, 6)]
     y, s = chunked(*inputs, chunk_size=chunk)
     y_a, s_a = chunked(*(x[:cut] for x in inputs), chunk_size=chunk)
     y_b, s_b = chunked(*(x[cut:] for x in inputs), initial_state=s_a, chunk_size=chunk)
-    assert_close(jnp.concatenate([y_a, y_b]), y, jnp.float32)
+    assert_close(np.concatenate([y_a, y_b]), y, jnp.float32)
     assert_close(s_b, s, jnp.float32)

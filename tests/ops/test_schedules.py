@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.test_util import check_grads
+from support import forms
 from support.hlo import has_square, loop_bodies
 from support.reference import random_inputs, random_state
 from support.tolerance import assert_close
@@ -24,17 +25,20 @@ SCHEDULES = ("hoisted", "in_scan")
 NAMES = ("q", "k", "v", "log_alpha", "beta", "initial_state")
 
 
-def values_and_grads(fn, args, seed):
+def values_and_grads(form, args, seed, chunk_size):
     """``(y, final_state)`` and the gradients of every input of a random linear loss, from one
-    compiled program."""
-    y, s = jax.eval_shape(fn, *args)
-    ct_y, ct_s = random_state(seed, *y.shape), random_state(seed + 1, *s.shape)
-
-    def loss(*a):
-        y, s = fn(*a)
-        return jnp.sum(y * ct_y) + jnp.sum(s * ct_s), (y, s)
-
-    grads, (y, s) = jax.jit(jax.grad(loss, argnums=range(len(args)), has_aux=True))(*args)
+    compiled program (``forms.outputs_and_grads``'s, which test_gradients.py runs at these
+    shapes too): ``form`` is "recurrent" or a schedule."""
+    q, v = args[0], args[2]
+    ct_y = random_state(seed, *v.shape)
+    ct_s = random_state(seed + 1, v.shape[1], q.shape[1])
+    if form == "recurrent":
+        run = forms.outputs_and_grads("gated_delta_rule", "recurrent")
+    else:
+        run = forms.outputs_and_grads(
+            "gated_delta_rule", "chunked", chunk_size=chunk_size, schedule=form
+        )
+    y, s, grads = run(*args, ct_y, ct_s)
     return (y, s), grads
 
 
@@ -77,7 +81,9 @@ def test_the_model_and_its_layers_pass_their_schedule_to_the_op():
     def loop_has_chunk_work(schedule):
         # d_model 24, head dim 12, T 40, vocab 50: no size but C is 16.
         config = ModelConfig(50, 24, ("gdn", "kda"), chunk_size=16, schedule=schedule)
-        model = LanguageModel(config, rngs=nnx.Rngs(0))
+        # Abstract: lowering reads only the parameters' shapes, and making them would compile
+        # each initialiser eagerly.
+        model = nnx.eval_shape(lambda: LanguageModel(config, rngs=nnx.Rngs(0)))
         return loops_with_chunk_work(nnx.jit(lambda m, t: m(t)).lower(model, tokens).compile())
 
     assert loop_has_chunk_work("in_scan") == [True, True]
@@ -86,17 +92,18 @@ def test_the_model_and_its_layers_pass_their_schedule_to_the_op():
 
 @pytest.mark.parametrize(
     ("seq_len", "key_dim", "value_dim", "chunk_size"),
-    [(1, 8, 8, 16), (65, 60, 100, 16), (300, 16, 16, 64), (257, 32, 24, 128)],
+    [(1, 8, 8, 16), (65, 60, 100, 16), (300, 16, 16, 64), (257, 64, 32, 128)],
 )
 def test_single_head_schedules_match_recurrent(seq_len, key_dim, value_dim, chunk_size):
-    q, k, v, la, b = random_inputs(seq_len, seq_len, key_dim, value_dim)
-    # Gates at their edges too: a full reset (-inf and the floor), no decay, no write, reflection.
-    la = la.at[::11].set(-jnp.inf).at[3::11].set(-1e4).at[5::11].set(0.0)
-    b = b.at[2::7].set(0.0).at[4::7].set(2.0)
+    q, k, v, la, b = (np.array(x) for x in random_inputs(seq_len, seq_len, key_dim, value_dim))
+    # Gates at their edges too: a full reset (-inf and the floor), no decay, no write, reflection
+    # (set in NumPy: eager updates would compile a program each).
+    la[::11], la[3::11], la[5::11] = -np.inf, -1e4, 0.0
+    b[2::7], b[4::7] = 0.0, 2.0
     args = (q, k, v, la, b, random_state(seq_len + 1, value_dim, key_dim))
-    expected, expected_grads = values_and_grads(single_head("recurrent", chunk_size), args, 7)
+    expected, expected_grads = values_and_grads("recurrent", args, 7, chunk_size)
     for schedule in SCHEDULES:
-        actual, grads = values_and_grads(single_head(schedule, chunk_size), args, 7)
+        actual, grads = values_and_grads(schedule, args, 7, chunk_size)
         for a, e, name in zip(actual, expected, ("y", "final"), strict=True):
             assert_close(a, e, jnp.float32, f"{schedule} {name}")
         for a, e, name in zip(grads, expected_grads, NAMES, strict=True):
@@ -112,17 +119,15 @@ def test_batched_grouped_packed_schedules_agree(rule):
     state = random_state(4, 4, 4, 10, 12)
     cu = jnp.asarray([0, 30, 30, 61, 80], jnp.int32)
 
+    cotangents = (random_state(11, 1, 90, 4, 10), random_state(12, *state.shape))
+
     def run(schedule):
-        @jax.jit
-        def fn(cu, *args):
-            return getattr(gdn_jax, rule)(
-                *args[:5], initial_state=args[5], chunk_size=16, schedule=schedule, cu_seqlens=cu
-            )
+        # forms.packed_outputs_and_grads: test_varlen.py runs the in_scan one at these shapes.
+        fn = forms.packed_outputs_and_grads(rule, impl="chunked", chunk_size=16, schedule=schedule)
+        return fn(cu, q, k, v, la, b, state, *cotangents)
 
-        return values_and_grads(functools.partial(fn, cu), (q, k, v, la, b, state), 11)
-
-    (hoisted, hoisted_grads), (in_scan, in_scan_grads) = (run(s) for s in SCHEDULES)
-    for a, e in zip((*hoisted, *hoisted_grads), (*in_scan, *in_scan_grads), strict=True):
+    hoisted, in_scan = (run(s) for s in SCHEDULES)
+    for a, e in zip((*hoisted[:2], *hoisted[2]), (*in_scan[:2], *in_scan[2]), strict=True):
         assert_close(a, e, jnp.float32)
 
 

@@ -7,12 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support import cpu_schedule as on_cpu
+from support import forms
 from support.reference import grouped_heads_reference, random_inputs, random_state
 from support.tolerance import assert_close
 
 HEADS, V_HEADS, KEY, VALUE = 2, 4, 12, 10
 
-rule = jax.jit(on_cpu.gated_delta_rule, static_argnames=("impl", "chunk_size"))
+rule = forms.batched("gated_delta_rule")
 
 
 def packed_and_separate(cu, impl, chunk_size=16, with_state=True):
@@ -97,22 +98,15 @@ def test_gradients_equal_per_sequence_gradients(impl):
     ct_out = jnp.asarray(rng.standard_normal((1, 90, V_HEADS, VALUE)), jnp.float32)
     ct_final = jnp.asarray(rng.standard_normal(state.shape), jnp.float32)
 
-    def packed_loss(*args):
-        out, final = on_cpu.gated_delta_rule(
-            *args[:5],
-            initial_state=args[5],
-            impl=impl,
-            chunk_size=16,
-            cu_seqlens=jnp.asarray(cu, jnp.int32),
-        )
-        return jnp.sum(out * ct_out) + jnp.sum(final * ct_final)
-
     def separate_loss(*args):
         out, final = run_separately(args[:5], args[5], cu, impl, 16)
         return jnp.sum(out * ct_out) + jnp.sum(final * ct_final)
 
     args = (*inputs, state)
-    g_packed = jax.jit(jax.grad(packed_loss, argnums=range(6)))(*args)
+    # Chunked, the program test_schedules.py runs (in_scan) at these shapes.
+    options = dict(impl=impl, chunk_size=16, schedule="in_scan")
+    packed = forms.packed_outputs_and_grads("gated_delta_rule", **options)
+    _, _, g_packed = packed(jnp.asarray(cu, jnp.int32), *args, ct_out, ct_final)
     g_separate = jax.jit(jax.grad(separate_loss, argnums=range(6)))(*args)
     for name, a, e in zip(("q", "k", "v", "la", "b", "state"), g_packed, g_separate, strict=True):
         assert_close(a, e, jnp.float32, name)
@@ -152,14 +146,18 @@ def test_packed_chunked_matches_packed_recurrent():
 def test_tokens_past_a_traced_last_offset_are_inert(impl):
     # Under jit cu_seqlens cannot be checked; a last offset below T leaves tokens that belong
     # to no sequence. They must not touch any sequence, and their outputs are zero.
-    inputs, state, _ = packed_and_separate([0, 20, 40, 50], impl)
-    run = jax.jit(
-        lambda cu, *args: on_cpu.gated_delta_rule(
-            *args[:5], initial_state=args[5], impl=impl, chunk_size=16, cu_seqlens=cu
-        )
+    # The shapes of test_outputs_and_final_states' boundaries case, whose program this reuses.
+    inputs, state, _ = packed_and_separate([0, 16, 32, 48], impl)
+    cu = [0, 20, 30, 40]
+    out, final = rule(
+        *inputs,
+        initial_state=state,
+        impl=impl,
+        chunk_size=16,
+        cu_seqlens=jnp.asarray(cu, jnp.int32),
     )
-    out, final = run(jnp.asarray([0, 20, 40], jnp.int32), *inputs, state[:2])
-    out_ref, final_ref = reference_separately(inputs, state[:2], [0, 20, 40])
+    out = np.asarray(out)  # sliced in NumPy: eager slices would compile a program each
+    out_ref, final_ref = reference_separately(inputs, state, cu)
     assert_close(out[:, :40], out_ref[:, :40], jnp.float32)
     assert_close(final, final_ref, jnp.float32)
     np.testing.assert_array_equal(out[:, 40:], 0)

@@ -1,7 +1,10 @@
-"""What the channel-gated rules' op tests share (tests/ops/test_kda.py, test_gdn2.py): one
-jitted program per form of a rule's single-head op, recurrent or chunked in the CPU schedule,
-that returns the outputs, the final state and the gradient of every input for fixed random
-cotangents (so values and gradients compile together), and the comparison of two forms."""
+"""What the op tests share: one jitted program per form of a rule's single-head op, recurrent
+or chunked (in the CPU schedule unless named), that returns the outputs, the final state and
+the gradient of every input for given cotangents (so values and gradients compile together,
+and tests of one shape reuse one program: test_gradients.py, test_schedules.py, test_kda.py,
+test_gdn2.py), the same for the batched op on packed sequences (test_varlen.py and
+test_schedules.py), the batched ops jitted, and the checks the channel-gated rules' tests (test_kda.py, test_gdn2.py)
+share."""
 
 import functools
 
@@ -17,9 +20,24 @@ from support.tolerance import assert_close
 
 
 @functools.cache
+def batched(rule):
+    """``rule``'s batched op in the CPU schedule, jitted with its options static: one function
+    per rule, so that the tests of different files that call it at one shape share a program
+    (test_kda.py's and test_gdn2.py's comparisons with KDA and the gated delta rule)."""
+    options = ("impl", "chunk_size", "schedule", "use_qk_l2norm", "scale")
+    return jax.jit(getattr(on_cpu, rule), static_argnames=options)
+
+
 def outputs_and_grads(rule, form, **options):
     """``run(*inputs, state, ct_y, ct_s) -> (y, final, grads of the inputs and the state)``
-    of ``rule``'s single-head op in ``form`` ("recurrent" or "chunked")."""
+    of ``rule``'s single-head op in ``form`` ("recurrent" or "chunked"), one per rule, form
+    and options whatever the order the options are named in."""
+    return _outputs_and_grads(rule, form, tuple(sorted(options.items())))
+
+
+@functools.cache
+def _outputs_and_grads(rule, form, options):
+    options = dict(options)
     chunked = getattr(on_cpu, f"{rule}_chunked")
     fn = getattr(gdn_jax, f"{rule}_recurrent") if form == "recurrent" else chunked
     num_inputs = 3 + len(RULES[rule].gates)
@@ -34,6 +52,35 @@ def outputs_and_grads(rule, form, **options):
         argnums = range(num_inputs + 1)
         grads, (y, s) = jax.grad(loss, argnums=argnums, has_aux=True)(*inputs, state)
         return y, s, grads
+
+    return jax.jit(run)
+
+
+def packed_outputs_and_grads(rule, **options):
+    """``run(cu_seqlens, *inputs, state, ct_out, ct_final) -> (out, final, grads of the inputs
+    and the state)`` of ``rule``'s batched op (CPU schedule unless named) on the packed
+    sequences of a traced ``cu_seqlens``, one per rule and options as above."""
+    return _packed_outputs_and_grads(rule, tuple(sorted(options.items())))
+
+
+@functools.cache
+def _packed_outputs_and_grads(rule, options):
+    options = dict(options)
+    op, num_inputs = getattr(on_cpu, rule), 3 + len(RULES[rule].gates)
+
+    def run(cu_seqlens, *args):
+        *inputs, state, ct_out, ct_final = args
+
+        def loss(*args):
+            out, final = op(
+                *args[:num_inputs], initial_state=args[num_inputs], cu_seqlens=cu_seqlens,
+                **options,
+            )  # fmt: skip
+            return jnp.sum(out * ct_out) + jnp.sum(final * ct_final), (out, final)
+
+        argnums = range(num_inputs + 1)
+        grads, (out, final) = jax.grad(loss, argnums=argnums, has_aux=True)(*inputs, state)
+        return out, final, grads
 
     return jax.jit(run)
 
