@@ -1,5 +1,6 @@
 """A float64 NumPy loop written straight from the gated delta rule, and test inputs."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -56,11 +57,18 @@ def random_inputs(
     channels = (key_dim,) if per_channel else ()
     log_alpha = rng.uniform(*log_alpha_range, (*lead, seq_len, *v_heads, *channels))
     beta = rng.uniform(*beta_range, (*lead, seq_len, *v_heads))
-    return tuple(jnp.asarray(x, dtype) for x in (q, k, v, log_alpha, beta))
+    return tuple(as_array(x, dtype) for x in (q, k, v, log_alpha, beta))
 
 
 def random_state(seed, *shape, dtype=jnp.float32):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+    return as_array(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def as_array(x: np.ndarray, dtype) -> jax.Array:
+    """``x`` as a JAX array of ``dtype``, converted by NumPy and put on the device as it is:
+    ``jnp.asarray(x, dtype)`` of a float64 array converts on the device, and ``jnp.asarray``
+    of a NumPy array stages a copy, each one compiled program per shape (jax 0.10.2)."""
+    return jax.device_put(np.asarray(x, jnp.dtype(dtype)))
 
 
 def grouped_heads_reference(q, k, v, log_alpha, beta, *, scale, initial_state=None, delta=True):

@@ -25,8 +25,8 @@ def assert_close(actual, expected, dtype, err_msg=""):
 
 # Largest error relative to the largest magnitude of the expected array, for quantities far
 # below 1 that assert_close would measure against 1 (the gradients of a strong decay, about
-# 1e-4 and smaller): float32 chunked and recurrent forms measured at up to 5e-7 of the float64
-# gradient's scale (tests/ops/test_gradients.py), with a tenfold margin.
+# 1e-4 and smaller): float32 chunked and recurrent forms measured at up to 7.5e-7 of the
+# float64 gradient's scale (tests/ops/test_gradients.py), with a 6.7-fold margin.
 RELATIVE_TO_SCALE = {
     jnp.dtype(jnp.float32): 5e-6,
 }
