@@ -9,17 +9,18 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from support.reference import random_inputs, random_state  # noqa: E402
 from support.tolerance import assert_close  # noqa: E402
-from transformers.models.kimi_linear.modeling_kimi_linear import (  # noqa: E402
-    chunk_kimi_delta_attention,
-    recurrent_kimi_delta_attention,
-)
+from test_interop import Lazy, torch  # noqa: E402
 
 import gdn_jax  # noqa: E402
 
 HEADS, KEY, VALUE, SEQ = 2, 16, 12, 100  # T = 100: not a multiple of the chunk
+
+# Imported when used, as test_interop.py's torch and transformers are.
+KIMI = "transformers.models.kimi_linear.modeling_kimi_linear"
+chunk_kimi_delta_attention = Lazy(KIMI, "chunk_kimi_delta_attention")
+recurrent_kimi_delta_attention = Lazy(KIMI, "recurrent_kimi_delta_attention")
 
 kda = jax.jit(gdn_jax.kda, static_argnames=("impl", "chunk_size", "use_qk_l2norm"))
 
