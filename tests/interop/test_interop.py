@@ -4,19 +4,16 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import importlib  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 from support.cpu_schedule import SCHEDULE  # noqa: E402
 from support.tolerance import assert_relative_rms  # noqa: E402
-from transformers import DynamicCache, Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: E402
-from transformers.models.qwen3_next.modeling_qwen3_next import (  # noqa: E402
-    Qwen3NextGatedDeltaNet,
-)
 
 from gdn_jax import GatedDeltaNet  # noqa: E402
 from gdn_jax.interop import (  # noqa: E402
@@ -29,6 +26,35 @@ from gdn_jax.interop import (  # noqa: E402
     qwen3_next_cache_to_gdn_jax,
     qwen3_next_layer_prefixes,
     read_safetensors,
+)
+
+
+class Lazy:
+    """A module, or one of its attributes, imported when first used. Every pytest worker
+    imports the interop test modules to collect them, and most run none of their tests:
+    torch and transformers' models would cost ~6 s of imports in each."""
+
+    def __init__(self, module, attribute=None):
+        self._module, self._attribute = module, attribute
+
+    def _target(self):
+        module = importlib.import_module(self._module)
+        return module if self._attribute is None else getattr(module, self._attribute)
+
+    def __getattr__(self, name):
+        # pytest looks for its markers (private names) on everything a test module holds.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._target(), name)
+
+    def __call__(self, *args, **kwargs):
+        return self._target()(*args, **kwargs)
+
+
+torch = Lazy("torch")
+transformers = Lazy("transformers")
+Qwen3NextGatedDeltaNet = Lazy(
+    "transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"
 )
 
 # transformers' own tester shape, and Qwen3-Next's real head shape at a small width.
@@ -49,7 +75,7 @@ REAL_HEADS = dict(
 
 
 def qwen_config(conv=4, **shape):
-    return Qwen3NextConfig(
+    return transformers.Qwen3NextConfig(
         **(shape or TESTER),
         linear_conv_kernel_dim=conv,
         num_hidden_layers=1,
@@ -57,15 +83,15 @@ def qwen_config(conv=4, **shape):
     )
 
 
-def torch_layer(config, seed=0, dtype=torch.float32):
-    """A random Qwen3-Next layer; the norm weight and dt_bias, which start as ones, are
-    drawn too so that a swapped or dropped one shows."""
+def torch_layer(config, seed=0, dtype=None):
+    """A random Qwen3-Next layer of ``dtype`` (default float32); the norm weight and dt_bias,
+    which start as ones, are drawn too so that a swapped or dropped one shows."""
     torch.manual_seed(seed)
     layer = Qwen3NextGatedDeltaNet(config, layer_idx=0).eval()
     with torch.no_grad():
         layer.norm.weight.uniform_(0.5, 1.5)
         layer.dt_bias.normal_()
-    return layer.to(dtype)
+    return layer.to(dtype or torch.float32)
 
 
 def numpy_state(module):
@@ -80,7 +106,7 @@ def numpy_state(module):
     return out
 
 
-def to_torch(x, dtype=torch.float32):
+def to_torch(x, dtype):
     return torch.from_numpy(np.asarray(x, np.float32)).to(dtype)
 
 
@@ -90,7 +116,8 @@ def run_torch(layer, x, **kw):
 
 
 # The layers run under one jit, not op by op: one compilation per shape instead of one per
-# operation.
+# operation. They take the NumPy inputs as they are: jnp.asarray would compile a program of
+# its own for each shape.
 forward = nnx.jit(lambda layer, x, **kw: layer(x, **kw))
 prefill = nnx.jit(lambda layer, x: layer.prefill(x))
 step = nnx.jit(lambda layer, x, cache: layer.step(x, cache))
@@ -98,6 +125,17 @@ step = nnx.jit(lambda layer, x, cache: layer.step(x, cache))
 
 def hidden(seed, batch, seq_len, width=64):
     return np.random.default_rng(seed).standard_normal((batch, seq_len, width)).astype(np.float32)
+
+
+# One token, part of a chunk, a whole chunk, one past it, and a whole and a part.
+LENGTHS = (1, 37, 64, 65, 100)
+
+
+def packed(lengths, seed):
+    """The sequences of ``lengths`` side by side in one row, and their ``cu_seqlens``: one
+    compilation covers every length."""
+    bounds = np.cumsum((0, *lengths))
+    return hidden(seed, 1, int(bounds[-1])), bounds
 
 
 @pytest.mark.parametrize(
@@ -111,9 +149,7 @@ def test_outputs_equal_transformers(shape, conv, lengths):
     layer = load_qwen3_next_layer(numpy_state(reference), config.to_dict(), schedule=SCHEDULE)
     for seq_len in lengths:
         x = hidden(seq_len, 2, seq_len)
-        assert_relative_rms(
-            forward(layer, jnp.asarray(x)), run_torch(reference, x), jnp.float32, f"T={seq_len}"
-        )
+        assert_relative_rms(forward(layer, x), run_torch(reference, x), jnp.float32, f"T={seq_len}")
 
 
 def assert_left_padding_matches(layer, reference, x, pad):
@@ -124,7 +160,7 @@ def assert_left_padding_matches(layer, reference, x, pad):
     x = x.copy()
     x[1, :pad] = 0
     expected = run_torch(reference, x, attention_mask=torch.from_numpy(mask))
-    y = np.asarray(forward(layer, jnp.asarray(x), mask=jnp.asarray(mask)))
+    y = np.asarray(forward(layer, x, mask=mask))
     assert_relative_rms(y[0], expected[0], jnp.float32, "unpadded row")
     assert_relative_rms(y[1, pad:], expected[1, pad:], jnp.float32, "left-padded row")
 
@@ -132,7 +168,7 @@ def assert_left_padding_matches(layer, reference, x, pad):
 def assert_packed_matches(layer, reference, x, bounds, what=""):
     """The sequences packed in ``x [1, T, D]`` at offsets ``bounds``, in one gdn_jax call,
     against transformers run on each sequence alone."""
-    y = np.asarray(forward(layer, jnp.asarray(x), cu_seqlens=jnp.asarray(bounds, jnp.int32)))
+    y = np.asarray(forward(layer, x, cu_seqlens=np.asarray(bounds, np.int32)))
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         expected = run_torch(reference, x[:, lo:hi])
         assert_relative_rms(y[:, lo:hi], expected, jnp.float32, f"{what} T={hi - lo} at {lo}")
@@ -142,12 +178,14 @@ def test_padding_mask_and_packing_on_converted_weights():
     config = qwen_config()
     reference = torch_layer(config, seed=1)
     layer = load_qwen3_next_layer(numpy_state(reference), config.to_dict(), schedule=SCHEDULE)
-    assert_left_padding_matches(layer, reference, hidden(2, 2, 40), pad=7)
-    assert_packed_matches(layer, reference, hidden(3, 1, 113), [0, 13, 13 + 70, 13 + 70 + 30])
+    # The shapes of test_interop_families.py's tests of Qwen3.5, whose layers are these: the
+    # programs compiled for one serve the other. T = 65 crosses a chunk boundary by one token.
+    assert_left_padding_matches(layer, reference, hidden(2, 2, 65), pad=7)
+    assert_packed_matches(layer, reference, *packed(LENGTHS, seed=3))
 
 
 def transformers_cache(layer):
-    cache = layer_cache = DynamicCache(config=layer.config)
+    cache = layer_cache = transformers.DynamicCache(config=layer.config)
     return cache, layer_cache.layers[0]
 
 
@@ -168,7 +206,7 @@ def assert_decoding_matches(layer, caches, tokens, expected):
     for start in caches:
         c = start
         for t in range(tokens.shape[1]):
-            y, c = step(layer, jnp.asarray(tokens[:, t : t + 1]), c)
+            y, c = step(layer, tokens[:, t : t + 1], c)
             assert_relative_rms(y, expected[t + 1], jnp.float32, f"decode step {t}")
 
 
@@ -180,7 +218,7 @@ def assert_family_decoding_matches(family, reference, config):
 
     expected, torch_conv, torch_state = transformers_decoding(reference, prompt, tokens)
 
-    y, gdn_cache = prefill(layer, jnp.asarray(prompt))
+    y, gdn_cache = prefill(layer, prompt)
     assert_relative_rms(y, expected[0], jnp.float32, "prefill")
     conv, state = family.cache_from_gdn_jax(gdn_cache)
     # The oldest column of transformers' conv state is never read again; gdn_jax keeps W-1.
@@ -207,7 +245,7 @@ def test_prefill_cache_and_decoding_equal_transformers():
 
     expected, torch_conv, torch_state = transformers_decoding(reference, prompt, tokens)
 
-    y, gdn_cache = prefill(layer, jnp.asarray(prompt))
+    y, gdn_cache = prefill(layer, prompt)
     assert_relative_rms(y, expected[0], jnp.float32, "prefill")
     conv, state = gdn_jax_cache_to_qwen3_next(gdn_cache)
     assert conv.shape == torch_conv.shape and state.shape == torch_state.shape
@@ -231,7 +269,7 @@ def test_bfloat16_weights_and_inputs():
     # Flax's RMSNorm promotes bfloat16 to float32 for its statistics, which the suite's
     # strict promotion (conftest.py) refuses; users run with JAX's standard promotion.
     with jax.numpy_dtype_promotion("standard"):
-        y = forward(layer, jnp.asarray(x))
+        y = forward(layer, x)
     assert y.dtype == jnp.bfloat16
     assert_relative_rms(y, run_torch(reference, x), jnp.bfloat16)
     cast = load_qwen3_next_layer(weights, config.to_dict(), dtype=jnp.float32)
@@ -241,7 +279,7 @@ def test_bfloat16_weights_and_inputs():
 def test_checkpoint_saved_by_transformers(tmp_path):
     """Every linear-attention layer of a tiny Qwen3NextForCausalLM, read back from the shards
     that save_pretrained writes, maps that layer's real input to its real output."""
-    config = Qwen3NextConfig(
+    config = transformers.Qwen3NextConfig(
         vocab_size=96,
         intermediate_size=64,
         num_hidden_layers=4,
@@ -256,7 +294,7 @@ def test_checkpoint_saved_by_transformers(tmp_path):
         **TESTER,
     )
     torch.manual_seed(4)
-    model = Qwen3NextForCausalLM(config).eval()
+    model = transformers.Qwen3NextForCausalLM(config).eval()
     model.save_pretrained(tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
 
@@ -289,7 +327,7 @@ def assert_checkpoint_layers_match(model, path, prefixes, load, layer=None):
     for i, prefix in prefixes.items():
         layer = load(read_safetensors(path, prefix), model.config.to_dict())
         x, expected = seen[i]
-        assert_relative_rms(forward(layer, jnp.asarray(x)), expected, jnp.float32, f"layer {i}")
+        assert_relative_rms(forward(layer, x), expected, jnp.float32, f"layer {i}")
 
 
 def gdn_layer(**kw):
@@ -344,7 +382,7 @@ def test_qwen3_next_round_trip_is_exact(param_dtype):
     back = assert_round_trip_exact(
         layer, export_qwen3_next_layer, load_qwen3_next_layer, GDN_LAYER_CONFIG
     )
-    x = jnp.asarray(hidden(8, 1, 9, 32), param_dtype)
+    x = hidden(8, 1, 9, 32).astype(jnp.dtype(param_dtype))
     with jax.numpy_dtype_promotion("standard"):  # Flax's RMSNorm in bfloat16, see above
         np.testing.assert_array_equal(
             np.asarray(forward(back, x), np.float32), np.asarray(forward(layer, x), np.float32)
@@ -367,7 +405,7 @@ def test_fla_round_trip_is_exact(options):
 def test_cache_round_trip_is_exact():
     layer = gdn_layer()
     # Jitted: eagerly, every primitive of the prefill is a program to compile (84).
-    _, cache = nnx.jit(lambda layer, x: layer.prefill(x))(layer, jnp.asarray(hidden(10, 2, 11, 32)))
+    _, cache = nnx.jit(lambda layer, x: layer.prefill(x))(layer, hidden(10, 2, 11, 32))
     back = qwen3_next_cache_to_gdn_jax(*gdn_jax_cache_to_qwen3_next(cache))
     for a, b in zip(back.conv, cache.conv, strict=True):
         np.testing.assert_array_equal(a, b)
@@ -444,7 +482,9 @@ def test_malformed_caches_are_refused():
     with pytest.raises(ValueError, match=r"conv_state \(2, 90, 4\) does not fit"):
         qwen3_next_cache_to_gdn_jax(np.zeros((2, 90, 4)), np.zeros((2, 2, 8, 8)))
     with pytest.raises(ValueError, match=r"RecurrentCache with convolution histories"):
-        gdn_jax_cache_to_qwen3_next(gdn_layer(use_short_conv=False).init_cache(1))
+        # Only the layer's cache is read: built abstractly, no initialiser is compiled.
+        layer = nnx.eval_shape(lambda: gdn_layer(use_short_conv=False))
+        gdn_jax_cache_to_qwen3_next(layer.init_cache(1))
 
 
 def test_read_safetensors_errors(tmp_path):

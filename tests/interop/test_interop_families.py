@@ -7,15 +7,15 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 from flax import nnx
 from support.cpu_schedule import SCHEDULE
 from support.tolerance import assert_relative_rms
 from test_interop import (
     GDN_LAYER_CONFIG,
+    LENGTHS,
     REAL_HEADS,
     TESTER,
+    Lazy,
     assert_checkpoint_layers_match,
     assert_family_decoding_matches,
     assert_left_padding_matches,
@@ -26,12 +26,11 @@ from test_interop import (
     gdn_layer,
     hidden,
     numpy_state,
+    packed,
     run_torch,
+    torch,
+    transformers,
 )
-from transformers.models.olmo_hybrid.modeling_olmo_hybrid import OlmoHybridGatedDeltaNet
-from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
-from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
-from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 from gdn_jax import GatedDeltaNet
 from gdn_jax.interop import (
@@ -43,7 +42,6 @@ from gdn_jax.interop import (
 from gdn_jax.interop.olmo_hybrid import OLMO_HYBRID
 from gdn_jax.interop.qwen3_5 import QWEN3_5
 
-LENGTHS = (1, 37, 64, 65, 100)
 TESTER_HEADS = {k: v for k, v in TESTER.items() if k != "hidden_size"}
 
 
@@ -51,8 +49,8 @@ TESTER_HEADS = {k: v for k, v in TESTER.items() if k != "hidden_size"}
 class Case:
     """One family as transformers builds it: its config, layer and causal LM classes."""
 
-    config: type
-    layer: type
+    config: Lazy  # the class
+    layer: Lazy  # the class
     lm: str
     real_heads: dict  # the released models' linear-attention head shape
     extra: dict = dataclasses.field(default_factory=dict)  # what the config needs besides
@@ -76,21 +74,31 @@ MOE = dict(
     moe_intermediate_size=32,
     shared_expert_intermediate_size=32,
 )
+
+
+def modeling(family, name):
+    """transformers' class ``name`` of ``family``'s modeling module, imported when used."""
+    return Lazy(f"transformers.models.{family}.modeling_{family}", name)
+
+
 CASES = {
     "qwen3_5": Case(
-        transformers.Qwen3_5TextConfig, Qwen3_5GatedDeltaNet, "Qwen3_5ForCausalLM", QWEN_REAL
+        Lazy("transformers", "Qwen3_5TextConfig"),
+        modeling("qwen3_5", "Qwen3_5GatedDeltaNet"),
+        "Qwen3_5ForCausalLM",
+        QWEN_REAL,
     ),
     "qwen3_5_moe": Case(
-        transformers.Qwen3_5MoeTextConfig,
-        Qwen3_5MoeGatedDeltaNet,
+        Lazy("transformers", "Qwen3_5MoeTextConfig"),
+        modeling("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"),
         "Qwen3_5MoeForCausalLM",
         QWEN_REAL,
         MOE,
     ),
     # OLMo-Hybrid 7B: 30 heads, K = 0.75 * 3840 / 30 = 96, V = 2K.
     "olmo_hybrid": Case(
-        transformers.OlmoHybridConfig,
-        OlmoHybridGatedDeltaNet,
+        Lazy("transformers", "OlmoHybridConfig"),
+        modeling("olmo_hybrid", "OlmoHybridGatedDeltaNet"),
         "OlmoHybridForCausalLM",
         dict(
             linear_num_key_heads=30,
@@ -101,8 +109,8 @@ CASES = {
         dict(num_attention_heads=4, pad_token_id=0),
     ),
     "qwen3_next": Case(
-        transformers.Qwen3NextConfig,
-        Qwen3NextGatedDeltaNet,
+        Lazy("transformers", "Qwen3NextConfig"),
+        modeling("qwen3_next", "Qwen3NextGatedDeltaNet"),
         "Qwen3NextForCausalLM",
         QWEN_REAL,
         MOE,
@@ -125,13 +133,6 @@ def family_layer(name, seed=0, heads=TESTER_HEADS):
         layer.dt_bias.normal_()
     layer.config = config
     return layer, config
-
-
-def packed(lengths, seed):
-    """The sequences of ``lengths`` side by side in one row, and their ``cu_seqlens``: one
-    compilation covers every length."""
-    bounds = np.cumsum((0, *lengths))
-    return hidden(seed, 1, int(bounds[-1])), bounds
 
 
 @pytest.mark.parametrize(
@@ -159,7 +160,7 @@ def test_unpacked_batch_and_left_padding_equal_transformers(name):
     layer = load_layer(numpy_state(reference), config.to_dict(), schedule=SCHEDULE)
     # Unpacked, T = 65 crosses a chunk boundary by one token.
     x = hidden(2, 2, 65)
-    assert_relative_rms(forward(layer, jnp.asarray(x)), run_torch(reference, x), jnp.float32)
+    assert_relative_rms(forward(layer, x), run_torch(reference, x), jnp.float32)
     assert_left_padding_matches(layer, reference, x, pad=7)
 
 

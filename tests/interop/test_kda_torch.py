@@ -9,17 +9,18 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from support.reference import random_inputs, random_state  # noqa: E402
 from support.tolerance import assert_close  # noqa: E402
-from transformers.models.kimi_linear.modeling_kimi_linear import (  # noqa: E402
-    chunk_kimi_delta_attention,
-    recurrent_kimi_delta_attention,
-)
+from test_interop import Lazy, torch  # noqa: E402
 
 import gdn_jax  # noqa: E402
 
 HEADS, KEY, VALUE, SEQ = 2, 16, 12, 100  # T = 100: not a multiple of the chunk
+
+# Imported when used, as test_interop.py's torch and transformers are.
+KIMI = "transformers.models.kimi_linear.modeling_kimi_linear"
+chunk_kimi_delta_attention = Lazy(KIMI, "chunk_kimi_delta_attention")
+recurrent_kimi_delta_attention = Lazy(KIMI, "recurrent_kimi_delta_attention")
 
 kda = jax.jit(gdn_jax.kda, static_argnames=("impl", "chunk_size", "use_qk_l2norm"))
 
@@ -33,7 +34,7 @@ def test_outputs_and_final_state_equal_transformers(torch_form):
     out, final = kda(q, k, v, la, b, initial_state=state, chunk_size=32, use_qk_l2norm=True)
 
     q_t, k_t, v_t, la_t, b_t = (torch.from_numpy(np.array(x)) for x in (q, k, v, la, b))
-    state_t = torch.from_numpy(np.array(state.swapaxes(-1, -2)))
+    state_t = torch.from_numpy(np.array(state).swapaxes(-1, -2).copy())  # in NumPy: no compile
     options = dict(initial_state=state_t, output_final_state=True, use_qk_l2norm_in_kernel=True)
     if torch_form == "chunk":
         out_t, final_t = chunk_kimi_delta_attention(

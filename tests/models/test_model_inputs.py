@@ -6,6 +6,7 @@ argument and its value."""
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,10 +26,12 @@ def test_generate_refuses_a_temperature_that_is_not_a_finite_positive_number(mod
         generate(model, tokens(1, 3), max_new_tokens=2, temperature=temperature)
 
 
-@pytest.mark.parametrize("prompt", [jnp.zeros((2, 0), jnp.int32), jnp.zeros((3,), jnp.int32)])
+# The prompts' shapes: made at collection, each jnp.zeros would be a program to compile in
+# every process that collects this module.
+@pytest.mark.parametrize("prompt", [(2, 0), (3,)])
 def test_generate_refuses_an_empty_or_one_dimensional_prompt(model, prompt):
     with pytest.raises(ValueError, match=r"generate: prompt must be integer tokens \[B, T\]"):
-        generate(model, prompt, max_new_tokens=2)
+        generate(model, jnp.zeros(prompt, jnp.int32), max_new_tokens=2)
 
 
 def test_model_tokens_of_the_wrong_rank_or_dtype(model):
@@ -40,7 +43,9 @@ def test_model_tokens_of_the_wrong_rank_or_dtype(model):
 def test_token_ids_outside_the_vocabulary(model):
     """Unchecked, they give NaN logits (50) or read another token's row (-5 reads token 45)."""
     for bad in (50, -5):
-        ids = tokens(1, 4).at[0, 2].set(bad)
+        ids = np.asarray(tokens(1, 4)).copy()
+        ids[0, 2] = bad
+        ids = jax.device_put(ids)  # a JAX array, as a user's; jnp's .at[].set() compiles
         message = rf"LanguageModel: tokens must be ids in \[0, vocab_size=50\), got \[{bad}\]"
         with pytest.raises(ValueError, match=message):
             model(ids)
@@ -51,12 +56,13 @@ def test_token_ids_outside_the_vocabulary(model):
     # Under jit they cannot be checked, and are clipped, the documented way: -5 reads token
     # 0 and 50 token 49. Padding may hold any id: it is neither checked nor read.
     forward = nnx.jit(lambda model, ids, mask: model(ids, mask=mask))
-    mask = jnp.ones((1, 5), jnp.int32).at[0, 0].set(0)
-    clipped = jnp.asarray([[0, 0, 49, 7, 3]], jnp.int32)
-    outside = jnp.asarray([[-7, -5, 50, 7, 3]], jnp.int32)
+    mask = jax.device_put(np.asarray([[0, 1, 1, 1, 1]], np.int32))
+    clipped = jax.device_put(np.asarray([[0, 0, 49, 7, 3]], np.int32))
+    outside = jax.device_put(np.asarray([[-7, -5, 50, 7, 3]], np.int32))
     expected = forward(model, clipped, mask)
     assert_close(forward(model, outside, mask), expected, jnp.float32)
-    input_checks.check_token_ids("LanguageModel", "tokens", outside.at[0, 1:3].set(0), 50, mask)
+    inside = jax.device_put(np.asarray([[-7, 0, 0, 7, 3]], np.int32))
+    input_checks.check_token_ids("LanguageModel", "tokens", inside, 50, mask)
 
 
 def test_generate_checks_mask_values_and_the_key(model):
@@ -117,12 +123,23 @@ def test_model_config_field_types(field, value, message):
 
 def test_numpy_numbers_are_taken_wherever_python_numbers_are(model):
     q, k, v, la, b = random_inputs(0, 20, 4, 4)
-    y, _ = gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, chunk_size=np.int64(16))
-    expected, _ = gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, chunk_size=16)
-    assert_close(y, expected, jnp.float32)
-    layer = GatedDeltaNet(16, 2, 8, chunk_size=np.int32(16), rngs=nnx.Rngs(0))
+
+    # Both in one program: eagerly, each would compile its operations one by one.
+    @jax.jit
+    def outputs(q, k, v, la, b):
+        y, _ = gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, chunk_size=np.int64(16))
+        expected, _ = gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, chunk_size=16)
+        return y, expected
+
+    assert_close(*outputs(q, k, v, la, b), jnp.float32)
+    # Only their settings are read: built abstractly, no initialiser is compiled.
+    layer = nnx.eval_shape(
+        lambda: GatedDeltaNet(16, 2, 8, chunk_size=np.int32(16), rngs=nnx.Rngs(0))
+    )
     assert type(layer.chunk_size) is int
-    kda = KimiDeltaAttention(16, 2, 8, gate_lower_bound=np.float32(-5), rngs=nnx.Rngs(0))
+    kda = nnx.eval_shape(
+        lambda: KimiDeltaAttention(16, 2, 8, gate_lower_bound=np.float32(-5), rngs=nnx.Rngs(0))
+    )
     assert kda.gate_lower_bound == -5.0
     out = generate(model, tokens(1, 3), max_new_tokens=np.int64(2))
     assert out.shape == (1, 2)
