@@ -4,8 +4,6 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import importlib  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
@@ -13,6 +11,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 from support.cpu_schedule import SCHEDULE  # noqa: E402
+from support.lazy import Lazy  # noqa: E402
 from support.tolerance import assert_relative_rms  # noqa: E402
 
 from gdn_jax import GatedDeltaNet  # noqa: E402
@@ -27,29 +26,6 @@ from gdn_jax.interop import (  # noqa: E402
     qwen3_next_layer_prefixes,
     read_safetensors,
 )
-
-
-class Lazy:
-    """A module, or one of its attributes, imported when first used. Every pytest worker
-    imports the interop test modules to collect them, and most run none of their tests:
-    torch and transformers' models would cost ~6 s of imports in each."""
-
-    def __init__(self, module, attribute=None):
-        self._module, self._attribute = module, attribute
-
-    def _target(self):
-        module = importlib.import_module(self._module)
-        return module if self._attribute is None else getattr(module, self._attribute)
-
-    def __getattr__(self, name):
-        # pytest looks for its markers (private names) on everything a test module holds.
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._target(), name)
-
-    def __call__(self, *args, **kwargs):
-        return self._target()(*args, **kwargs)
-
 
 torch = Lazy("torch")
 transformers = Lazy("transformers")

@@ -5,7 +5,6 @@ packing and decoding are test_layers.py's, with the other mixers."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import transformers
 from flax import nnx
 from support.cpu_schedule import SCHEDULE
 from support.layer_forms import (
@@ -14,15 +13,21 @@ from support.layer_forms import (
     parameter_count,
     sigmoid,
 )
+from support.lazy import Lazy
 from support.reference import grouped_heads_reference
 from support.tolerance import assert_close
 from test_layers import HIDDEN, forward, inputs
-from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridDeltaAttention
-from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
 
 from gdn_jax.layers import KimiDeltaAttention, NoWeightDecay
 
 GVA = dict(num_heads=2, head_dim=4, num_v_heads=4, expand_v=2.0, chunk_size=16, schedule=SCHEDULE)
+transformers = Lazy("transformers")
+KimiLinearDeltaAttention = Lazy(
+    "transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention"
+)
+BailingHybridDeltaAttention = Lazy(
+    "transformers.models.bailing_hybrid.modeling_bailing_hybrid", "BailingHybridDeltaAttention"
+)
 # The forms of the transformers families: full-rank gates, a bounded gate, no gate bias.
 BAILING_FORM = dict(low_rank_gates=False, output_gate_bias=False, gate_lower_bound=-3.0)
 
