@@ -52,16 +52,18 @@ def recurrent_kwargs(config) -> dict:
     )
 
 
-def recurrent(layer, *, negative_eigenvalues: bool, decay: str | None) -> Callable[..., TokenMixer]:
+def recurrent(
+    layer, *, negative_eigenvalues: bool, gate_init: str | None
+) -> Callable[..., TokenMixer]:
     """The builder of a recurrent ``layer``; ``negative_eigenvalues``: whether it takes the
-    model-wide ``allow_neg_eigval`` (the mixers with a delta correction); ``decay``: its
-    decay gate, ``"head"`` or ``"channel"`` (the config's ``head_gate_init`` or
-    ``channel_gate_init``), or ``None``."""
+    model-wide ``allow_neg_eigval`` (the mixers with a delta correction); ``gate_init``: the
+    config field that holds its decay gate's initial law (``"head_gate_init"`` or
+    ``"channel_gate_init"``), or ``None`` for a mixer without a decay gate."""
 
     def build(config, common):
         extra = dict(allow_neg_eigval=config.allow_neg_eigval) if negative_eigenvalues else {}
-        if decay is not None:
-            extra["gate_init"] = getattr(config, f"{decay}_gate_init")
+        if gate_init is not None:
+            extra["gate_init"] = getattr(config, gate_init)
         heads = (config.d_model, config.num_heads, config.key_head_dim)
         return layer(*heads, **recurrent_kwargs(config), **extra, **common)
 
@@ -96,32 +98,32 @@ def attention(*, short_conv: bool) -> Callable[..., TokenMixer]:
 MIXERS: dict[str, MixerSpec] = {
     "gdn": MixerSpec(
         GatedDeltaNet,
-        recurrent(GatedDeltaNet, negative_eigenvalues=True, decay="head"),
+        recurrent(GatedDeltaNet, negative_eigenvalues=True, gate_init="head_gate_init"),
         "Gated DeltaNet: decay and delta correction",
     ),
     "deltanet": MixerSpec(
         DeltaNet,
-        recurrent(DeltaNet, negative_eigenvalues=True, decay=None),
+        recurrent(DeltaNet, negative_eigenvalues=True, gate_init=None),
         "DeltaNet: delta correction, no decay (`log_alpha = 0`)",
     ),
     "gated_linear": MixerSpec(
         GatedLinearAttention,
-        recurrent(GatedLinearAttention, negative_eigenvalues=False, decay="head"),
+        recurrent(GatedLinearAttention, negative_eigenvalues=False, gate_init="head_gate_init"),
         "gated linear attention, Mamba2-style scalar decay, no delta",
     ),
     "linear": MixerSpec(
         LinearAttention,
-        recurrent(LinearAttention, negative_eigenvalues=False, decay=None),
+        recurrent(LinearAttention, negative_eigenvalues=False, gate_init=None),
         "plain linear attention: neither",
     ),
     "kda": MixerSpec(
         KimiDeltaAttention,
-        recurrent(KimiDeltaAttention, negative_eigenvalues=True, decay="channel"),
+        recurrent(KimiDeltaAttention, negative_eigenvalues=True, gate_init="channel_gate_init"),
         "Kimi Delta Attention: delta correction, one decay per key channel",
     ),
     "gdn2": MixerSpec(
         GatedDeltaNet2,
-        recurrent(GatedDeltaNet2, negative_eigenvalues=True, decay="channel"),
+        recurrent(GatedDeltaNet2, negative_eigenvalues=True, gate_init="channel_gate_init"),
         "Gated DeltaNet-2: per-channel decay, erase gate on the keys, write gate on the values",
     ),
     "gated_deltaproduct": MixerSpec(

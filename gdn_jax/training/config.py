@@ -20,6 +20,7 @@ import yaml
 
 from gdn_jax.data.mqar import MQARConfig
 from gdn_jax.data.tasks import DEFAULT_TASK, TASKS, TaskConfig, task_name
+from gdn_jax.layers.params import GateInit
 from gdn_jax.models.config import ModelConfig
 from gdn_jax.models.lm import check_buildable
 
@@ -261,8 +262,8 @@ def to_dict(config: Config) -> dict:
     """The resolved config as plain YAML-able data (tuples as lists).
 
     The data section begins with its ``task``, except for ``DEFAULT_TASK``, and a gate
-    initialisation left at the layers' defaults (``model.head_gate_init`` and
-    ``channel_gate_init`` with no field set) is left out: a resolved config is then the same
+    initialisation left at the layers' defaults (a ``GateInit`` of the model section with
+    no field set: ``head_gate_init``, ``channel_gate_init``) is left out: a resolved config is then the same
     as before tasks and those fields existed, so the ``config.yaml`` of an earlier run still
     resumes and a sweep's earlier cells keep their keys (a digest of this dict).
     """
@@ -273,9 +274,9 @@ def to_dict(config: Config) -> dict:
         return list(map(plain, x)) if isinstance(x, tuple | list) else x
 
     resolved = plain(dataclasses.asdict(config))
-    for field in ("head_gate_init", "channel_gate_init"):
-        if not any(v is not None for v in resolved["model"][field].values()):
-            del resolved["model"][field]
+    for field in dataclasses.fields(config.model):
+        if getattr(config.model, field.name) == GateInit():  # every law's field unset
+            del resolved["model"][field.name]
     task = task_name(config.data)
     if task != DEFAULT_TASK:
         resolved["data"] = {"task": task, **resolved["data"]}

@@ -3,8 +3,8 @@ or chunked (in the CPU schedule unless named), that returns the outputs, the fin
 the gradient of every input for given cotangents (so values and gradients compile together,
 and tests of one shape reuse one program: test_gradients.py, test_schedules.py, test_kda.py,
 test_gdn2.py), the same for the batched op on packed sequences (test_varlen.py and
-test_schedules.py), the batched ops jitted, and the checks the channel-gated rules' tests (test_kda.py, test_gdn2.py)
-share."""
+test_schedules.py), the batched ops jitted, and the checks that the channel-gated rules'
+tests (test_kda.py, test_gdn2.py) share."""
 
 import functools
 
