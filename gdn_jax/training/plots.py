@@ -18,14 +18,15 @@ def plot_metrics(log: MetricsLog, out_path: Path) -> None:
     import matplotlib.pyplot as plt
 
     train, evals = log.read("train"), log.read("eval")
+    # Fixed margins: tight_layout took 0.36 of a plot's 0.81 s (profiled), and every run plots.
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.5))
+    fig.subplots_adjust(left=0.1, right=0.98, bottom=0.15, top=0.96, wspace=0.3)
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], lw=0.8)
     ax_loss.set(xlabel="step", ylabel="train loss", yscale="log")
     ax_acc.plot([r["step"] for r in train], [r["accuracy"] for r in train], lw=0.8, label="train")
     ax_acc.plot([r["step"] for r in evals], [r["accuracy"] for r in evals], "o-", label="held-out")
     ax_acc.set(xlabel="step", ylabel="accuracy", ylim=(0, 1.02))
     ax_acc.legend(loc="lower right")
-    fig.tight_layout()
     try:
         write_whole(out_path, lambda partial: fig.savefig(partial, dpi=120, format="png"))
     finally:
