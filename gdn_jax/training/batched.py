@@ -3,39 +3,36 @@
 Runs whose resolved configs differ only in ``VARYING`` (seed, learning rate, run directory)
 share the model's graph, the shapes of every batch and the steps at which they evaluate and
 save. ``jax.vmap`` of the run's own ``make_train_step`` over states with a leading run axis R
-trains them all with one dispatch a step: on a CPU, where a small model's step is mostly
-per-operation overhead, R runs cost far less than R steps. Each run keeps what it would have
-alone: its parameters from its seed, its batches (``loop.train_batch`` of its seed), its
+trains them all in one process, with one compile and one dispatch a step: what R runs save
+is R - 1 process starts and compiles (on 2 CPU cores the step of ``configs/mqar_gdn.yaml``
+costs as much per run in a program of eight lanes as alone: its work, not its dispatch,
+grows with R; docs/training.md has the figures). Each run keeps what it would have alone: its parameters from its seed, its batches (``loop.train_batch`` of its seed), its
 held-out set, its learning rate (a traced peak, ``optim.learning_rate_schedule``) and its run
 directory, claimed, logged, checkpointed, plotted and summarised as ``loop.run`` does it, so
 that ``train.py --resume`` continues any of them alone.
 
 A run that ends (its step budget, its target accuracy, a NaN loss, a failed save) stops
-changing: the step keeps the state of a lane whose ``active`` flag is off (``jnp.where``).
-The program keeps its shape and is compiled once; the ended lanes' work is done and dropped
-(compiling a smaller program costs more than the steps it would save in a sweep's short
-runs). Resumed runs may stand at different steps: they train in one lockstep from the
-earliest, each lane active from its own step on, so that the runs behind catch up while the
-others wait, again without a second compile.
+changing: the step keeps the state of a lane whose ``active`` flag is off (``jnp.where``),
+so the program keeps its shape. An ended lane costs as much as a live one, though, so once
+the steps left for the ended lanes would take longer than a compile, as measured in the run,
+they are dropped and the program compiled for the others. Resumed runs may stand at
+different steps: they train in one lockstep from the earliest, each lane active from its own
+step on, so that the runs behind catch up while the others wait.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from tqdm.auto import tqdm
 
 from gdn_jax.data.mqar import split_seeds
-from gdn_jax.models import LanguageModel
 from gdn_jax.training import checkpoints as ckpt
 from gdn_jax.training import loop, run_dir
 from gdn_jax.training import mesh as mesh_lib
@@ -54,8 +51,7 @@ from gdn_jax.training.evaluation import (
     held_out_batches,
     held_out_set,
 )
-from gdn_jax.training.optim import learning_rate_schedule, make_optimizer
-from gdn_jax.training.step import make_eval_step, make_train_step
+from gdn_jax.training.state import stacked_steps
 
 # The resolved-config fields in which the runs of one program may differ.
 VARYING = ("train.seed", "train.learning_rate", "train.out_dir")
@@ -92,47 +88,6 @@ def check_group(configs: Sequence[Config]) -> None:
 def _shared(config: Config) -> dict:
     flat = run_dir.flatten(to_dict(config))
     return {name: value for name, value in flat.items() if name not in VARYING}
-
-
-@dataclasses.dataclass
-class StackedSteps:
-    """The jitted steps over a leading run axis R of states, batches and learning rates."""
-
-    # (state [R, ...], batch [R, B, ...], peak learning rates [R], active [R]) -> (state,
-    # metrics {name: [R]}); donates the state and keeps the lanes that are not active.
-    train_step: Callable
-    # (params [R, ...], batch [R, B, ...]) -> (loss [R], per-example accuracy [R, B])
-    eval_step: Callable
-
-
-def stacked_steps(config: Config) -> StackedSteps:
-    """``config``'s train and eval steps vmapped over runs; each run's learning rate is its
-    lane of the peaks. One per config but for ``VARYING``: the groups of a config that one
-    process trains share their compiled programs."""
-    train = dataclasses.replace(config.train, seed=0, learning_rate=1.0, out_dir="")
-    return _stacked_steps(dataclasses.replace(config, train=train))
-
-
-@functools.lru_cache(maxsize=8)
-def _stacked_steps(config: Config) -> StackedSteps:
-    train = config.train
-    graphdef, params = nnx.split(
-        nnx.eval_shape(lambda: LanguageModel(config.model, rngs=nnx.Rngs(0)))
-    )
-
-    def train_step(state, batch, peak, active):
-        optimizer = make_optimizer(train, params, peak)
-        schedule = learning_rate_schedule(train, peak)
-        step = make_train_step(
-            graphdef, optimizer, schedule, logits_at_labels=train.logits_at_labels
-        )
-        stepped, metrics = step(state, batch)
-        return jax.tree.map(lambda new, old: jnp.where(active, new, old), stepped, state), metrics
-
-    eval_step = make_eval_step(graphdef, logits_at_labels=train.logits_at_labels)
-    return StackedSteps(
-        jax.jit(jax.vmap(train_step), donate_argnums=0), jax.jit(jax.vmap(eval_step))
-    )
 
 
 def run(
@@ -209,10 +164,20 @@ class _Member:
     def __post_init__(self):
         self.train_seed, _ = split_seeds(self.run.config.train.seed)
         self.shardings = jax.tree.map(lambda x: x.sharding, self.run.state)
+        self.held_out = held_out_batches(self.run.config)  # on the host
 
     def takes(self, step: int) -> bool:
         """Whether the run takes the step after ``step`` (it is at ``step`` and training)."""
         return self.outcome is None and self.start <= step
+
+    def end(self, step: int) -> None:
+        self.outcome = self.book.end(step)
+        loop.plot(self.run)
+        run_dir.write_summary(self.run.out_dir, self.outcome)
+
+    def fail(self, error: Exception) -> None:
+        self.outcome = error
+        loop.plot(self.run)
 
 
 def _train(configs, out_dirs, mesh, device, resume, callbacks) -> list[Outcome]:
@@ -226,8 +191,12 @@ def _train(configs, out_dirs, mesh, device, resume, callbacks) -> list[Outcome]:
                 config, out_dir, run.checkpoints, run.log, run.state, resume
             )
             members.append(_Member(run, start, loop.RunBook(run, start)))
-        with loop.stop_requests() as requests:
-            _Lockstep(members, device, callbacks, requests).run()
+            if start == config.train.steps:  # stopped after its last checkpoint
+                _final_evaluation(members[-1])
+        lanes = [member for member in members if member.outcome is None]
+        if lanes:
+            with loop.stop_requests() as requests:
+                _Lockstep(lanes, device, callbacks, requests).run()
         return [member.outcome for member in members]
     finally:
         for member in members:
@@ -235,6 +204,15 @@ def _train(configs, out_dirs, mesh, device, resume, callbacks) -> list[Outcome]:
                 loop.plot(member.run)
         for run in runs:
             run.checkpoints.close()
+
+
+def _final_evaluation(member: _Member) -> None:
+    run = member.run
+    held_out = held_out_set(run.config, run.batch_shardings)
+    member.book.summary.update(
+        final_evaluation(run.log, member.start, run.eval_step, run.state.params, held_out)
+    )
+    member.end(member.start)
 
 
 def _stack(trees: list, device) -> object:
@@ -245,18 +223,21 @@ def _stack(trees: list, device) -> object:
 class _Lockstep:
     """The step loop of the members, as ``loop``'s for one run: step ``n + 1`` is dispatched
     before step ``n``'s metrics are read, except where the states after step ``n`` are
-    needed first (to evaluate, save or stop) and with callbacks."""
+    needed first (to evaluate, save or stop) and with callbacks.
+
+    The program's lanes are the members still in it. A member that ends keeps its lane (the
+    step leaves it as it is) until the steps its lane would still cost the others outweigh a
+    compile, measured: each lane costs as much as a run of its own, so the ended ones are
+    then dropped and the program compiled for the others.
+    """
 
     def __init__(self, members: list[_Member], device, callbacks, requests):
-        self.members, self.callbacks, self.requests = members, callbacks, requests
+        self.callbacks, self.requests, self.device = callbacks, requests, device
         config = members[0].run.config
         self.train = config.train
         self.steps = stacked_steps(config)
-        self.state = _stack([jax.device_get(m.run.state) for m in members], device)
-        peaks = [m.run.config.train.learning_rate for m in members]
-        self.peaks = jax.device_put(np.asarray(peaks, np.float32), device)
-        held_out = zip(*(held_out_batches(m.run.config) for m in members), strict=True)
-        self.held_out = [_stack(list(batches), device) for batches in held_out]
+        self.out_root = Path(os.path.commonpath([str(m.run.out_dir) for m in members]))
+        self._place(members, [jax.device_get(m.run.state) for m in members])
         # The batch of a lane that takes no step: any batch of the right shapes will do.
         first = loop.train_batch(config, members[0].train_seed, 0)
         self.idle_batch = {name: np.zeros_like(x) for name, x in first.items()}
@@ -264,22 +245,31 @@ class _Lockstep:
         start = min(m.start for m in members)
         self.bar = tqdm(total=self.train.steps, initial=start, disable=not show, unit="step")
 
+    def _place(self, lanes: list[_Member], states: list) -> None:
+        """The program's lanes: ``lanes``, their states (host pytrees), learning rates and
+        held-out sets stacked on the device; the next step compiles (and is timed)."""
+        self.lanes, self.compile_s, self.since = lanes, None, None
+        self.state = _stack(states, self.device)
+        peaks = [m.run.config.train.learning_rate for m in lanes]
+        self.peaks = jax.device_put(np.asarray(peaks, np.float32), self.device)
+        held_out = zip(*(m.held_out for m in lanes), strict=True)
+        self.held_out = [_stack(list(batches), self.device) for batches in held_out]
+
     def run(self) -> None:
         """Train until every member has an outcome, or raise ``Interrupted``."""
-        train, members = self.train, self.members
-        for member in members:
-            if member.start == train.steps:  # stopped after its last checkpoint
-                self._final_evaluation(member)
-        step = min((m.start for m in members if m.outcome is None), default=train.steps)
+        train = self.train
+        step = min(m.start for m in self.lanes)
         pending = None  # (step, metrics, tick, takes) dispatched, not yet read
         try:
-            while any(m.outcome is None for m in members):
-                takes = [m.takes(step) for m in members]
+            while any(m.outcome is None for m in self.lanes):
+                takes = [m.takes(step) for m in self.lanes]
                 batch = self._batch(step, takes)
                 tick = time.perf_counter()
                 self.state, metrics = self.steps.train_step(
                     self.state, batch, self.peaks, np.asarray(takes)
                 )
+                if self.compile_s is None:  # the call compiled the program first
+                    self.compile_s, self.since = time.perf_counter() - tick, (tick, step)
                 step += 1
                 if pending is not None:
                     self._read(*pending)
@@ -296,9 +286,10 @@ class _Lockstep:
             self.bar.close()
 
     def _after(self, step: int, takes: list[bool], done: bool, evaluates: bool, saves: bool):
-        """Evaluate, save, end the runs that end at ``step``, stop on request."""
+        """Evaluate, save, end the runs that end at ``step``, stop on request, drop the lanes
+        of ended runs when that pays."""
         stepped = [
-            m for m, took in zip(self.members, takes, strict=True) if took and m.outcome is None
+            m for m, took in zip(self.lanes, takes, strict=True) if took and m.outcome is None
         ]
         ending = set(stepped) if done else set()
         if evaluates:
@@ -307,18 +298,27 @@ class _Lockstep:
         self._save(step, saving)
         for member in stepped:
             if member in ending and member.outcome is None:
-                self._end(member, step)
-        training = [m for m in self.members if m.outcome is None]
+                member.end(step)
+        training = [m for m in self.lanes if m.outcome is None]
         if self.requests and training:
-            out_dirs = [str(m.run.out_dir) for m in self.members]
-            raise Interrupted(
-                self.requests[0], step, Path(os.path.commonpath(out_dirs)), len(training)
-            )
+            raise Interrupted(self.requests[0], step, self.out_root, len(training))
+        if training and len(training) < len(self.lanes) and self._drop_pays(step):
+            host = jax.device_get(self.state)
+            kept = [i for i, m in enumerate(self.lanes) if m.outcome is None]
+            self._place(training, [jax.tree.map(lambda x, i=i: x[i], host) for i in kept])
+
+    def _drop_pays(self, step: int) -> bool:
+        """Whether the steps left for the lanes of ended runs take longer than a compile,
+        at the time per lane and step measured since the last compile."""
+        (began, first), lanes = self.since, len(self.lanes)
+        per_lane = (time.perf_counter() - began - self.compile_s) / (step - first) / lanes
+        ended = sum(m.outcome is not None for m in self.lanes)
+        return ended * (self.train.steps - step) * per_lane > self.compile_s
 
     def _batch(self, step: int, takes: list[bool]) -> dict:
         lanes = [
             loop.train_batch(m.run.config, m.train_seed, step) if took else self.idle_batch
-            for m, took in zip(self.members, takes, strict=True)
+            for m, took in zip(self.lanes, takes, strict=True)
         ]
         return {name: np.stack([lane[name] for lane in lanes]) for name in self.idle_batch}
 
@@ -328,7 +328,7 @@ class _Lockstep:
         host = jax.device_get(metrics)
         seconds = time.perf_counter() - tick
         records = []
-        for i, (member, took) in enumerate(zip(self.members, takes, strict=True)):
+        for i, (member, took) in enumerate(zip(self.lanes, takes, strict=True)):
             record = None
             if took and member.outcome is None:
                 try:
@@ -336,7 +336,7 @@ class _Lockstep:
                         step, {k: float(v[i]) for k, v in host.items()}, seconds
                     )
                 except NonFiniteLossError as error:
-                    self._fail(member, error)
+                    member.fail(error)
             records.append(record)
         for callback in self.callbacks:
             callback(step, records)
@@ -350,7 +350,7 @@ class _Lockstep:
         losses, accuracies = evaluate_runs(self.steps.eval_step, self.state.params, self.held_out)
         return {
             m
-            for i, m in enumerate(self.members)
+            for i, m in enumerate(self.lanes)
             if m.takes(step - 1)
             and m.book.evaluation(step, float(losses[i]), float(accuracies[i]), last=last)
         }
@@ -362,26 +362,9 @@ class _Lockstep:
             return
         host = jax.device_get(self.state)
         for member in members:
-            i = self.members.index(member)
+            i = self.lanes.index(member)
             lane = jax.device_put(jax.tree.map(lambda x, i=i: x[i], host), member.shardings)
             try:
                 ckpt.save(member.run.checkpoints, step, lane, member.run.out_dir)
             except SaveError as error:
-                self._fail(member, error)
-
-    def _final_evaluation(self, member: _Member) -> None:
-        run = member.run
-        held_out = held_out_set(run.config, run.batch_shardings)
-        member.book.summary.update(
-            final_evaluation(run.log, member.start, run.eval_step, run.state.params, held_out)
-        )
-        self._end(member, member.start)
-
-    def _end(self, member: _Member, step: int) -> None:
-        member.outcome = member.book.end(step)
-        loop.plot(member.run)
-        run_dir.write_summary(member.run.out_dir, member.outcome)
-
-    def _fail(self, member: _Member, error: Exception) -> None:
-        member.outcome = error
-        loop.plot(member.run)
+                member.fail(error)

@@ -74,7 +74,10 @@ def group(tmp_path_factory, quick_plots, finished_run):
     together, alone)``, the last two the runs' directories."""
     root = tmp_path_factory.mktemp("batched")
     with jax.enable_x64(False), jax.numpy_dtype_promotion("standard"):
-        outcomes = batched.run(configs(root / "together"))
+        with pytest.MonkeyPatch.context() as patch:
+            lanes = dropping_lanes(patch)
+            outcomes = batched.run(configs(root / "together"))
+        assert lanes == [5, 2]
         for config in configs(root / "alone")[1:DIVERGES]:
             loop.run(config)
     together = [root / "together" / f"seed{s}_lr{r:g}" for s, r in RUNS]
@@ -82,10 +85,24 @@ def group(tmp_path_factory, quick_plots, finished_run):
     return outcomes, together, alone
 
 
-def final_params(out_dir, config):
-    """The parameters of the newest checkpoint in ``out_dir``."""
-    mesh = mesh_lib.check_mesh(config, jax.devices()[:1])
-    _, abstract = train_setup(config, mesh, abstract=True)
+def dropping_lanes(patch) -> list[int]:
+    """Make the program drop the lanes of ended runs at every chance (as if that paid: at
+    this size a compile takes longer than every step); returns the lane counts it compiles
+    for, as they come. The three runs that end by step 6 leave two lanes."""
+    lanes, place = [], batched._Lockstep._place
+
+    def counted(self, members, states):
+        lanes.append(len(members))
+        place(self, members, states)
+
+    patch.setattr(batched._Lockstep, "_drop_pays", lambda self, step: True)
+    patch.setattr(batched._Lockstep, "_place", counted)
+    return lanes
+
+
+def final_params(out_dir, abstract):
+    """The step and parameters of the newest checkpoint in ``out_dir``, restored as
+    ``abstract`` (a ``TrainState`` of shapes) places them."""
     manager = ckpt.manager(out_dir, 2)
     try:
         step = manager.latest_step()
@@ -106,10 +123,14 @@ def test_each_run_ends_as_it_would_alone(group):
     """Losses, metrics, evaluations and parameters of every run trained with the others
     equal the run's own, to float32 rounding; its directory holds what a run's does."""
     outcomes, together, alone = group
-    for i, config in enumerate(configs(together[0].parent)[:DIVERGES]):
+    runs = configs(together[0].parent)
+    _, abstract = train_setup(
+        runs[0], mesh_lib.check_mesh(runs[0], jax.devices()[:1]), abstract=True
+    )
+    for i, config in enumerate(runs[:DIVERGES]):
         assert_same_records(logged(together[i]), logged(alone[i]))
-        step, params = final_params(together[i], config)
-        step_alone, params_alone = final_params(alone[i], config)
+        step, params = final_params(together[i], abstract)
+        step_alone, params_alone = final_params(alone[i], abstract)
         assert step == step_alone == outcomes[i]["final_step"]
         for a, e in zip(jax.tree.leaves(params), jax.tree.leaves(params_alone), strict=True):
             assert_close(a, e, np.float32)
@@ -188,12 +209,12 @@ def run_args(root):
     return args
 
 
-def test_a_stopped_group_resumes_to_the_end_it_had_unstopped(group, tmp_path, command):
+def test_a_stopped_group_resumes_to_the_end_it_had_unstopped(group, tmp_path, monkeypatch, command):
     """SIGINT at step 2 saves every run there. One run then goes on alone (``train.py
-    --resume``) to step 4; resumed together, the others train from step 2 while it waits at
-    4, the one that diverges fails again at step 4 with its checkpoint at 2 kept, and every
-    run ends as in the unstopped group: to the bit, or to float32 rounding for the run that
-    took two steps alone."""
+    --resume``) to step 4. Resumed together, the others train from step 2 while it waits at
+    4, the one that diverges fails again at step 4 with its checkpoint at 2 kept, the lanes
+    of the three ended runs are dropped at step 6 as in the unstopped group, and every run
+    ends as there: to the bit, but for the steps one took alone (to float32 rounding)."""
     _, together, _ = group
     args = run_args(tmp_path)
     status, _, err = command(*args, signal=(signal.SIGINT, 2))
@@ -211,14 +232,15 @@ def test_a_stopped_group_resumes_to_the_end_it_had_unstopped(group, tmp_path, co
     with pytest.raises(Interrupted, match="SIGINT at step 4"):
         loop.run(configs(tmp_path)[ahead], resume=True, callbacks=[sender(signal.SIGINT, 4)])
 
+    lanes = dropping_lanes(monkeypatch)
     status, out, err = command(*args, "--resume")
     assert status == 1, err
+    assert lanes == [5, 2]
     (line,) = err.strip().splitlines()
-    assert line.startswith(f"{batched_cli.PROG}: error: {tmp_path / together[DIVERGES].name}: ")
-    assert line.endswith(
-        f"the last good checkpoint is step 2 in {tmp_path / together[DIVERGES].name / 'checkpoints'}"
-    )
-    assert os.listdir(tmp_path / together[DIVERGES].name / "checkpoints") == ["2"]
+    diverged = tmp_path / together[DIVERGES].name
+    assert line.startswith(f"{batched_cli.PROG}: error: {diverged}: ")
+    assert line.endswith(f"the last good checkpoint is step 2 in {diverged / 'checkpoints'}")
+    assert os.listdir(diverged / "checkpoints") == ["2"]
     for i, run in enumerate(together[:DIVERGES]):
         assert f"{tmp_path / run.name}: step " in out
         if i == ahead:
