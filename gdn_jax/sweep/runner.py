@@ -152,14 +152,18 @@ def run_jobs(
         except RunError as error:
             count([_record_failure(job, results, str(error), 0.0)])
     with stop_on_signals(stop), ThreadPoolExecutor(workers) as pool:
-        list(pool.map(one, batches(ready, batch_runs)))
+        list(pool.map(one, batches(ready, batch_runs, workers)))
     return tally
 
 
-def batches(jobs: list[tuple[Job, bool]], size: int) -> list[tuple[list[Job], bool]]:
+def batches(
+    jobs: list[tuple[Job, bool]], size: int, workers: int = 1
+) -> list[tuple[list[Job], bool]]:
     """``(job, resume)`` pairs as the batches of at most ``size`` runs that one process
-    trains: the runs of one group that all resume or all start afresh, split as evenly as
-    ``size`` allows, in the order of ``jobs``."""
+    trains, in the order of ``jobs``: the runs of one group that all resume or all start
+    afresh, split as evenly as ``size`` allows, then the largest batch halved while the
+    workers cannot take an equal share of batches, so that no core idles while another
+    trains a batch alone (with several workers, a process trains on one core)."""
     groups: dict[tuple, list[Job]] = {}
     for job, resume in jobs:
         groups.setdefault((job.shared, resume), []).append(job)
@@ -167,6 +171,12 @@ def batches(jobs: list[tuple[Job, bool]], size: int) -> list[tuple[list[Job], bo
     for (_, resume), group in groups.items():
         per = math.ceil(len(group) / math.ceil(len(group) / size))
         found += [(group[i : i + per], resume) for i in range(0, len(group), per)]
+    while len(found) % workers:
+        i = max(range(len(found)), key=lambda i: len(found[i][0]))
+        (batch, resume), half = found[i], math.ceil(len(found[i][0]) / 2)
+        if len(batch) == 1:
+            break
+        found[i : i + 1] = [(batch[:half], resume), (batch[half:], resume)]
     return found
 
 

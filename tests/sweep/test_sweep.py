@@ -23,7 +23,7 @@ from sweep_trainer import accuracy, failure_line
 
 from gdn_jax.sweep import cli
 from gdn_jax.sweep.cells import SWEEP_FIELDS
-from gdn_jax.sweep.runner import Trainers
+from gdn_jax.sweep.runner import Trainers, batches
 from gdn_jax.training import batched_cli
 
 TRAINER = (sys.executable, str(Path(__file__).with_name("sweep_trainer.py")))
@@ -57,6 +57,28 @@ def records(out="out"):
 def processes(tmp_path):
     """The runs of each call of the stand-in so far, by name."""
     return [line.split() for line in (tmp_path / "trained.log.processes").read_text().splitlines()]
+
+
+def test_batches_keep_a_cell_together_and_give_every_worker_an_equal_share():
+    """A process trains the runs of one table cell that all resume or all start afresh, at
+    most --batch-runs of them; a batch is halved while the workers' shares are unequal."""
+    plan = cli.plan_jobs(cli.parse_args([*GRID, "--seeds", "0", "1", "2"]))  # 2 cells x 6 runs
+    resume = [(job, False) for job in plan]
+
+    def sizes(jobs, size, workers):
+        found = batches(jobs, size, workers)
+        assert [job for batch, _ in found for job in batch] == [job for job, _ in jobs]
+        for batch, _ in found:
+            assert len({job.cell.group for job in batch}) == 1
+        return [len(batch) for batch, _ in found]
+
+    assert sizes(resume, 8, 1) == [6, 6]
+    assert sizes(resume, 4, 1) == [3, 3, 3, 3]
+    assert sizes(resume, 8, 2) == [6, 6]
+    assert sizes(resume, 8, 3) == [3, 3, 6]
+    assert sizes(resume[:6], 8, 2) == [3, 3] and sizes(resume[:1], 8, 2) == [1]
+    mixed = [(job, i % 2 == 0) for i, (job, _) in enumerate(resume[:6])]
+    assert [(len(b), r) for b, r in batches(mixed, 8, 1)] == [(3, True), (3, False)]
 
 
 def test_the_stand_in_fails_a_run_as_the_batched_command_does():
@@ -235,14 +257,15 @@ def test_a_record_damaged_before_the_last_line_stops_the_sweep_in_one_line(sweep
 @pytest.mark.costly(7)
 def test_ctrl_c_stops_the_sweep_records_nothing_it_stopped_and_a_rerun_resumes(tmp_path):
     """SIGINT to the sweep's process group, as a terminal's Ctrl-C sends it, while two
-    processes (two jobs) train the two runs of a mixer each and a third mixer's wait: exit
+    processes (two jobs) train the two runs of a mixer each and two more mixers' wait: exit
     130, one line, no record; the same command then resumes the stopped runs from their
     checkpoints and trains the rest."""
     started = 4
     log = tmp_path / "trained.log"
     env = dict(os.environ, SWEEP_TRAINER_LOG=str(log), SWEEP_TRAINER_SLOW="60")
     code = "import sys; from gdn_jax.sweep import cli, runner; sys.exit(cli.main(sys.argv[2:], trainers=runner.Trainers(*eval(sys.argv[1]))))"
-    args = ["--mixers", "gdn", "kda", "deltanet", *GRID[3:12], "--seeds", "0", "--jobs", "2"]
+    args = ["--mixers", "gdn", "kda", "deltanet", "gated_linear", *GRID[3:12], "--seeds", "0"]
+    args += ["--jobs", "2"]
     args += ["--out", "out", "--runs", "runs"]
     command = [sys.executable, "-c", code, repr((TRAINER, TRAINER)), *args]
     sweep = subprocess.Popen(
@@ -262,7 +285,7 @@ def test_ctrl_c_stops_the_sweep_records_nothing_it_stopped_and_a_rerun_resumes(t
     (line,) = err.strip().splitlines()
     assert line == (
         f"python -m gdn_jax.sweep: stopped by SIGINT: 0 run(s) recorded, {started} stopped (each "
-        "resumes from its checkpoint) and 2 not started; the same command goes on from there"
+        "resumes from its checkpoint) and 4 not started; the same command goes on from there"
     )
     assert not (tmp_path / "out" / "results.jsonl").exists()
     assert not (tmp_path / "out" / "table.md").exists()
@@ -278,8 +301,8 @@ def test_ctrl_c_stops_the_sweep_records_nothing_it_stopped_and_a_rerun_resumes(t
         + [line for line in trained[started:] if line.endswith("--overwrite")]
     )
     assert sum(line.endswith("--resume") for line in trained[started:]) == started
-    assert len(records(tmp_path / "out")) == started + 2
-    assert [len(names) for names in processes(tmp_path)] == [2] * 5  # 2 stopped, 3 to the end
+    assert len(records(tmp_path / "out")) == 8
+    assert [len(names) for names in processes(tmp_path)] == [2] * 6  # 2 stopped, 4 to the end
 
 
 @pytest.mark.costly(12)
