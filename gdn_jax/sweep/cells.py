@@ -67,15 +67,25 @@ class Plan:
     runs: Path
 
     def overrides(self, cell: Cell, run_dir: Path | str) -> list[str]:
-        """The ``--set`` items of ``cell``'s run: the sweep's own, then ``sets``."""
+        """The ``--set`` items of ``cell``'s run: its own (``run_values``), then the ones its
+        group shares."""
+        _, seed, rate = self.run_values(cell, run_dir)
+        own = [f"train.learning_rate={rate}", f"train.seed={seed}", f"train.out_dir={run_dir}"]
+        return [*own, *self.shared_overrides(cell)]
+
+    def run_values(self, cell: Cell, run_dir: Path | str) -> tuple[str, str, str]:
+        """What sets ``cell``'s run apart from the others of its group: its directory, seed
+        and learning rate, as the batched command's ``--run`` takes them."""
+        return str(run_dir), str(cell.seed), repr(cell.learning_rate)
+
+    def shared_overrides(self, cell: Cell) -> list[str]:
+        """The ``--set`` items that every run of ``cell.group`` shares: the sweep's own, then
+        ``sets``."""
         return [
             f"model.mixers=[{', '.join([cell.mixer] * self.layers)}]",
             f"model.d_model={cell.d_model}",
             f"data.num_kv_pairs={cell.kv_pairs}",
-            f"train.learning_rate={cell.learning_rate!r}",
-            f"train.seed={cell.seed}",
             f"train.steps={self.steps}",
-            f"train.out_dir={run_dir}",
             "train.progress=false",
             *self.sets,
         ]

@@ -9,7 +9,6 @@ it stopped, says so in one line and exits 130 or 143; the same command goes on f
 
 from __future__ import annotations
 
-import argparse
 import math
 import shlex
 import signal
@@ -19,24 +18,19 @@ from pathlib import Path
 from gdn_jax.models.mixers import MIXERS
 from gdn_jax.sweep.cells import Plan, grid, refused_sets
 from gdn_jax.sweep.results import FAILED, Results, SweepError
-from gdn_jax.sweep.runner import TRAINER, Job, Stop, run_jobs
+from gdn_jax.sweep.runner import TRAINERS, Job, Stop, Trainers, run_jobs
 from gdn_jax.sweep.table import write_plot, write_table
-from gdn_jax.training.cli import DEFAULT_CONFIG, resolve_config
+from gdn_jax.training.cli import DEFAULT_CONFIG, OneLineParser, resolve_config
 from gdn_jax.training.errors import RunError
 from gdn_jax.training.run_dir import RunLock, check_writable
 
 PROG = "python -m gdn_jax.sweep"
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse, with its errors on one line like the sweep's own."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def parse_args(argv):
-    parser = Parser(prog=PROG, description="Sweep MQAR recall over mixers, pairs and widths.")
+    parser = OneLineParser(
+        prog=PROG, description="Sweep MQAR recall over mixers, pairs and widths."
+    )
     add = parser.add_argument
     add("--config", default=DEFAULT_CONFIG, help="base config (path or packaged name)")
     add("--mixers", nargs="+", default=list(MIXERS), choices=list(MIXERS))
@@ -47,7 +41,14 @@ def parse_args(argv):
     add("--layers", type=int, default=2)
     add("--steps", type=int, default=1300, help="step budget of every run")
     add("--set", action="append", default=[], help="extra override, repeatable")
-    add("--jobs", type=int, default=1, help="runs in parallel, one core each")
+    add("--jobs", type=int, default=1, help="training processes in parallel, one core each")
+    add(
+        "--batch-runs",
+        type=int,
+        default=8,
+        help="at most this many runs of a cell that differ only in seed and learning rate "
+        "train as one program in one process (1: a process per run)",
+    )
     add("--retry-failed", action="store_true", help="train the failed runs again")
     add("--out", default="docs/sweep", help="results.jsonl, table.md and accuracy.png")
     add("--runs", default="runs/sweep", help="the runs' own directories")
@@ -56,9 +57,10 @@ def parse_args(argv):
 
 def check_args(args) -> None:
     """Raise ``SweepError`` for the first bad argument."""
-    for name in ("jobs", "steps", "layers"):
+    for name in ("jobs", "batch_runs", "steps", "layers"):
         if getattr(args, name) < 1:
-            raise SweepError(f"--{name}={getattr(args, name)} must be at least 1")
+            option = name.replace("_", "-")
+            raise SweepError(f"--{option}={getattr(args, name)} must be at least 1")
     lists = {
         "--mixers": args.mixers,
         "--kv-pairs": args.kv_pairs,
@@ -91,6 +93,10 @@ def plan_jobs(args):
     except ValueError as error:
         raise SweepError(error) from None
     plan = Plan(config, tuple(args.set), args.steps, args.layers, Path(args.runs))
+
+    def command_args(items) -> tuple[str, ...]:  # --config and the --set items
+        return ("--config", str(config), *(x for item in items for x in ("--set", item)))
+
     jobs = []
     for cell in grid(args.mixers, args.kv_pairs, args.d_models, args.learning_rates, args.seeds):
         try:
@@ -98,22 +104,24 @@ def plan_jobs(args):
         except (ValueError, OSError) as error:
             raise SweepError(f"run {cell.name}: {error}") from None
         run_dir = plan.run_dir(cell, key)
-        overrides = [x for item in plan.overrides(cell, run_dir) for x in ("--set", item)]
-        jobs.append(Job(cell, key, run_dir, ("--config", str(config), *overrides)))
+        alone = command_args(plan.overrides(cell, run_dir))
+        shared = command_args(plan.shared_overrides(cell))
+        jobs.append(Job(cell, key, run_dir, alone, shared, plan.run_values(cell, run_dir)))
     return jobs
 
 
-def main(argv=None, *, trainer=TRAINER) -> int:
+def main(argv=None, *, trainers: Trainers = TRAINERS) -> int:
     """The sweep of ``argv`` (``sys.argv[1:]`` when None); returns the exit status.
-    ``trainer`` is the command that trains one run (the tests give a stand-in)."""
+    ``trainers`` are the commands that train one run and several (the tests give
+    stand-ins)."""
     try:
-        return _main(sys.argv[1:] if argv is None else list(argv), trainer)
+        return _main(sys.argv[1:] if argv is None else list(argv), trainers)
     except KeyboardInterrupt:  # before the runs took the signals over: nothing was trained
         print(f"{PROG}: interrupted before any run started", file=sys.stderr)
         return 130
 
 
-def _main(argv, trainer) -> int:
+def _main(argv, trainers) -> int:
     try:
         args = parse_args(argv)
     except SystemExit as done:  # --help, or an argument argparse refused (one line)
@@ -134,12 +142,12 @@ def _main(argv, trainer) -> int:
     out.mkdir(parents=True, exist_ok=True)
     try:
         with RunLock(out.absolute()):
-            return _sweep(args, argv, jobs, out, trainer)
+            return _sweep(args, argv, jobs, out, trainers)
     except (SweepError, RunError) as error:
         return fail(error)
 
 
-def _sweep(args, argv, jobs, out: Path, trainer) -> int:
+def _sweep(args, argv, jobs, out: Path, trainers) -> int:
     results = Results(out / "results.jsonl")
     warning = results.drop_torn_tail()
     if warning:
@@ -158,7 +166,7 @@ def _sweep(args, argv, jobs, out: Path, trainer) -> int:
     todo = [job for job in jobs if to_train(job)]
     print(f"{len(jobs)} runs: {len(jobs) - len(todo)} recorded, {len(todo)} to train", flush=True)
     stop = Stop()
-    tally = run_jobs(todo, args.jobs, results, stop, trainer)
+    tally = run_jobs(todo, args.jobs, results, stop, trainers, batch_runs=args.batch_runs)
     if stop.signum is not None:
         name = signal.Signals(stop.signum).name
         print(

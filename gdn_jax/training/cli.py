@@ -38,6 +38,13 @@ def resolve_config(name: str) -> Path:
     )
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (``<prog>: error: ...``, exit status 2)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def program_name() -> str:
     """``train.py`` when run as the repository's script, else the installed command's name."""
     return "train.py" if Path(sys.argv[0]).name == "train.py" else "gdn-train"
@@ -129,7 +136,7 @@ def _main(argv) -> int:
         config = load_config(resolve_config(args.config), args.overrides)
     except (ValueError, OSError) as error:
         return fail(error)
-    devices = _host_devices()
+    devices = host_devices()
     if isinstance(devices, str):
         return fail(devices)
     print(f"devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()})")
@@ -197,7 +204,7 @@ def _compile_only(args, fail) -> int:
 
     if not os.environ.get("JAX_PLATFORMS"):
         jax.config.update("jax_platforms", "cpu")
-    elif isinstance(devices := _host_devices(), str):
+    elif isinstance(devices := host_devices(), str):
         return fail(
             f"{devices}; --compile-only compiles on this host and needs no TPU of its own: "
             "unset JAX_PLATFORMS or set JAX_PLATFORMS=cpu"
@@ -215,7 +222,7 @@ def _compile_only(args, fail) -> int:
     return 0 if memory.fits else 1
 
 
-def _host_devices():
+def host_devices():
     """``jax.devices()``, or the reason this host's backends cannot start (a platform in
     ``JAX_PLATFORMS`` that the host does not have, say) as one line."""
     import jax

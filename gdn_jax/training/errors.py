@@ -68,9 +68,12 @@ class OutOfMemory(RuntimeError):
 
 
 class Interrupted(RuntimeError):
-    """SIGINT or SIGTERM stopped the run after a checkpoint at the current step."""
+    """SIGINT or SIGTERM stopped the run after a checkpoint at the current step; or stopped
+    ``runs`` runs trained together, each after a checkpoint, in directories below
+    ``out_dir``."""
 
-    def __init__(self, signum: int, step: int, out_dir: Path):
+    def __init__(self, signum: int, step: int, out_dir: Path, runs: int = 1):
         self.signum, self.step, self.out_dir = signum, step, out_dir
         name = signal.Signals(signum).name
-        super().__init__(f"{name} at step {step}; checkpoint saved in {out_dir}")
+        saved = "checkpoint saved" if runs == 1 else f"checkpoints of its {runs} runs saved"
+        super().__init__(f"{name} at step {step}; {saved} in {out_dir}")

@@ -14,8 +14,8 @@ from gdn_jax.training.metrics_log import MetricsLog
 from gdn_jax.training.state import EvalStep
 
 
-def held_out_set(config: Config, batch_shardings) -> list[dict]:
-    """The fixed held-out batches, from the test seed, batched and placed once."""
+def held_out_batches(config: Config) -> list[dict]:
+    """The fixed held-out batches on the host (``make_batch``'s arrays), from the test seed."""
     train = config.train
     _, test_seed = split_seeds(train.seed)
     num_batches = math.ceil(train.eval_examples / train.batch_size)
@@ -23,17 +23,31 @@ def held_out_set(config: Config, batch_shardings) -> list[dict]:
         config.data, num_examples=num_batches * train.batch_size, seed=test_seed
     )
     rows = (slice(i * train.batch_size, (i + 1) * train.batch_size) for i in range(num_batches))
-    return [mesh_lib.place(make_batch(inputs[r], labels[r]), batch_shardings) for r in rows]
+    return [make_batch(inputs[r], labels[r]) for r in rows]
+
+
+def held_out_set(config: Config, batch_shardings) -> list[dict]:
+    """The fixed held-out batches, placed once."""
+    return [mesh_lib.place(batch, batch_shardings) for batch in held_out_batches(config)]
 
 
 def evaluate(eval_step: EvalStep, params, held_out: list[dict]) -> tuple[float, float]:
     """Mean held-out loss and accuracy of ``params``."""
+    loss, accuracy = evaluate_runs(eval_step, params, held_out)
+    return float(loss), float(accuracy)
+
+
+def evaluate_runs(eval_step, params, held_out: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """``evaluate`` of each run where ``params`` and the batches have a leading run axis R
+    (``eval_step`` then returns a loss ``[R]`` and accuracies ``[R, B]``): the mean loss and
+    accuracy ``[R]``; without one, the same as 0-d arrays."""
     losses, accuracies = [], []
     for batch in held_out:
         loss, per_example = eval_step(params, batch)
-        losses.append(float(loss))
+        losses.append(np.asarray(loss, np.float64))
         accuracies.append(np.asarray(per_example))
-    return float(np.mean(losses)), float(np.concatenate(accuracies).mean())
+    loss, accuracy = np.mean(losses, axis=0), np.concatenate(accuracies, axis=-1).mean(axis=-1)
+    return np.asarray(loss), np.asarray(accuracy)
 
 
 def final_evaluation(log: MetricsLog, step: int, eval_step: EvalStep, params, held_out) -> dict:

@@ -61,7 +61,7 @@ class RunState:
     batch_shardings: dict
 
 
-def _build(config: Config, mesh: Mesh, out_dir: Path) -> RunState:
+def build(config: Config, mesh: Mesh, out_dir: Path) -> RunState:
     """The state on ``mesh``, the steps called with it in context, and the checkpoints."""
     steps, state = train_setup(config, mesh)
     return RunState(
@@ -76,8 +76,23 @@ def _build(config: Config, mesh: Mesh, out_dir: Path) -> RunState:
     )
 
 
+def train_batch(config: Config, train_seed: int, step: int) -> dict:
+    """The host batch of the step after ``step`` (``make_batch``'s arrays), of the stream of
+    ``train_seed`` (``split_seeds``)."""
+    inputs, labels = make_examples(
+        config.data, num_examples=config.train.batch_size, seed=batch_seed(train_seed, step)
+    )
+    return make_batch(inputs, labels)
+
+
+def plot(run: RunState) -> None:
+    """The run's curves from what it logged, however it ended (``plot_or_warn``)."""
+    if ckpt.is_primary() and run.log.path.exists():
+        plot_or_warn(run.log, run.out_dir / run_dir.PLOT)
+
+
 @contextlib.contextmanager
-def _stop_requests():
+def stop_requests():
     """Turn SIGINT and SIGTERM into a request the loop sees after its current step."""
     requested = []
     if threading.current_thread() is not threading.main_thread():
@@ -93,22 +108,20 @@ def _stop_requests():
             signal.signal(signum, handler)
 
 
-class _Steps:
-    """The step loop's bookkeeping of one run from ``start``: what each step logged."""
+class RunBook:
+    """What one run records from ``start`` on: its train and eval records, checked for a NaN
+    loss, and its summary."""
 
-    def __init__(self, run: RunState, start: int, callbacks: Sequence[Callback]):
-        self.run, self.callbacks = run, callbacks
-        train = run.config.train
-        self.show = train.progress and ckpt.is_primary()
-        self.bar = tqdm(total=train.steps, initial=start, disable=not self.show, unit="step")
+    def __init__(self, run: RunState, start: int):
+        self.run = run
         self.summary = dict(start_step=start, eval_accuracy=None, eval_loss=None, reason="steps")
         self.began = time.perf_counter()
-        self.tokens_per_step = train.batch_size * run.config.data.seq_len
+        self.tokens_per_step = run.config.train.batch_size * run.config.data.seq_len
 
-    def read(self, step: int, metrics, tick: float) -> None:
-        """Log step ``step``'s metrics (device arrays, dispatched at ``tick``): this waits
-        for the step. A NaN or Inf loss raises ``NonFiniteLossError``."""
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    def train(self, step: int, metrics: dict, seconds: float) -> dict:
+        """Log step ``step``'s host metrics (floats), which took ``seconds`` from dispatch to
+        the host; returns them with ``tokens_per_s``. A NaN or Inf loss raises
+        ``NonFiniteLossError`` and logs nothing."""
         if not math.isfinite(metrics["loss"]):
             latest = self.run.checkpoints.latest_step()
             kept = (
@@ -120,26 +133,60 @@ class _Steps:
                 )
             )
             raise NonFiniteLossError(f"loss is {metrics['loss']} at step {step}; {kept}")
-        # The time from this step's dispatch to the host seeing its result.
-        metrics["tokens_per_s"] = self.tokens_per_step / (time.perf_counter() - tick)
+        metrics = dict(metrics, tokens_per_s=self.tokens_per_step / seconds)
         self.run.log.append("train", step, **metrics)
+        return metrics
+
+    def evaluation(self, step: int, loss: float, accuracy: float, *, last: bool) -> bool:
+        """Log the held-out loss and accuracy at ``step``; returns whether they end the run
+        before its ``last`` step (the target accuracy reached)."""
+        self.summary.update(eval_accuracy=accuracy, eval_loss=loss)
+        elapsed = time.perf_counter() - self.began
+        self.run.log.append("eval", step, loss=loss, accuracy=accuracy, elapsed_s=elapsed)
+        target = self.run.config.train.target_accuracy
+        if target is not None and accuracy >= target and not last:
+            self.summary["reason"] = "target"
+            return True
+        return False
+
+    def end(self, step: int) -> dict:
+        """The summary of the run, ended at ``step``."""
+        self.summary.update(final_step=step, wall_s=time.perf_counter() - self.began)
+        return self.summary
+
+
+class _Steps:
+    """The step loop's bookkeeping of one run from ``start``: its book, the progress bar and
+    the callbacks."""
+
+    def __init__(self, run: RunState, start: int, callbacks: Sequence[Callback]):
+        self.run, self.callbacks = run, callbacks
+        self.book = RunBook(run, start)
+        train = run.config.train
+        self.show = train.progress and ckpt.is_primary()
+        self.bar = tqdm(total=train.steps, initial=start, disable=not self.show, unit="step")
+
+    def read(self, step: int, metrics, tick: float) -> None:
+        """Log step ``step``'s metrics (device arrays, dispatched at ``tick``): this waits
+        for the step. A NaN or Inf loss raises ``NonFiniteLossError``."""
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        # The time from this step's dispatch to the host seeing its result.
+        metrics = self.book.train(step, metrics, time.perf_counter() - tick)
         for callback in self.callbacks:
             callback(step, metrics)
         self.bar.update(1)
         self.bar.set_postfix(
             loss=f"{metrics['loss']:.3f}",
             acc=f"{metrics['accuracy']:.3f}",
-            eval=f"{self.summary['eval_accuracy'] or 0:.3f}",
+            eval=f"{self.book.summary['eval_accuracy'] or 0:.3f}",
             tok_s=f"{metrics['tokens_per_s']:.0f}",
         )
 
-    def evaluate(self, step: int, held_out) -> float:
+    def evaluate(self, step: int, held_out, *, last: bool) -> bool:
+        """Evaluate and log; whether the target accuracy ends the run here."""
         run = self.run
         eval_loss, eval_accuracy = evaluate(run.eval_step, run.state.params, held_out)
-        self.summary.update(eval_accuracy=eval_accuracy, eval_loss=eval_loss)
-        elapsed = time.perf_counter() - self.began
-        run.log.append("eval", step, loss=eval_loss, accuracy=eval_accuracy, elapsed_s=elapsed)
-        return eval_accuracy
+        return self.book.evaluation(step, eval_loss, eval_accuracy, last=last)
 
 
 def _step_loop(run: RunState, start: int, held_out, callbacks, stop_requests) -> dict:
@@ -148,20 +195,17 @@ def _step_loop(run: RunState, start: int, held_out, callbacks, stop_requests) ->
     Step ``n + 1`` is dispatched before step ``n``'s metrics are read, except where the
     state after step ``n`` is needed first: to evaluate, to save, to stop, and with
     ``callbacks`` (each may stop the run at its own step)."""
-    config, train = run.config, run.config.train
+    train = run.config.train
     train_seed, _ = split_seeds(train.seed)
     steps = _Steps(run, start, callbacks)
     step, pending = start, None  # pending: (step, metrics, tick) dispatched, not yet read
     if start == train.steps:  # stopped after its last checkpoint, before its summary
-        steps.summary.update(
+        steps.book.summary.update(
             final_evaluation(run.log, start, run.eval_step, run.state.params, held_out)
         )
     try:
         while step < train.steps:
-            inputs, labels = make_examples(
-                config.data, num_examples=train.batch_size, seed=batch_seed(train_seed, step)
-            )
-            batch = mesh_lib.place(make_batch(inputs, labels), run.batch_shardings)
+            batch = mesh_lib.place(train_batch(run.config, train_seed, step), run.batch_shardings)
             tick = time.perf_counter()
             run.state, metrics = run.train_step(run.state, batch)
             step += 1
@@ -175,11 +219,8 @@ def _step_loop(run: RunState, start: int, held_out, callbacks, stop_requests) ->
                 continue  # the next step goes to the device before this one is read
             steps.read(*pending)
             pending = None
-            if evaluates:
-                reached = steps.evaluate(step, held_out)
-                target = train.target_accuracy
-                if target is not None and reached >= target and not done:
-                    done, steps.summary["reason"] = True, "target"
+            if evaluates and steps.evaluate(step, held_out, last=done):
+                done = True
             if saves or done:
                 ckpt.save(run.checkpoints, step, run.state, run.out_dir)
             if done:
@@ -189,8 +230,7 @@ def _step_loop(run: RunState, start: int, held_out, callbacks, stop_requests) ->
                 raise Interrupted(stop_requests[0], step, run.out_dir)
     finally:
         steps.bar.close()
-    steps.summary.update(final_step=step, wall_s=time.perf_counter() - steps.began)
-    return steps.summary
+    return steps.book.end(step)
 
 
 def run(
@@ -245,20 +285,18 @@ def run(
 
 def _train(config: Config, mesh: Mesh, out_dir: Path, resume: bool, callbacks) -> dict:
     """Build the state, restore or start, run the steps; the plot whatever happens."""
-    primary = ckpt.is_primary()
-    run = _build(config, mesh, out_dir)
+    run = build(config, mesh, out_dir)
     try:
         run.state, start = ckpt.restore_or_start(
             config, out_dir, run.checkpoints, run.log, run.state, resume
         )
         held_out = held_out_set(config, run.batch_shardings)
-        with _stop_requests() as stop_requests:
+        with stop_requests() as requests:
             try:
-                summary = _step_loop(run, start, held_out, callbacks, stop_requests)
+                summary = _step_loop(run, start, held_out, callbacks, requests)
             finally:
-                if primary and run.log.path.exists():
-                    plot_or_warn(run.log, out_dir / run_dir.PLOT)
-        if primary:
+                plot(run)
+        if ckpt.is_primary():
             run_dir.write_summary(out_dir, summary)
         return summary
     finally:

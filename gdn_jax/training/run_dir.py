@@ -244,27 +244,40 @@ def claim(config: Config, *, resume: bool, overwrite: bool) -> RunLock:
     Raises ``RunError`` before anything is written when the run must not start. With
     ``overwrite`` the earlier run's files are deleted (and named on stderr).
     """
+    return claim_all([config], resume=resume, overwrite=overwrite)[0]
+
+
+def claim_all(configs: list[Config], *, resume: bool, overwrite: bool) -> list[RunLock]:
+    """``claim`` for several runs (distinct ``train.out_dir``): every directory is checked
+    before any is changed, so a refusal of one leaves them all as they were."""
     if resume and overwrite:
         raise RunError("--resume and --overwrite contradict each other; choose one")
-    out_dir = Path(config.train.out_dir).absolute()
-    check_writable(out_dir)
-    created = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lock = RunLock(out_dir)
+    out_dirs = [Path(config.train.out_dir).absolute() for config in configs]
+    for out_dir in out_dirs:
+        check_writable(out_dir)
+    locks, created = [], []
     try:
-        lock.acquire()
-        try:
+        for config, out_dir in zip(configs, out_dirs, strict=True):
+            if not out_dir.exists():
+                out_dir.mkdir(parents=True)
+                created.append(out_dir)
+            locks.append(RunLock(out_dir).acquire())
             _check_claim(config, out_dir, resume=resume, overwrite=overwrite)
-        except BaseException:
-            lock.release()
-            raise
     except BaseException:
-        if created:  # leave no empty directory behind a refused run
+        for lock in locks:
+            lock.release()
+        for out_dir in reversed(created):  # leave no empty directory behind a refused run
             out_dir.rmdir()
         raise
-    if lock.took_over:
-        print(f"took over the stale lock of a run that died in {out_dir}", file=sys.stderr)
-    return lock
+    for lock in locks:
+        if not resume:
+            _clear_earlier(lock.path.parent)
+        if lock.took_over:
+            print(
+                f"took over the stale lock of a run that died in {lock.path.parent}",
+                file=sys.stderr,
+            )
+    return locks
 
 
 def _check_claim(config: Config, out_dir: Path, *, resume: bool, overwrite: bool) -> None:
@@ -272,19 +285,23 @@ def _check_claim(config: Config, out_dir: Path, *, resume: bool, overwrite: bool
     stranded = bool(earlier) and died_before_first_save(out_dir)
     if resume:
         check_resumable(config, out_dir, earlier, stranded)
-        return
-    if stranded:
-        print(
-            f"replacing the run in {out_dir} that died before its first checkpoint "
-            f"(deleted {', '.join(clear(out_dir))})",
-            file=sys.stderr,
-        )
-    elif earlier and not overwrite:
+    elif earlier and not stranded and not overwrite:
         resumable = checkpoint_steps(out_dir)
         raise RunError(
             f"{out_dir} holds an earlier run ({', '.join(earlier)}); "
             + ("continue it with --resume or " if resumable else "it has no checkpoint; ")
             + "delete it with --overwrite"
+        )
+
+
+def _clear_earlier(out_dir: Path) -> None:
+    """Delete the earlier run that a fresh run checked by ``_check_claim`` replaces."""
+    earlier = earlier_run(out_dir)
+    if earlier and died_before_first_save(out_dir):
+        print(
+            f"replacing the run in {out_dir} that died before its first checkpoint "
+            f"(deleted {', '.join(clear(out_dir))})",
+            file=sys.stderr,
         )
     elif earlier:
         print(f"--overwrite: deleted {', '.join(clear(out_dir))} in {out_dir}", file=sys.stderr)

@@ -2,10 +2,10 @@
 not finished, never records a run it did not finish or a failure as an accuracy, keeps runs
 of other settings apart, and refuses bad arguments before it creates or trains anything.
 
-The sweep runs in this process with a stand-in for the training command
-(``sweep_trainer.py``), which writes what a run writes in milliseconds; a Ctrl-C is sent to a
-sweep in a process group of its own, and one run of the real command checks the stand-in's
-contract.
+The sweep runs in this process with a stand-in for the training commands
+(``sweep_trainer.py``: one run, or several trained as one program), which writes what a run
+writes in milliseconds; a Ctrl-C is sent to a sweep in a process group of its own, and one
+sweep of the real batched command checks the stand-in's contract.
 """
 
 import json
@@ -19,12 +19,15 @@ from pathlib import Path
 
 import pytest
 from support.runs import TINY
-from sweep_trainer import accuracy
+from sweep_trainer import accuracy, failure_line
 
 from gdn_jax.sweep import cli
 from gdn_jax.sweep.cells import SWEEP_FIELDS
+from gdn_jax.sweep.runner import Trainers, batches
+from gdn_jax.training import batched_cli
 
 TRAINER = (sys.executable, str(Path(__file__).with_name("sweep_trainer.py")))
+STAND_INS = Trainers(TRAINER, TRAINER)
 GRID = ["--mixers", "gdn", "kda", "--kv-pairs", "4", "--d-models", "16", "--steps", "200"]
 GRID += ["--learning-rates", "0.01", "0.03", "--seeds", "0", "1"]
 
@@ -39,7 +42,7 @@ def sweep(tmp_path, monkeypatch, capsys):
 
     def run(*args):
         before = log.read_text().splitlines() if log.exists() else []
-        status = cli.main([*args], trainer=TRAINER)
+        status = cli.main([*args], trainers=STAND_INS)
         out, err = capsys.readouterr()
         after = log.read_text().splitlines() if log.exists() else []
         return status, out, err, after[len(before) :]
@@ -51,10 +54,47 @@ def records(out="out"):
     return [json.loads(line) for line in Path(out, "results.jsonl").read_text().splitlines()]
 
 
-def test_a_sweep_records_every_run_and_a_rerun_trains_nothing(sweep):
-    status, out, err, trained = sweep(*GRID, "--out", "out", "--runs", "runs")
+def processes(tmp_path):
+    """The runs of each call of the stand-in so far, by name."""
+    return [line.split() for line in (tmp_path / "trained.log.processes").read_text().splitlines()]
+
+
+def test_batches_keep_a_cell_together_and_give_every_worker_an_equal_share():
+    """A process trains the runs of one table cell that all resume or all start afresh, at
+    most --batch-runs of them; a batch is halved while the workers' shares are unequal."""
+    plan = cli.plan_jobs(cli.parse_args([*GRID, "--seeds", "0", "1", "2"]))  # 2 cells x 6 runs
+    resume = [(job, False) for job in plan]
+
+    def sizes(jobs, size, workers):
+        found = batches(jobs, size, workers)
+        assert [job for batch, _ in found for job in batch] == [job for job, _ in jobs]
+        for batch, _ in found:
+            assert len({job.cell.group for job in batch}) == 1
+        return [len(batch) for batch, _ in found]
+
+    assert sizes(resume, 8, 1) == [6, 6]
+    assert sizes(resume, 4, 1) == [3, 3, 3, 3]
+    assert sizes(resume, 8, 2) == [6, 6]
+    assert sizes(resume, 8, 3) == [3, 3, 6]
+    assert sizes(resume[:6], 8, 2) == [3, 3] and sizes(resume[:1], 8, 2) == [1]
+    mixed = [(job, i % 2 == 0) for i, (job, _) in enumerate(resume[:6])]
+    assert [(len(b), r) for b, r in batches(mixed, 8, 1)] == [(3, True), (3, False)]
+
+
+def test_the_stand_in_fails_a_run_as_the_batched_command_does():
+    assert failure_line("runs/a", "loss is nan") == batched_cli.failure_line(
+        "runs/a", "loss is nan"
+    )
+
+
+@pytest.mark.parametrize(("batch", "calls"), [([], [4, 4]), (["--batch-runs", "1"], [1] * 8)])
+def test_a_sweep_records_every_run_and_a_rerun_trains_nothing(sweep, tmp_path, batch, calls):
+    """By default the four runs of each mixer (two learning rates, two seeds) train in one
+    process; with --batch-runs 1, each in its own."""
+    status, out, err, trained = sweep(*GRID, *batch, "--out", "out", "--runs", "runs")
     assert status == 0, err
     assert len(trained) == 8 and all(line.endswith("--overwrite") for line in trained)
+    assert [len(names) for names in processes(tmp_path)] == calls
     rows = records()
     assert {(r["mixer"], r["learning_rate"], r["seed"]) for r in rows} == {
         (m, lr, s) for m in ("gdn", "kda") for lr in (0.01, 0.03) for s in (0, 1)
@@ -63,7 +103,7 @@ def test_a_sweep_records_every_run_and_a_rerun_trains_nothing(sweep):
     assert {r["accuracy"] for r in rows} == {accuracy(lr, s) for lr in (0.01, 0.03) for s in (0, 1)}
     table = Path("out", "table.md").read_text()
     assert table.startswith(
-        f"Command: `python -m gdn_jax.sweep {' '.join(GRID)} --out out --runs runs`"
+        f"Command: `python -m gdn_jax.sweep {' '.join([*GRID, *batch])} --out out --runs runs`"
     )
     mean = (accuracy(0.03, 0) + accuracy(0.03, 1)) / 2
     row = (
@@ -74,7 +114,7 @@ def test_a_sweep_records_every_run_and_a_rerun_trains_nothing(sweep):
     # Every run has a directory of its own.
     assert len({r["key"] for r in rows}) == 8 and len(list(Path("runs").iterdir())) == 8
 
-    status, out, err, trained = sweep(*GRID, "--out", "out", "--runs", "runs")
+    status, out, err, trained = sweep(*GRID, *batch, "--out", "out", "--runs", "runs")
     assert status == 0 and trained == [] and "8 runs: 8 recorded, 0 to train" in out
     assert Path("out", "table.md").read_text() == table
 
@@ -100,6 +140,7 @@ def test_other_settings_train_their_own_runs_and_the_table_shows_them(sweep):
     [
         (["--jobs", "0"], r"--jobs=0 must be at least 1"),
         (["--jobs", "-1"], r"--jobs=-1 must be at least 1"),
+        (["--batch-runs", "0"], r"--batch-runs=0 must be at least 1"),
         (["--steps", "0"], r"--steps=0 must be at least 1"),
         (["--layers", "0"], r"--layers=0 must be at least 1"),
         (["--kv-pairs", "0"], r"--kv-pairs 0: each must be at least 1"),
@@ -167,6 +208,32 @@ def test_failed_runs_are_recorded_as_failures_and_shown_as_failed(sweep):
     assert sweep(*grid, "--retry-failed")[3] == [trained[1]]
 
 
+def test_a_run_that_fails_among_batched_runs_is_recorded_alone_as_failed(sweep, tmp_path):
+    """The stand-in's runs above a learning rate of 0.5 diverge; the others of their process
+    finish, and --retry-failed trains only the failed ones again, together."""
+    grid = ["--mixers", "gdn", "--kv-pairs", "4", "--d-models", "16", "--steps", "200"]
+    grid += ["--learning-rates", "0.01", "0.9", "--seeds", "0", "1", "--out", "out"]
+    status, _, err, trained = sweep(*grid)
+    assert status == 0 and len(trained) == 4 and "2 run(s) failed" in err
+    assert [len(names) for names in processes(tmp_path)] == [4]
+    rows = {(r["learning_rate"], r["seed"]): r for r in records()}
+    for seed in (0, 1):
+        assert rows[0.01, seed]["status"] == "finished"
+        assert rows[0.01, seed]["accuracy"] == accuracy(0.01, seed)
+        assert rows[0.01, seed]["runs_in_process"] == 4 and rows[0.01, seed]["wall_s"] >= 0
+        failed = rows[0.9, seed]
+        assert failed["status"] == "failed" and "accuracy" not in failed
+        run_dir = next(Path("runs/sweep").glob(f"gdn_kv4_d16_lr0.9_seed{seed}_*"))
+        assert failed["error"] == failure_line(
+            str(run_dir), "loss is nan at step 3; no checkpoint was saved yet"
+        )
+    assert "| gdn | 0.595 (0.590-0.600, 2 seeds) [lr 0.01] |" in Path("out", "table.md").read_text()
+    assert sweep(*grid)[3] == []  # a failure is a result
+    retried = sweep(*grid, "--retry-failed")[3]
+    assert sorted(retried) == sorted(t for t in trained if "lr0.9" in t)
+    assert processes(tmp_path)[-1] == [line.split()[0] for line in retried]
+
+
 def test_a_torn_last_line_is_dropped_with_one_warning_and_its_run_trained_again(sweep):
     grid = [*GRID[:12], "--seeds", "0", "--out", "out"]  # 4 runs
     assert sweep(*grid)[0] == 0
@@ -187,23 +254,27 @@ def test_a_record_damaged_before_the_last_line_stops_the_sweep_in_one_line(sweep
     assert "out/results.jsonl cannot be read: line 1 is not JSON" in err
 
 
-@pytest.mark.costly(6)
+@pytest.mark.costly(7)
 def test_ctrl_c_stops_the_sweep_records_nothing_it_stopped_and_a_rerun_resumes(tmp_path):
-    """SIGINT to the sweep's process group, as a terminal's Ctrl-C sends it, while the first
-    two of four runs train (two jobs): exit 130, one line, no record; the same command then
-    resumes the stopped runs from their checkpoints and trains the rest."""
+    """SIGINT to the sweep's process group, as a terminal's Ctrl-C sends it, while two
+    processes (two jobs) train the two runs of a mixer each and two more mixers' wait: exit
+    130, one line, no record; the same command then resumes the stopped runs from their
+    checkpoints and trains the rest."""
+    started = 4
     log = tmp_path / "trained.log"
     env = dict(os.environ, SWEEP_TRAINER_LOG=str(log), SWEEP_TRAINER_SLOW="60")
-    code = "import sys; from gdn_jax.sweep import cli; sys.exit(cli.main(sys.argv[2:], trainer=eval(sys.argv[1])))"
-    args = [*GRID[:12], "--seeds", "0", "--jobs", "2", "--out", "out", "--runs", "runs"]
-    command = [sys.executable, "-c", code, repr(TRAINER), *args]
+    code = "import sys; from gdn_jax.sweep import cli, runner; sys.exit(cli.main(sys.argv[2:], trainers=runner.Trainers(*eval(sys.argv[1]))))"
+    args = ["--mixers", "gdn", "kda", "deltanet", "gated_linear", *GRID[3:12], "--seeds", "0"]
+    args += ["--jobs", "2"]
+    args += ["--out", "out", "--runs", "runs"]
+    command = [sys.executable, "-c", code, repr((TRAINER, TRAINER)), *args]
     sweep = subprocess.Popen(
         command, cwd=tmp_path, env=env, start_new_session=True, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
-        while not (log.exists() and len(log.read_text().splitlines()) == 2):
+        while not (log.exists() and len(log.read_text().splitlines()) == started):
             assert time.monotonic() < deadline and sweep.poll() is None, sweep.communicate()
             time.sleep(0.05)
         os.killpg(sweep.pid, signal.SIGINT)
@@ -213,8 +284,8 @@ def test_ctrl_c_stops_the_sweep_records_nothing_it_stopped_and_a_rerun_resumes(t
     assert sweep.returncode == 130, err
     (line,) = err.strip().splitlines()
     assert line == (
-        "python -m gdn_jax.sweep: stopped by SIGINT: 0 run(s) recorded, 2 stopped (each "
-        "resumes from its checkpoint) and 2 not started; the same command goes on from there"
+        f"python -m gdn_jax.sweep: stopped by SIGINT: 0 run(s) recorded, {started} stopped (each "
+        "resumes from its checkpoint) and 4 not started; the same command goes on from there"
     )
     assert not (tmp_path / "out" / "results.jsonl").exists()
     assert not (tmp_path / "out" / "table.md").exists()
@@ -224,24 +295,29 @@ def test_ctrl_c_stops_the_sweep_records_nothing_it_stopped_and_a_rerun_resumes(t
     )
     assert rerun.returncode == 0, rerun.stderr
     trained = log.read_text().splitlines()
-    stopped = trained[:2]
-    assert sorted(trained[2:]) == sorted(
+    stopped = trained[:started]
+    assert sorted(trained[started:]) == sorted(
         [line.replace("--overwrite", "--resume") for line in stopped]
-        + [line for line in trained[2:] if line.endswith("--overwrite")]
+        + [line for line in trained[started:] if line.endswith("--overwrite")]
     )
-    assert sum(line.endswith("--resume") for line in trained[2:]) == 2
-    assert len(records(tmp_path / "out")) == 4
+    assert sum(line.endswith("--resume") for line in trained[started:]) == started
+    assert len(records(tmp_path / "out")) == 8
+    assert [len(names) for names in processes(tmp_path)] == [2] * 6  # 2 stopped, 4 to the end
 
 
-@pytest.mark.costly(10)
-def test_a_run_of_the_real_command_is_recorded(sweep):
-    """The stand-in's contract, kept by the training command itself: one tiny run."""
+@pytest.mark.costly(12)
+def test_runs_of_the_real_command_are_recorded(sweep):
+    """The stand-in's contract, kept by the batched command itself: two tiny runs in one
+    process."""
     sets = [item for item in TINY if item.split("=")[0] not in SWEEP_FIELDS]
-    args = ["--mixers", "gdn", "--kv-pairs", "4", "--d-models", "16", "--learning-rates", "0.01"]
-    args += ["--steps", "12", "--layers", "1", "--out", "out"]
+    args = ["--mixers", "gdn", "--kv-pairs", "4", "--d-models", "16"]
+    args += ["--learning-rates", "0.01", "0.03", "--steps", "12", "--layers", "1", "--out", "out"]
     for item in sets:
         args += ["--set", item]
-    status = cli.main(args)  # the real command
+    status = cli.main(args)  # the real commands
     assert status == 0
-    (row,) = records()
-    assert row["status"] == "finished" and 0 <= row["accuracy"] <= 1 and row["best_step"] in (6, 12)
+    rows = records()
+    assert [row["learning_rate"] for row in rows] == [0.01, 0.03]
+    for row in rows:
+        assert row["status"] == "finished" and row["runs_in_process"] == 2
+        assert 0 <= row["accuracy"] <= 1 and row["best_step"] in (6, 12)
