@@ -106,3 +106,13 @@ def test_modules_and_functions_are_small():
         if (found := oversized(path))
     }
     assert not offenders, offenders
+
+
+def test_test_modules_have_names_of_their_own():
+    """The test folders are not packages, so pytest imports each test module by its file
+    name: two of one name, in two folders, stop the whole collection."""
+    names = {}
+    for path in sorted(Path(__file__).parent.rglob("test_*.py")):
+        names.setdefault(path.name, []).append(str(path.relative_to(Path(__file__).parent)))
+    shared = {name: paths for name, paths in names.items() if len(paths) > 1}
+    assert not shared, f"test modules of one name: {shared}"
