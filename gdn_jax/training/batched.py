@@ -126,19 +126,9 @@ def run(
             for config, out_dir in zip(configs, out_dirs, strict=True)
         ]
         todo = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        chosen = [configs[i] for i in todo], [out_dirs[i] for i in todo]
         try:
-            trained = (
-                _train(
-                    [configs[i] for i in todo],
-                    [out_dirs[i] for i in todo],
-                    mesh,
-                    device,
-                    resume,
-                    callbacks,
-                )
-                if todo
-                else []
-            )
+            trained = _train(*chosen, mesh, device, resume, callbacks)
         except Exception as error:
             if is_out_of_memory(error):
                 raise OutOfMemory(configs[0], error) from error
