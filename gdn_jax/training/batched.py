@@ -5,8 +5,8 @@ share the model's graph, the shapes of every batch and the steps at which they e
 save. ``jax.vmap`` of the run's own ``make_train_step`` over states with a leading run axis R
 trains them all in one process, with one compile and one dispatch a step: what R runs save
 is R - 1 process starts and compiles (on 2 CPU cores the step of ``configs/mqar_gdn.yaml``
-costs as much per run in a program of eight lanes as alone: its work, not its dispatch,
-grows with R; docs/training.md has the figures). Each run keeps what it would have alone: its parameters from its seed, its batches (``loop.train_batch`` of its seed), its
+costs as much per run in a program of six lanes as alone: its work, not its dispatch, grows
+with R; docs/benchmarks.md has the figures). Each run keeps what it would have alone: its parameters from its seed, its batches (``loop.train_batch`` of its seed), its
 held-out set, its learning rate (a traced peak, ``optim.learning_rate_schedule``) and its run
 directory, claimed, logged, checkpointed, plotted and summarised as ``loop.run`` does it, so
 that ``train.py --resume`` continues any of them alone.
@@ -126,19 +126,9 @@ def run(
             for config, out_dir in zip(configs, out_dirs, strict=True)
         ]
         todo = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        chosen = [configs[i] for i in todo], [out_dirs[i] for i in todo]
         try:
-            trained = (
-                _train(
-                    [configs[i] for i in todo],
-                    [out_dirs[i] for i in todo],
-                    mesh,
-                    device,
-                    resume,
-                    callbacks,
-                )
-                if todo
-                else []
-            )
+            trained = _train(*chosen, mesh, device, resume, callbacks)
         except Exception as error:
             if is_out_of_memory(error):
                 raise OutOfMemory(configs[0], error) from error

@@ -18,7 +18,12 @@ import json
 import shlex
 import sys
 
-from gdn_jax.training.cli import DEFAULT_CONFIG, OneLineParser, host_devices, resolve_config
+from gdn_jax.training.cli import (
+    OneLineParser,
+    add_config_arguments,
+    host_devices,
+    resolve_config,
+)
 from gdn_jax.training.xla_flags import add_cpu_flags
 
 PROG = "python -m gdn_jax.training.batched_cli"
@@ -45,17 +50,7 @@ def parse_args(argv):
         description="Train several runs of one config, differing in seed and learning rate, "
         "as one program; each run directory is one that train.py --resume continues.",
     )
-    parser.add_argument(
-        "--config", default=DEFAULT_CONFIG, help="YAML config: a path or a packaged name"
-    )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a field of every run, e.g. --set model.d_model=128 (repeatable)",
-    )
+    add_config_arguments(parser)  # for every run
     parser.add_argument(
         "--run",
         dest="runs",

@@ -50,12 +50,8 @@ def program_name() -> str:
     return "train.py" if Path(sys.argv[0]).name == "train.py" else "gdn-train"
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(
-        prog=program_name(),
-        description="Train a small Gated DeltaNet on a synthetic task: multi-query "
-        "associative recall (MQAR) or state tracking (data.task).",
-    )
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--config`` and ``--set`` (as ``overrides``), the training commands' config."""
     parser.add_argument(
         "--config",
         default=DEFAULT_CONFIG,
@@ -69,6 +65,15 @@ def parse_args(argv):
         metavar="KEY=VALUE",
         help="override a field, e.g. --set model.d_model=128 (repeatable)",
     )
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog=program_name(),
+        description="Train a small Gated DeltaNet on a synthetic task: multi-query "
+        "associative recall (MQAR) or state tracking (data.task).",
+    )
+    add_config_arguments(parser)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--resume", action="store_true", help="continue the run in out_dir")
     which.add_argument(
