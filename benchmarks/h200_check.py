@@ -114,9 +114,9 @@ def train_step_time(smoke, repeats):
 
     config = load_config(REPO / "gdn_jax" / "configs" / "mqar_gdn.yaml", SMOKE_RUN if smoke else [])
     mesh = mesh_lib.check_mesh(config, jax.devices())
-    graphdef, params = nnx.split(LanguageModel(config.model, rngs=nnx.Rngs(0)))
+    _, params = nnx.split(LanguageModel(config.model, rngs=nnx.Rngs(0)))
     optimizer = make_optimizer(config.train, params)
-    steps = jit_steps(config, mesh, graphdef, params, optimizer)
+    steps = jit_steps(config, mesh)
     pure = nnx.to_pure_dict(params)
     state = jax.device_put(
         TrainState(jnp.zeros((), jnp.int32), pure, optimizer.init(pure)), steps.state_shardings

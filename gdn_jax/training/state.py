@@ -16,9 +16,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gdn_jax.models import LanguageModel
+from gdn_jax.models import LanguageModel, ModelConfig
 from gdn_jax.training import mesh as mesh_lib
-from gdn_jax.training.config import Config
+from gdn_jax.training.config import Config, TrainConfig
 from gdn_jax.training.optim import learning_rate_schedule, make_optimizer
 from gdn_jax.training.step import TrainState, make_eval_step, make_train_step
 
@@ -37,12 +37,24 @@ class Steps:
     batch_shardings: dict
 
 
-def jit_steps(config: Config, mesh: Mesh, graphdef, params: nnx.State, optimizer) -> Steps:
+def jit_steps(config: Config, mesh: Mesh) -> Steps:
     """The train and eval steps of ``config`` jitted for ``mesh``: the batch placed by
     ``batch_shardings``, parameters and optimizer state by the layers' partitioning metadata
-    (whole on every device when the mesh has only a data axis). ``params`` may be abstract
-    (``nnx.eval_shape``); call the steps with ``mesh`` set (``jax.set_mesh``)."""
-    train = config.train
+    (whole on every device when the mesh has only a data axis). Call the steps with ``mesh``
+    set (``jax.set_mesh``).
+
+    The steps of configs that differ only in seed and output directory are the same jitted
+    functions, so that the runs of one process (a sweep, the tests, a notebook) trace and
+    compile each program once: neither enters a step, which takes the state and the batch as
+    arguments."""
+    train = dataclasses.replace(config.train, seed=0, out_dir="")
+    return _jit_steps(config.model, train, mesh)
+
+
+@functools.lru_cache(maxsize=8)
+def _jit_steps(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> Steps:
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: LanguageModel(model, rngs=nnx.Rngs(0))))
+    optimizer = make_optimizer(train, params)
     replicated = NamedSharding(mesh, P())
     param_shardings = mesh_lib.param_shardings(mesh, params)
     opt_state = jax.eval_shape(optimizer.init, nnx.to_pure_dict(params))
@@ -76,9 +88,9 @@ def train_setup(config: Config, mesh: Mesh, *, abstract: bool = False) -> tuple[
     def build():
         return LanguageModel(config.model, rngs=nnx.Rngs(seed))
 
-    graphdef, params = nnx.split(nnx.eval_shape(build) if abstract else build())
+    _, params = nnx.split(nnx.eval_shape(build) if abstract else build())
     optimizer = make_optimizer(config.train, params)
-    steps = jit_steps(config, mesh, graphdef, params, optimizer)
+    steps = jit_steps(config, mesh)
     pure = nnx.to_pure_dict(params)
     if abstract:
         abstract_state = TrainState(

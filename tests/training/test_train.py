@@ -17,7 +17,9 @@ from gdn_jax.models import LanguageModel, ModelConfig
 from gdn_jax.training.config import Config, TrainConfig, load_config
 from gdn_jax.training.errors import NonFiniteLossError, RunError
 from gdn_jax.training.loop import run
+from gdn_jax.training.mesh import check_mesh
 from gdn_jax.training.optim import weight_decay_mask
+from gdn_jax.training.state import jit_steps
 from gdn_jax.training.step import loss_and_accuracy
 
 
@@ -141,3 +143,14 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 def test_train_config_defaults_are_valid():
     Config(train=TrainConfig()).validate()
     assert jax.devices()  # the loop runs on whatever JAX finds
+
+
+def test_runs_that_differ_only_in_seed_and_directory_share_their_jitted_steps(tmp_path):
+    """What a step computes comes from the model and the optimiser's settings; the seed
+    and the directory enter no step, so a process's runs compile each program once."""
+    config = tiny(tmp_path / "a")
+    mesh = check_mesh(config, jax.devices()[:1])
+    steps = jit_steps(config, mesh)
+    assert jit_steps(tiny(tmp_path / "b", "train.seed=3"), mesh) is steps
+    assert jit_steps(tiny(tmp_path / "a", "train.learning_rate=1e-2"), mesh) is not steps
+    assert jit_steps(tiny(tmp_path / "a", "model.d_model=32"), mesh) is not steps
