@@ -142,11 +142,7 @@ def test_a_bad_task_is_one_line_naming_the_field(command, capsys, tmp_path):
 
 
 @pytest.mark.costly(5)
-def test_a_tiny_run_of_the_s3_config_trains_end_to_end(command, capsys, monkeypatch, tmp_path):
-    from gdn_jax.training import loop
-
-    # Drawing curves.png (test_train.py checks it) was 3 s of this test's 7.
-    monkeypatch.setattr(loop, "plot_or_warn", lambda log, path: None)
+def test_a_tiny_run_of_the_s3_config_trains_end_to_end(command, capsys, tmp_path):
     tiny = [
         "model.d_model=8", "model.num_heads=1", "model.use_mlp=false", "model.impl=recurrent",
         "data.seq_len=8", "train.batch_size=4", "train.steps=2", "train.warmup_steps=1",

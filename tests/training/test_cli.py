@@ -460,7 +460,7 @@ def test_out_of_memory_is_one_line_and_the_directory_stays_usable(tmp_path, monk
 
 
 def test_a_plot_that_fails_in_the_finally_block_does_not_hide_the_error(
-    tmp_path, monkeypatch, command
+    tmp_path, monkeypatch, command, real_plots
 ):
     import matplotlib.figure
     import orbax.checkpoint as ocp

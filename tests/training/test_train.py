@@ -101,7 +101,7 @@ def test_weight_decay_skips_gates_norms_and_vectors():
 
 
 @pytest.mark.costly(9)
-def test_short_run_learns_writes_its_outputs_and_a_rerun_replaces_them(tmp_path):
+def test_short_run_learns_writes_its_outputs_and_a_rerun_replaces_them(tmp_path, real_plots):
     summary = run(tiny(tmp_path, "train.steps=30", "train.learning_rate=1e-2"))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
