@@ -69,6 +69,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
     # Std of the normal init of projections and embeddings (flash-linear-attention: 0.02).
     init_std: float = 0.02
+    # Std of the normal init of the mixers' projections alone; None is init_std.
+    mixer_init_std: float | None = None
     # Initial law of the decay gates of the mixers with one decay per head (gdn, gated_linear,
     # gated_deltaproduct) and one per key channel (kda, gdn2): A ~ U(a_min, a_max), dt
     # log-uniform in [dt_min, dt_max] floored at dt_floor. An unset field is the layer's
@@ -134,6 +136,9 @@ class ModelConfig:
         for field in ("norm_eps", "init_std"):
             if not getattr(self, field) > 0:
                 fail(field, "must be positive")
+        std = self.mixer_init_std
+        if std is not None and not (is_real_number(std) and std > 0):
+            fail("mixer_init_std", "must be a positive number or None")
         return self
 
     @property

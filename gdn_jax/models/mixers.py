@@ -150,7 +150,9 @@ def common_kwargs(config, rngs: nnx.Rngs) -> dict:
     return dict(
         dtype=config.jnp_dtype,
         param_dtype=config.jnp_param_dtype,
-        kernel_init=nnx.initializers.normal(config.init_std),
+        kernel_init=nnx.initializers.normal(
+            config.init_std if config.mixer_init_std is None else config.mixer_init_std
+        ),
         rngs=rngs,
     )
 

@@ -258,14 +258,19 @@ def parse_yaml(text: str, where: str):
         raise ValueError(f"{where}: malformed YAML{place}: {problem}") from None
 
 
+# The model fields added since the first runs were saved, at the value that means "as before".
+UNSET = {"head_gate_init": GateInit(), "channel_gate_init": GateInit(), "mixer_init_std": None}
+
+
 def to_dict(config: Config) -> dict:
     """The resolved config as plain YAML-able data (tuples as lists).
 
-    The data section begins with its ``task``, except for ``DEFAULT_TASK``, and a gate
-    initialisation left at the layers' defaults (a ``GateInit`` of the model section with
-    no field set: ``head_gate_init``, ``channel_gate_init``) is left out: a resolved config is then the same
-    as before tasks and those fields existed, so the ``config.yaml`` of an earlier run still
-    resumes and a sweep's earlier cells keep their keys (a digest of this dict).
+    The data section begins with its ``task``, except for ``DEFAULT_TASK``, and the model
+    fields added since runs were first saved are left out while they are unset (``UNSET``:
+    the gate initialisations at the layers' defaults, the mixers' projections at
+    ``init_std``): a resolved config is then the same as before tasks and those fields
+    existed, so the ``config.yaml`` of an earlier run still resumes and a sweep's earlier
+    cells keep their keys (a digest of this dict).
     """
 
     def plain(x):
@@ -274,9 +279,9 @@ def to_dict(config: Config) -> dict:
         return list(map(plain, x)) if isinstance(x, tuple | list) else x
 
     resolved = plain(dataclasses.asdict(config))
-    for field in dataclasses.fields(config.model):
-        if getattr(config.model, field.name) == GateInit():  # every law's field unset
-            del resolved["model"][field.name]
+    for name, unset in UNSET.items():
+        if getattr(config.model, name) == unset:
+            del resolved["model"][name]
     task = task_name(config.data)
     if task != DEFAULT_TASK:
         resolved["data"] = {"task": task, **resolved["data"]}

@@ -4,13 +4,14 @@ signatures. Their behaviour (padding, packing, decoding == parallel) is tests/la
 
 import inspect
 
+import numpy as np
 from flax import nnx
 
 from gdn_jax.layers import TokenMixer
 from gdn_jax.models import MIXERS, LanguageModel, ModelConfig, build_mixer
 
-# The tests read the layers' types and signatures, not their values: built abstractly, no
-# parameter's initialiser is compiled.
+# The interface tests read the layers' types and signatures, not their values: built
+# abstractly, no parameter's initialiser is compiled.
 
 
 def test_every_mixer_name_builds_its_layer():
@@ -35,3 +36,23 @@ def test_every_mixer_implements_the_declared_interface():
             assert [(p.name, p.kind, p.default) for p in actual.values()] == [
                 (p.name, p.kind, p.default) for p in declared.values()
             ], (name, method)
+
+
+KINDS = ("gdn", "kda", "attention")
+
+
+def test_mixer_init_std_draws_the_projections_of_every_kind_of_mixer():
+    """The mixers' projection kernels (``common_kwargs``, which every mixer's build gets)
+    are drawn from N(0, mixer_init_std^2), which overrides init_std (the embedding's). One
+    mixer of each kind: a head-gated, a channel-gated and attention."""
+    config = ModelConfig(vocab_size=64, d_model=32, init_std=0.125, mixer_init_std=0.02)
+    for name in KINDS:
+        mixer = build_mixer(config, name, rngs=nnx.Rngs(0))
+        kernels = [
+            np.asarray(value.get_value())
+            for path, value in nnx.to_flat_state(nnx.state(mixer, nnx.Param))
+            if path[-1] == "kernel" and "proj" in str(path[0]) and np.size(value.get_value()) >= 512
+        ]
+        assert kernels, name
+        for kernel in kernels:
+            assert abs(float(np.std(kernel)) - 0.02) < 0.004, name
