@@ -34,28 +34,27 @@ def sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-_REPLICA_PARALLEL = []  # what this process registered: [use_replica_parallel]
+_ONE_PROCESS_HANDLER = []  # the handler this process registered, once
 
 
 def use_replica_parallel_only_across_processes() -> None:
     """Replica-parallel saving (orbax's default) splits each replicated array among its
     replicas, so that several hosts share the writes; in one process it only slices every
     array per device, compiling a slice program for each: a save on 8 CPU devices took ~3 s
-    where one device took 0.3 s. Set, as orbax's own benchmarks set it, in the global
-    registry of jax.Array's handler (its override warning silenced); the arrays on disk are
-    the same either way."""
-    wanted = jax.process_count() > 1
-    if _REPLICA_PARALLEL == [wanted]:
+    where one device took 0.3 s. So one process registers, as orbax's own benchmarks do, a
+    handler for jax.Array without it in orbax's global registry (its override warning
+    silenced); several keep orbax's default. The arrays on disk are the same either way."""
+    if jax.process_count() > 1 or _ONE_PROCESS_HANDLER:
         return
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)
     try:
-        handler = ocp.type_handlers.ArrayHandler(use_replica_parallel=wanted)
+        handler = ocp.type_handlers.ArrayHandler(use_replica_parallel=False)
         ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
     finally:
         absl.setLevel(level)
-    _REPLICA_PARALLEL[:] = [wanted]
+    _ONE_PROCESS_HANDLER.append(handler)
 
 
 def manager(out_dir: Path, keep: int) -> ocp.CheckpointManager:
