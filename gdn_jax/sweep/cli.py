@@ -9,6 +9,7 @@ it stopped, says so in one line and exits 130 or 143; the same command goes on f
 
 from __future__ import annotations
 
+import functools
 import math
 import shlex
 import signal
@@ -20,7 +21,13 @@ from gdn_jax.sweep.cells import Plan, grid, refused_sets
 from gdn_jax.sweep.results import FAILED, Results, SweepError
 from gdn_jax.sweep.runner import TRAINERS, Job, Stop, Trainers, run_jobs
 from gdn_jax.sweep.table import write_plot, write_table
-from gdn_jax.training.cli import DEFAULT_CONFIG, OneLineParser, resolve_config
+from gdn_jax.training.cli import (
+    DEFAULT_CONFIG,
+    OneLineParser,
+    report_error,
+    resolve_config,
+    run_command,
+)
 from gdn_jax.training.errors import RunError
 from gdn_jax.training.run_dir import RunLock, check_writable
 
@@ -114,11 +121,8 @@ def main(argv=None, *, trainers: Trainers = TRAINERS) -> int:
     """The sweep of ``argv`` (``sys.argv[1:]`` when None); returns the exit status.
     ``trainers`` are the commands that train one run and several (the tests give
     stand-ins)."""
-    try:
-        return _main(sys.argv[1:] if argv is None else list(argv), trainers)
-    except KeyboardInterrupt:  # before the runs took the signals over: nothing was trained
-        print(f"{PROG}: interrupted before any run started", file=sys.stderr)
-        return 130
+    # Before the runs take the signals over, a Ctrl-C has trained nothing.
+    return run_command(PROG, lambda args: _main(args, trainers), argv, before="any run started")
 
 
 def _main(argv, trainers) -> int:
@@ -127,9 +131,7 @@ def _main(argv, trainers) -> int:
     except SystemExit as done:  # --help, or an argument argparse refused (one line)
         return done.code
 
-    def fail(message, status=2) -> int:
-        print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr)
-        return status
+    fail = functools.partial(report_error, PROG)
 
     try:
         check_args(args)

@@ -14,6 +14,7 @@ resume them and exits 130 or 143.
 
 from __future__ import annotations
 
+import functools
 import json
 import shlex
 import sys
@@ -22,7 +23,9 @@ from gdn_jax.training.cli import (
     OneLineParser,
     add_config_arguments,
     host_devices,
+    report_error,
     resolve_config,
+    run_command,
 )
 from gdn_jax.training.xla_flags import add_cpu_flags
 
@@ -69,16 +72,10 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    try:
-        return _main(sys.argv[1:] if argv is None else list(argv))
-    except KeyboardInterrupt:  # before the training loop took over the signal
-        print(f"{PROG}: interrupted before training began", file=sys.stderr)
-        return 130
+    return run_command(PROG, _main, argv)
 
 
-def _fail(message, status=2) -> int:
-    print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr)
-    return status
+_fail = functools.partial(report_error, PROG)
 
 
 def _main(argv) -> int:

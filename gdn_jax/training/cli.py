@@ -9,6 +9,7 @@ interrupted run says how to resume it and exits 130 (SIGINT) or 143 (SIGTERM).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shlex
 import sys
@@ -36,6 +37,22 @@ def resolve_config(name: str) -> Path:
     raise ValueError(
         f"--config {name}: no such file, and no packaged config of that name ({known})"
     )
+
+
+def report_error(prog: str, message, status: int = 2) -> int:
+    """Print ``message`` as one line, ``<prog>: error: ...``, and return ``status``."""
+    print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
+    return status
+
+
+def run_command(prog: str, body, argv, *, before: str = "training began") -> int:
+    """``body(argv)``'s exit status, ``argv`` being ``sys.argv[1:]`` when None; a Ctrl-C that
+    arrives before the command's own loop takes the signal over is one line and 130."""
+    try:
+        return body(sys.argv[1:] if argv is None else list(argv))
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted before {before}", file=sys.stderr)
+        return 130
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -96,20 +113,14 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    try:
-        return _main(sys.argv[1:] if argv is None else list(argv))
-    except KeyboardInterrupt:  # before the training loop took over the signal
-        print(f"{program_name()}: interrupted before training began", file=sys.stderr)
-        return 130
+    return run_command(program_name(), _main, argv)
 
 
 def _main(argv) -> int:
     parser, args = parse_args(argv)
     add_cpu_flags()  # before the first JAX computation starts the backend
 
-    def fail(message, status=2) -> int:
-        print(f"{parser.prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
-        return status
+    fail = functools.partial(report_error, parser.prog)
 
     if args.compile_only or args.topology is not None:
         return _compile_only(args, fail)
