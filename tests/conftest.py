@@ -176,28 +176,26 @@ def _empty_plot(log, path):
     path.write_bytes(b"")
 
 
-_REAL_PLOT = []  # plots.plot_metrics, kept while the session replaces it
-
-
 @pytest.fixture(scope="session", autouse=True)
 def empty_plots():
     """Every run in a test process writes an empty curves.png where its plot goes: drawing
-    one is half a second of CPU, and only the tests that take ``real_plots`` read it."""
+    one is half a second of CPU, and only the tests that take ``real_plots`` read it.
+    Yields the real ``plots.plot_metrics``."""
     from gdn_jax.training import plots
 
-    _REAL_PLOT.append(plots.plot_metrics)
+    real = plots.plot_metrics
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(plots, "plot_metrics", _empty_plot)
-        yield
+        yield real
 
 
 @pytest.fixture
-def real_plots():
+def real_plots(empty_plots):
     """Runs draw their curves.png in this test."""
     from gdn_jax.training import plots
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(plots, "plot_metrics", _REAL_PLOT[0])
+        patch.setattr(plots, "plot_metrics", empty_plots)
         yield
 
 

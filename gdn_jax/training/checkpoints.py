@@ -8,6 +8,7 @@ since then ``config.yaml`` does not describe the directory.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from pathlib import Path
@@ -34,9 +35,7 @@ def sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-_ONE_PROCESS_HANDLER = []  # the handler this process registered, once
-
-
+@functools.cache  # once a process: the registry is global
 def use_replica_parallel_only_across_processes() -> None:
     """Replica-parallel saving (orbax's default) splits each replicated array among its
     replicas, so that several hosts share the writes; in one process it only slices every
@@ -44,7 +43,7 @@ def use_replica_parallel_only_across_processes() -> None:
     where one device took 0.3 s. So one process registers, as orbax's own benchmarks do, a
     handler for jax.Array without it in orbax's global registry (its override warning
     silenced); several keep orbax's default. The arrays on disk are the same either way."""
-    if jax.process_count() > 1 or _ONE_PROCESS_HANDLER:
+    if jax.process_count() > 1:
         return
     absl = logging.getLogger("absl")
     level = absl.level
@@ -54,7 +53,6 @@ def use_replica_parallel_only_across_processes() -> None:
         ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
     finally:
         absl.setLevel(level)
-    _ONE_PROCESS_HANDLER.append(handler)
 
 
 def manager(out_dir: Path, keep: int) -> ocp.CheckpointManager:

@@ -51,9 +51,15 @@ def jit_steps(config: Config, mesh: Mesh) -> Steps:
     return _jit_steps(config.model, train, mesh)
 
 
+def _abstract_model(model: ModelConfig):
+    """``(graphdef, params)`` of ``model``'s LanguageModel as shapes, nothing allocated: what
+    a step is traced with (the seed only picks the values it is later called with)."""
+    return nnx.split(nnx.eval_shape(lambda: LanguageModel(model, rngs=nnx.Rngs(0))))
+
+
 @functools.lru_cache(maxsize=8)
 def _jit_steps(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> Steps:
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: LanguageModel(model, rngs=nnx.Rngs(0))))
+    graphdef, params = _abstract_model(model)
     optimizer = make_optimizer(train, params)
     replicated = NamedSharding(mesh, P())
     param_shardings = mesh_lib.param_shardings(mesh, params)
@@ -128,9 +134,7 @@ def stacked_steps(config: Config) -> StackedSteps:
 @functools.lru_cache(maxsize=8)
 def _stacked_steps(config: Config) -> StackedSteps:
     train = config.train
-    graphdef, params = nnx.split(
-        nnx.eval_shape(lambda: LanguageModel(config.model, rngs=nnx.Rngs(0)))
-    )
+    graphdef, params = _abstract_model(config.model)
 
     def train_step(state, batch, peak, active):
         optimizer = make_optimizer(train, params, peak)
