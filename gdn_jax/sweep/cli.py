@@ -20,7 +20,7 @@ from gdn_jax.models.mixers import MIXERS
 from gdn_jax.sweep.cells import Plan, grid, refused_sets
 from gdn_jax.sweep.results import FAILED, Results, SweepError
 from gdn_jax.sweep.runner import TRAINERS, Job, Stop, Trainers, run_jobs
-from gdn_jax.sweep.table import write_plot, write_table
+from gdn_jax.sweep.table import best_per_cell, write_plot, write_table
 from gdn_jax.training.cli import (
     DEFAULT_CONFIG,
     OneLineParser,
@@ -45,6 +45,14 @@ def parse_args(argv):
     add("--d-models", nargs="+", type=int, default=[64])
     add("--learning-rates", nargs="+", type=float, default=[1e-3, 3e-3, 1e-2])
     add("--seeds", nargs="+", type=int, default=[0], help="train.seed of each run")
+    add(
+        "--best-rate-seeds",
+        nargs="+",
+        type=int,
+        default=[],
+        help="after the grid, train these seeds as well, each only at its cell's learning "
+        "rate with the best mean over --seeds",
+    )
     add("--layers", type=int, default=2)
     add("--steps", type=int, default=1300, help="step budget of every run")
     add("--set", action="append", default=[], help="extra override, repeatable")
@@ -74,6 +82,7 @@ def check_args(args) -> None:
         "--d-models": args.d_models,
         "--learning-rates": args.learning_rates,
         "--seeds": args.seeds,
+        "--best-rate-seeds": args.best_rate_seeds,
     }
     for option, values in lists.items():
         repeated = sorted({v for v in values if values.count(v) > 1})
@@ -85,16 +94,21 @@ def check_args(args) -> None:
     for rate in args.learning_rates:
         if not (math.isfinite(rate) and rate > 0):
             raise SweepError(f"--learning-rates {rate}: each must be a finite number > 0")
-    for seed in args.seeds:
-        if not 0 <= seed < 2**32:
-            raise SweepError(f"--seeds {seed}: each must be in [0, 2**32)")
+    for option, seeds in (("--seeds", args.seeds), ("--best-rate-seeds", args.best_rate_seeds)):
+        for seed in seeds:
+            if not 0 <= seed < 2**32:
+                raise SweepError(f"{option} {seed}: each must be in [0, 2**32)")
+    both = sorted(set(args.seeds) & set(args.best_rate_seeds))
+    if both:
+        raise SweepError(f"--seeds and --best-rate-seeds both name {', '.join(map(str, both))}")
     refused = refused_sets(args.set)
     if refused:
         raise SweepError(refused[0])
 
 
-def plan_jobs(args):
-    """The plan and every cell's job, each cell's config checked; raises ``SweepError``."""
+def plan_jobs(args, seeds):
+    """The job of every cell of the grid over ``seeds``, each cell's config checked; raises
+    ``SweepError``."""
     try:
         config = resolve_config(args.config)
     except ValueError as error:
@@ -105,7 +119,7 @@ def plan_jobs(args):
         return ("--config", str(config), *(x for item in items for x in ("--set", item)))
 
     jobs = []
-    for cell in grid(args.mixers, args.kv_pairs, args.d_models, args.learning_rates, args.seeds):
+    for cell in grid(args.mixers, args.kv_pairs, args.d_models, args.learning_rates, seeds):
         try:
             key = plan.key(cell)
         except (ValueError, OSError) as error:
@@ -138,18 +152,22 @@ def _main(argv, trainers) -> int:
         out, runs = Path(args.out), Path(args.runs)
         check_writable(out.absolute(), "--out")
         check_writable(runs.absolute(), "--runs")
-        jobs = plan_jobs(args)
+        # The later seeds' jobs at every rate, so that each is checked before anything trains.
+        jobs, later = plan_jobs(args, args.seeds), plan_jobs(args, args.best_rate_seeds)
     except (SweepError, RunError) as error:
         return fail(error)
     out.mkdir(parents=True, exist_ok=True)
     try:
         with RunLock(out.absolute()):
-            return _sweep(args, argv, jobs, out, trainers)
+            return _sweep(args, argv, (jobs, later), out, trainers)
     except (SweepError, RunError) as error:
         return fail(error)
 
 
-def _sweep(args, argv, jobs, out: Path, trainers) -> int:
+def _sweep(args, argv, phases, out: Path, trainers) -> int:
+    """Train the grid's jobs, then those of ``--best-rate-seeds`` at each cell's best rate
+    on the grid's seeds, then write the table and the plot."""
+    grid_jobs, later = phases
     results = Results(out / "results.jsonl")
     warning = results.drop_torn_tail()
     if warning:
@@ -160,6 +178,39 @@ def _sweep(args, argv, jobs, out: Path, trainers) -> int:
             "sweep wrote them): they are kept, and not shown",
             file=sys.stderr,
         )
+    status = _train_phase(args, grid_jobs, results, trainers)
+    if status is not None:
+        return status
+    grid_seeds = set(args.seeds)
+    jobs = list(grid_jobs)
+    if later:
+        best = best_per_cell([(job.cell, results.records.get(job.key)) for job in grid_jobs])
+        chosen = [job for job in later if job.cell.learning_rate == _rate(best, job)]
+        print(f"--best-rate-seeds at each cell's best rate on --seeds: {len(chosen)} runs")
+        status = _train_phase(args, chosen, results, trainers)
+        if status is not None:
+            return status
+        jobs += chosen
+    command = f"{PROG} {shlex.join(argv)}".strip()
+    runs = [(job.cell, results.records.get(job.key)) for job in jobs]
+    table = write_table(out / "table.md", runs, command, grid_seeds if later else None)
+    write_plot(out / "accuracy.png", table)
+    print((out / "table.md").read_text())
+    failed = sum(1 for _, r in runs if r is not None and r["status"] == FAILED)
+    if failed:
+        print(f"{failed} run(s) failed: see their errors in {results.path}", file=sys.stderr)
+    return 0
+
+
+def _rate(best: dict, job) -> float | None:
+    """The learning rate ``best_per_cell`` chose for ``job``'s cell (None: no finished run)."""
+    summary = best.get(job.cell.group)
+    return summary["learning_rate"] if summary and summary["accuracies"] else None
+
+
+def _train_phase(args, jobs, results, trainers) -> int | None:
+    """Train the ``jobs`` without a record (or with a failed one, under ``--retry-failed``);
+    the exit status when a signal stopped them, else None."""
 
     def to_train(job):
         record = results.records.get(job.key)
@@ -169,21 +220,13 @@ def _sweep(args, argv, jobs, out: Path, trainers) -> int:
     print(f"{len(jobs)} runs: {len(jobs) - len(todo)} recorded, {len(todo)} to train", flush=True)
     stop = Stop()
     tally = run_jobs(todo, args.jobs, results, stop, trainers, batch_runs=args.batch_runs)
-    if stop.signum is not None:
-        name = signal.Signals(stop.signum).name
-        print(
-            f"{PROG}: stopped by {name}: {tally.finished + tally.failed} run(s) recorded, "
-            f"{tally.interrupted} stopped (each resumes from its checkpoint) and "
-            f"{tally.not_started} not started; the same command goes on from there",
-            file=sys.stderr,
-        )
-        return 128 + stop.signum
-    command = f"{PROG} {shlex.join(argv)}".strip()
-    runs = [(job.cell, results.records.get(job.key)) for job in jobs]
-    table = write_table(out / "table.md", runs, command)
-    write_plot(out / "accuracy.png", table)
-    print((out / "table.md").read_text())
-    failed = sum(1 for _, r in runs if r is not None and r["status"] == FAILED)
-    if failed:
-        print(f"{failed} run(s) failed: see their errors in {results.path}", file=sys.stderr)
-    return 0
+    if stop.signum is None:
+        return None
+    name = signal.Signals(stop.signum).name
+    print(
+        f"{PROG}: stopped by {name}: {tally.finished + tally.failed} run(s) recorded, "
+        f"{tally.interrupted} stopped (each resumes from its checkpoint) and "
+        f"{tally.not_started} not started; the same command goes on from there",
+        file=sys.stderr,
+    )
+    return 128 + stop.signum

@@ -19,28 +19,36 @@ from gdn_jax.sweep.results import FAILED, FINISHED
 from gdn_jax.training.files import write_whole
 
 
-def best_per_cell(runs: list[tuple[Cell, dict | None]]) -> dict:
+def best_per_cell(runs: list[tuple[Cell, dict | None]], grid_seeds=None) -> dict:
     """``{(mixer, pairs, width): summary}`` from each run's cell and record (None: not run).
 
-    A summary holds the chosen ``learning_rate`` and its ``accuracies`` (one per finished
-    seed), the ``failed`` and ``missing`` counts at that rate, and the runs of every rate."""
+    Each cell's learning rate is the one with the best mean accuracy over the seeds of
+    ``grid_seeds`` (all seeds when None; the smaller rate on a tie; a rate without a finished
+    run of those seeds comes last). A summary holds that ``learning_rate`` and its
+    ``accuracies`` (one per finished run at it, of any seed) and the ``failed`` and
+    ``missing`` counts at it."""
     by_rate = defaultdict(lambda: defaultdict(list))
     for cell, record in runs:
-        by_rate[cell.group][cell.learning_rate].append(record)
+        by_rate[cell.group][cell.learning_rate].append((cell.seed, record))
     table = {}
     for group, rates in by_rate.items():
-        options = []
-        for rate, records in rates.items():
-            accuracies = [r["accuracy"] for r in records if r and r["status"] == FINISHED]
-            failed = sum(1 for r in records if r and r["status"] == FAILED)
-            missing = sum(1 for r in records if r is None)
-            mean = statistics.fmean(accuracies) if accuracies else -1.0
-            options.append((mean, rate, accuracies, failed, missing))
-        mean, rate, accuracies, failed, missing = max(options, key=lambda o: (o[0], -o[1]))
+        rate = max(rates, key=lambda rate: (_grid_mean(rates[rate], grid_seeds), -rate))
+        records = [record for _, record in rates[rate]]
         table[group] = dict(
-            learning_rate=rate, accuracies=accuracies, failed=failed, missing=missing
+            learning_rate=rate,
+            accuracies=[r["accuracy"] for r in records if r and r["status"] == FINISHED],
+            failed=sum(1 for r in records if r and r["status"] == FAILED),
+            missing=sum(1 for r in records if r is None),
         )
     return table
+
+
+def _grid_mean(runs: list[tuple[int, dict | None]], grid_seeds) -> float:
+    """The mean accuracy of the finished ``(seed, record)`` runs of ``grid_seeds`` (all when
+    None); -1 without one."""
+    chosen = [r for seed, r in runs if grid_seeds is None or seed in grid_seeds]
+    accuracies = [r["accuracy"] for r in chosen if r and r["status"] == FINISHED]
+    return statistics.fmean(accuracies) if accuracies else -1.0
 
 
 def cell_text(summary: dict | None) -> str:
@@ -57,18 +65,21 @@ def cell_text(summary: dict | None) -> str:
     return text + (f" ({', '.join(notes)})" if notes else "")
 
 
-def write_table(path: Path, runs: list[tuple[Cell, dict | None]], command: str) -> dict:
-    """Write the table of ``runs`` under ``command`` to ``path`` (whole or not at all);
-    returns ``best_per_cell``'s summaries."""
-    table = best_per_cell(runs)
+def write_table(
+    path: Path, runs: list[tuple[Cell, dict | None]], command: str, grid_seeds=None
+) -> dict:
+    """Write the table of ``runs`` under ``command`` to ``path`` (whole or not at all), each
+    cell at the rate ``best_per_cell(runs, grid_seeds)`` chooses; returns its summaries."""
+    table = best_per_cell(runs, grid_seeds)
     mixers = [m for m in MIXERS if any(g[0] == m for g in table)]
     pairs = sorted({g[1] for g in table})
     widths = sorted({g[2] for g in table})
     lines = [f"Command: `{command}`", ""]
+    seeds_text = "seeds" if grid_seeds is None else f"seed(s) {', '.join(map(str, grid_seeds))}"
     for width in widths:
         lines += [
             f"d_model = {width}: held-out accuracy at the learning rate with the best mean over "
-            "seeds: mean (min-max over seeds) [learning rate]",
+            f"{seeds_text}: mean (min-max over seeds) [learning rate]",
             "",
             "| mixer | " + " | ".join(f"{p} kv pairs" for p in pairs) + " |",
             "|---|" + "---|" * len(pairs),

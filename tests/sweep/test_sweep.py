@@ -62,7 +62,8 @@ def processes(tmp_path):
 def test_batches_keep_a_cell_together_and_give_every_worker_an_equal_share():
     """A process trains the runs of one table cell that all resume or all start afresh, at
     most --batch-runs of them; a batch is halved while the workers' shares are unequal."""
-    plan = cli.plan_jobs(cli.parse_args([*GRID, "--seeds", "0", "1", "2"]))  # 2 cells x 6 runs
+    args = cli.parse_args([*GRID, "--seeds", "0", "1", "2"])
+    plan = cli.plan_jobs(args, args.seeds)  # 2 cells x 6 runs
     resume = [(job, False) for job in plan]
 
     def sizes(jobs, size, workers):
@@ -119,6 +120,38 @@ def test_a_sweep_records_every_run_and_a_rerun_trains_nothing(sweep, tmp_path, b
     assert Path("out", "table.md").read_text() == table
 
 
+def test_later_seeds_train_only_at_each_cells_best_rate_on_the_grid_seeds(sweep):
+    """A grid on seed 0, then seeds 1 and 2 at each cell's best rate. Both rates give seed 0
+    the stand-in's accuracy 1.0, so the smaller is chosen; the other rate's mean over all its
+    seeds (seed 0 alone) would beat the chosen one's over three, and the table still shows
+    the chosen rate, over its three seeds."""
+    grid = [*GRID[: GRID.index("--learning-rates")], "--learning-rates", "0.05", "0.06"]
+    grid += ["--seeds", "0", "--best-rate-seeds", "1", "2", "--out", "out"]
+    status, out, err, trained = sweep(*grid)
+    assert status == 0, err
+    assert "4 runs: 0 recorded, 4 to train" in out and "--best-rate-seeds" in out
+    names = sorted(line.split()[0].rsplit("_", 1)[0] for line in trained)  # less the key
+    assert names == sorted(
+        f"{m}_kv4_d16_lr{lr:g}_seed{s}"
+        for m in ("gdn", "kda")
+        for lr, s in [(0.05, 0), (0.06, 0), (0.05, 1), (0.05, 2)]
+    )
+    rows = records()
+    assert sorted((r["learning_rate"], r["seed"]) for r in rows if r["mixer"] == "gdn") == [
+        (0.05, 0), (0.05, 1), (0.05, 2), (0.06, 0)
+    ]  # fmt: skip
+    accuracies = [accuracy(0.05, s) for s in (0, 1, 2)]
+    mean = sum(accuracies) / 3
+    table = Path("out", "table.md").read_text()
+    assert "best mean over seed(s) 0:" in table, table
+    row = f"| gdn | {mean:.3f} ({min(accuracies):.3f}-{max(accuracies):.3f}, 3 seeds) [lr 0.05] |"
+    assert row in table, table
+
+    status, out, err, trained = sweep(*grid)
+    assert status == 0 and trained == [], err
+    assert Path("out", "table.md").read_text() == table
+
+
 def test_other_settings_train_their_own_runs_and_the_table_shows_them(sweep):
     assert sweep(*GRID, "--out", "out")[0] == 0
     status, _, err, trained = sweep(*GRID, "--out", "out", "--set", "train.eval_every=4")
@@ -156,6 +189,8 @@ def test_other_settings_train_their_own_runs_and_the_table_shows_them(sweep):
         ),
         (["--set", "train.out_dir=runs/x"], r"the sweep sets train.out_dir \(from --runs\)"),
         (["--set", "train.seed=3"], r"the sweep sets train.seed \(from --seeds\)"),
+        (["--best-rate-seeds", "0"], r"--seeds and --best-rate-seeds both name 0"),
+        (["--best-rate-seeds", "-1"], r"--best-rate-seeds -1: each must be in \[0, 2\*\*32\)"),
     ],
 )
 def test_bad_arguments_are_one_line_before_anything_is_made(sweep, tmp_path, args, message):
