@@ -75,7 +75,9 @@ def write_table(
     pairs = sorted({g[1] for g in table})
     widths = sorted({g[2] for g in table})
     lines = [f"Command: `{command}`", ""]
-    seeds_text = "seeds" if grid_seeds is None else f"seed(s) {', '.join(map(str, grid_seeds))}"
+    seeds_text = (
+        "seeds" if grid_seeds is None else f"seed(s) {', '.join(map(str, sorted(grid_seeds)))}"
+    )
     for width in widths:
         lines += [
             f"d_model = {width}: held-out accuracy at the learning rate with the best mean over "
