@@ -152,14 +152,17 @@ def _main(argv, trainers) -> int:
         out, runs = Path(args.out), Path(args.runs)
         check_writable(out.absolute(), "--out")
         check_writable(runs.absolute(), "--runs")
-        # The later seeds' jobs at every rate, so that each is checked before anything trains.
-        jobs, later = plan_jobs(args, args.seeds), plan_jobs(args, args.best_rate_seeds)
+        # The later seeds' jobs at every rate too, so that each is checked before anything
+        # trains; the grid is the jobs of --seeds.
+        jobs = plan_jobs(args, [*args.seeds, *args.best_rate_seeds])
+        later = [job for job in jobs if job.cell.seed in args.best_rate_seeds]
+        grid_jobs = [job for job in jobs if job.cell.seed not in args.best_rate_seeds]
     except (SweepError, RunError) as error:
         return fail(error)
     out.mkdir(parents=True, exist_ok=True)
     try:
         with RunLock(out.absolute()):
-            return _sweep(args, argv, (jobs, later), out, trainers)
+            return _sweep(args, argv, (grid_jobs, later), out, trainers)
     except (SweepError, RunError) as error:
         return fail(error)
 
