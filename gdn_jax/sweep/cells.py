@@ -1,7 +1,7 @@
 """The cells of a sweep and what makes a cell one run: its resolved config.
 
 A cell is one training run: a mixer, a number of key-value pairs, a width, a learning rate
-and a seed, on a base config with the sweep's ``--set`` overrides. Its identity, the key of
+and a seed, on its mixer's base config with the sweep's ``--set`` overrides. Its identity, the key of
 its record in ``results.jsonl``, is a digest of the run's whole resolved config (model, data
 and train sections, every field), so that anything that changes a result changes the key:
 another step budget, another base config, another ``--set``. Only where the run writes and
@@ -57,10 +57,10 @@ class Cell:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What every cell shares: the base config, the extra overrides, the budget and where
-    the runs go."""
+    """What every cell shares: the base config of each mixer, the extra overrides, the
+    budget and where the runs go."""
 
-    config: Path
+    configs: dict[str, Path]  # mixer -> its base config
     sets: tuple[str, ...]
     steps: int
     layers: int
@@ -93,7 +93,7 @@ class Plan:
     def resolved(self, cell: Cell) -> dict:
         """``cell``'s whole config as the training command would run it (``ValueError`` for a
         cell the command would refuse), without the fields of ``NOT_IDENTITY``."""
-        config = to_dict(load_config(self.config, self.overrides(cell, "run")))
+        config = to_dict(load_config(self.configs[cell.mixer], self.overrides(cell, "run")))
         for dotted in NOT_IDENTITY:
             section, field = dotted.split(".")
             del config[section][field]

@@ -22,7 +22,6 @@ from gdn_jax.sweep.results import FAILED, Results, SweepError
 from gdn_jax.sweep.runner import TRAINERS, Job, Stop, Trainers, run_jobs
 from gdn_jax.sweep.table import best_per_cell, write_plot, write_table
 from gdn_jax.training.cli import (
-    DEFAULT_CONFIG,
     OneLineParser,
     report_error,
     resolve_config,
@@ -32,6 +31,9 @@ from gdn_jax.training.errors import RunError
 from gdn_jax.training.run_dir import RunLock, check_writable
 
 PROG = "python -m gdn_jax.sweep"
+# Each mixer's own config: the attention mixers' projections, Gated DeltaProduct's steps and
+# eigenvalues and the recurrent mixers' gate laws are chosen per mixer (docs/training.md).
+MIXER_CONFIG = "mqar_{mixer}.yaml"
 
 
 def parse_args(argv):
@@ -39,7 +41,12 @@ def parse_args(argv):
         prog=PROG, description="Sweep MQAR recall over mixers, pairs and widths."
     )
     add = parser.add_argument
-    add("--config", default=DEFAULT_CONFIG, help="base config (path or packaged name)")
+    add(
+        "--config",
+        default=MIXER_CONFIG,
+        help="base config (path or packaged name); a {mixer} in it is each mixer's name, so "
+        "that by default every mixer trains on its own packaged MQAR config",
+    )
     add("--mixers", nargs="+", default=list(MIXERS), choices=list(MIXERS))
     add("--kv-pairs", nargs="+", type=int, default=[16, 32, 64])
     add("--d-models", nargs="+", type=int, default=[64])
@@ -109,14 +116,18 @@ def check_args(args) -> None:
 def plan_jobs(args, seeds):
     """The job of every cell of the grid over ``seeds``, each cell's config checked; raises
     ``SweepError``."""
-    try:
-        config = resolve_config(args.config)
-    except ValueError as error:
-        raise SweepError(error) from None
-    plan = Plan(config, tuple(args.set), args.steps, args.layers, Path(args.runs))
+    configs = {}
+    for mixer in args.mixers:
+        try:
+            configs[mixer] = resolve_config(args.config.replace("{mixer}", mixer))
+        except ValueError as error:
+            where = f" (the config of mixer {mixer})" if "{mixer}" in args.config else ""
+            raise SweepError(f"{error}{where}") from None
+    plan = Plan(configs, tuple(args.set), args.steps, args.layers, Path(args.runs))
 
-    def command_args(items) -> tuple[str, ...]:  # --config and the --set items
-        return ("--config", str(config), *(x for item in items for x in ("--set", item)))
+    def command_args(cell, items) -> tuple[str, ...]:  # --config and the --set items
+        config = ("--config", str(configs[cell.mixer]))
+        return (*config, *(x for item in items for x in ("--set", item)))
 
     jobs = []
     for cell in grid(args.mixers, args.kv_pairs, args.d_models, args.learning_rates, seeds):
@@ -125,8 +136,8 @@ def plan_jobs(args, seeds):
         except (ValueError, OSError) as error:
             raise SweepError(f"run {cell.name}: {error}") from None
         run_dir = plan.run_dir(cell, key)
-        alone = command_args(plan.overrides(cell, run_dir))
-        shared = command_args(plan.shared_overrides(cell))
+        alone = command_args(cell, plan.overrides(cell, run_dir))
+        shared = command_args(cell, plan.shared_overrides(cell))
         jobs.append(Job(cell, key, run_dir, alone, shared, plan.run_values(cell, run_dir)))
     return jobs
 

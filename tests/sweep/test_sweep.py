@@ -25,6 +25,7 @@ from gdn_jax.sweep import cli
 from gdn_jax.sweep.cells import SWEEP_FIELDS
 from gdn_jax.sweep.runner import Trainers, batches
 from gdn_jax.training import batched_cli
+from gdn_jax.training.config import load_config
 
 TRAINER = (sys.executable, str(Path(__file__).with_name("sweep_trainer.py")))
 STAND_INS = Trainers(TRAINER, TRAINER)
@@ -52,6 +53,12 @@ def sweep(tmp_path, monkeypatch, capsys):
 
 def records(out="out"):
     return [json.loads(line) for line in Path(out, "results.jsonl").read_text().splitlines()]
+
+
+def trained_config(job):
+    """The config the training command would run ``job`` with."""
+    sets = [job.args[i + 1] for i, a in enumerate(job.args) if a == "--set"]
+    return load_config(job.args[1], sets)
 
 
 def processes(tmp_path):
@@ -168,6 +175,23 @@ def test_other_settings_train_their_own_runs_and_the_table_shows_them(sweep):
     )
 
 
+def test_each_mixer_trains_on_its_own_config_unless_one_is_named():
+    """By default ``--config mqar_{mixer}.yaml``: the attention mixer keeps its own
+    projections' init and Gated DeltaProduct its two steps with negative eigenvalues; a
+    config without ``{mixer}`` is every mixer's base."""
+    mixers = ["gdn", "attention", "gated_deltaproduct"]
+    args = cli.parse_args(["--mixers", *mixers, "--kv-pairs", "4", "--d-models", "16"])
+    jobs = {job.cell.mixer: job for job in cli.plan_jobs(args, args.seeds)}
+    for mixer, job in jobs.items():
+        assert job.args[:2] == ("--config", str(cli.resolve_config(f"mqar_{mixer}.yaml")))
+    model = {m: trained_config(job).model for m, job in jobs.items()}
+    assert model["attention"].mixer_init_std is None and model["gdn"].mixer_init_std == 0.02
+    assert model["gated_deltaproduct"].allow_neg_eigval is True
+    one = cli.parse_args(["--mixers", *mixers, "--config", "mqar_gdn.yaml"])
+    for job in cli.plan_jobs(one, one.seeds):
+        assert job.args[:2] == ("--config", str(cli.resolve_config("mqar_gdn.yaml")))
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -191,6 +215,10 @@ def test_other_settings_train_their_own_runs_and_the_table_shows_them(sweep):
         (["--set", "train.seed=3"], r"the sweep sets train.seed \(from --seeds\)"),
         (["--best-rate-seeds", "0"], r"--seeds and --best-rate-seeds both name 0"),
         (["--best-rate-seeds", "-1"], r"--best-rate-seeds -1: each must be in \[0, 2\*\*32\)"),
+        (
+            ["--config", "nosuch_{mixer}.yaml"],
+            r"--config nosuch_gdn.yaml: no such file, .*\(the config of mixer gdn\)$",
+        ),
     ],
 )
 def test_bad_arguments_are_one_line_before_anything_is_made(sweep, tmp_path, args, message):
