@@ -28,7 +28,7 @@ from gdn_jax.sweep.results import FAILED, FINISHED, Results
 from gdn_jax.training.batched_cli import failures
 from gdn_jax.training.errors import RunError
 from gdn_jax.training.metrics_log import MetricsLog
-from gdn_jax.training.run_dir import METRICS, SUMMARY, checkpoint_steps
+from gdn_jax.training.run_dir import METRICS, SUMMARY, checkpoint_steps, read_summary
 
 TRAINER = (sys.executable, "-m", "gdn_jax.training.cli")
 BATCHED_TRAINER = (sys.executable, "-m", "gdn_jax.training.batched_cli")
@@ -244,8 +244,19 @@ def _record_finished(job: Job, results: Results, wall_s: float, **values) -> str
     if not evals:
         return _record_failure(job, results, "the run logged no held-out evaluation", wall_s)
     best = max(evals, key=lambda r: r["accuracy"])
+    summary = read_summary(job.run_dir) or {}
     record = _record(
-        job, FINISHED, wall_s, accuracy=best["accuracy"], best_step=best["step"], **values
+        job,
+        FINISHED,
+        wall_s,
+        accuracy=best["accuracy"],
+        best_step=best["step"],
+        # How it ended ("target": early stop; "steps": the budget) and its held-out curve,
+        # so that the table can tell a plateau from a run cut off while it still rose.
+        reason=summary.get("reason"),
+        final_step=summary.get("final_step"),
+        evals=[[r["step"], round(r["accuracy"], 5)] for r in evals],
+        **values,
     )
     results.append(record)
     print(f"{job.cell.name}: {best['accuracy']:.4f} in {wall_s:.0f} s", flush=True)

@@ -2,7 +2,8 @@
 
 For each table cell (mixer, key-value pairs, width) the learning rate with the best mean
 held-out accuracy over its seeds is shown, with the mean, the range over seeds and their
-number; a run that failed is counted as failed, never as an accuracy, and a table cell whose
+number, and how those runs ended (early stop, plateau or still rising); a run that failed is
+counted as failed, never as an accuracy, and a table cell whose
 runs all failed reads "failed". Only the records of the sweep's own runs are shown, under
 the command that made them.
 """
@@ -25,8 +26,8 @@ def best_per_cell(runs: list[tuple[Cell, dict | None]], grid_seeds=None) -> dict
     Each cell's learning rate is the one with the best mean accuracy over the seeds of
     ``grid_seeds`` (all seeds when None; the smaller rate on a tie; a rate without a finished
     run of those seeds comes last). A summary holds that ``learning_rate`` and its
-    ``accuracies`` (one per finished run at it, of any seed) and the ``failed`` and
-    ``missing`` counts at it."""
+    ``accuracies`` (one per finished run at it, of any seed), their ``records`` and the
+    ``failed`` and ``missing`` counts at it."""
     by_rate = defaultdict(lambda: defaultdict(list))
     for cell, record in runs:
         by_rate[cell.group][cell.learning_rate].append((cell.seed, record))
@@ -37,6 +38,7 @@ def best_per_cell(runs: list[tuple[Cell, dict | None]], grid_seeds=None) -> dict
         table[group] = dict(
             learning_rate=rate,
             accuracies=[r["accuracy"] for r in records if r and r["status"] == FINISHED],
+            records=[r for r in records if r and r["status"] == FINISHED],
             failed=sum(1 for r in records if r and r["status"] == FAILED),
             missing=sum(1 for r in records if r is None),
         )
@@ -49,6 +51,35 @@ def _grid_mean(runs: list[tuple[int, dict | None]], grid_seeds) -> float:
     chosen = [r for seed, r in runs if grid_seeds is None or seed in grid_seeds]
     accuracies = [r["accuracy"] for r in chosen if r and r["status"] == FINISHED]
     return statistics.fmean(accuracies) if accuracies else -1.0
+
+
+# A run that ended at its budget "rose" when its held-out accuracy gained at least RISE over
+# the last quarter of its steps, else it had reached a plateau.
+RISE = 0.02
+
+
+def ending(record: dict) -> str | None:
+    """How a finished run ended: "target" (stopped early at its target accuracy),
+    "plateau" or "rising" (ran to its budget); None for a record that does not say."""
+    if record.get("reason") == "target":
+        return "target"
+    evals, final = record.get("evals"), record.get("final_step")
+    if record.get("reason") != "steps" or not evals or final is None:
+        return None
+    earlier = [accuracy for step, accuracy in evals if step <= 0.75 * final]
+    gain = evals[-1][1] - (earlier[-1] if earlier else 0.0)
+    return "rising" if gain >= RISE else "plateau"
+
+
+def endings_text(summary: dict | None) -> str:
+    """The count of each way the runs at a cell's chosen rate ended: "3 target"."""
+    if summary is None:
+        return "-"
+    counts = {}
+    for record in summary["records"]:
+        way = ending(record) or "not recorded"
+        counts[way] = counts.get(way, 0) + 1
+    return ", ".join(f"{n} {way}" for way, n in sorted(counts.items())) or "-"
 
 
 def cell_text(summary: dict | None) -> str:
@@ -88,6 +119,18 @@ def write_table(
         ]
         for mixer in mixers:
             cells = [cell_text(table.get((mixer, p, width))) for p in pairs]
+            lines.append(f"| {mixer} | " + " | ".join(cells) + " |")
+        lines += [
+            "",
+            f"d_model = {width}: how those runs ended: at the target accuracy (early stop), "
+            f"or at the step budget on a plateau or still rising (at least {RISE} gained over "
+            "their last quarter)",
+            "",
+            "| mixer | " + " | ".join(f"{p} kv pairs" for p in pairs) + " |",
+            "|---|" + "---|" * len(pairs),
+        ]
+        for mixer in mixers:
+            cells = [endings_text(table.get((mixer, p, width))) for p in pairs]
             lines.append(f"| {mixer} | " + " | ".join(cells) + " |")
         lines.append("")
     text = "\n".join(lines)

@@ -118,6 +118,10 @@ def test_a_sweep_records_every_run_and_a_rerun_trains_nothing(sweep, tmp_path, b
         f"| gdn | {mean:.3f} ({accuracy(0.03, 1):.3f}-{accuracy(0.03, 0):.3f}, 2 seeds) [lr 0.03] |"
     )
     assert row in table, table
+    # Neither reached its target: seed 0's run ended flat, seed 1's gained 0.05 at the end.
+    assert "| gdn | 1 plateau, 1 rising |" in table, table
+    assert rows[0]["reason"] == "steps" and rows[0]["final_step"] == 200
+    assert [step for step, _ in rows[0]["evals"]] == [100, 200]
     assert Path("out", "accuracy.png").stat().st_size > 0
     # Every run has a directory of its own.
     assert len({r["key"] for r in rows}) == 8 and len(list(Path("runs").iterdir())) == 8
@@ -153,6 +157,7 @@ def test_later_seeds_train_only_at_each_cells_best_rate_on_the_grid_seeds(sweep)
     assert "best mean over seed(s) 0:" in table, table
     row = f"| gdn | {mean:.3f} ({min(accuracies):.3f}-{max(accuracies):.3f}, 3 seeds) [lr 0.05] |"
     assert row in table, table
+    assert "| gdn | 1 plateau, 2 target |" in table, table  # 1.0 and 0.99 stop; 0.98 does not
 
     status, out, err, trained = sweep(*grid)
     assert status == 0 and trained == [], err
@@ -384,3 +389,5 @@ def test_runs_of_the_real_command_are_recorded(sweep):
     for row in rows:
         assert row["status"] == "finished" and row["runs_in_process"] == 2
         assert 0 <= row["accuracy"] <= 1 and row["best_step"] in (6, 12)
+        assert row["reason"] in ("target", "steps") and row["final_step"] in (6, 12)
+        assert max(accuracy for _, accuracy in row["evals"]) == pytest.approx(row["accuracy"])
