@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gdn_jax.layers.dense import projection_dot_general
 from gdn_jax.ops.checks import is_real_number
 
 # Head (tensor) parallelism: the mesh axis "model" splits every layer by heads. Each parameter
@@ -123,6 +124,7 @@ def bias_free_linear(*, dtype, param_dtype, kernel_init=None, rngs):
             dtype=dtype,
             param_dtype=param_dtype,
             kernel_init=init,
+            dot_general=projection_dot_general,
             rngs=rngs,
         )
 
@@ -141,5 +143,6 @@ def gate_linear(in_features, out_features, *, use_bias, dtype, param_dtype, kern
         param_dtype=param_dtype,
         kernel_init=partitioned(kernel_init, COLUMNS),
         bias_init=partitioned(nnx.initializers.zeros, PER_HEAD),
+        dot_general=projection_dot_general,
         rngs=rngs,
     )

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gdn_jax.layers import SwiGLU, input_checks
+from gdn_jax.layers.dense import projection_dot_general
 from gdn_jax.models.config import ModelConfig
 from gdn_jax.models.mixers import build_mixer
 from gdn_jax.ops import checks
@@ -99,6 +100,7 @@ class LanguageModel(nnx.Module):
                 dtype=config.jnp_dtype,
                 param_dtype=config.jnp_param_dtype,
                 kernel_init=nnx.initializers.normal(config.init_std),
+                dot_general=projection_dot_general,
                 rngs=rngs,
             )
             if not config.tie_embeddings
