@@ -21,6 +21,9 @@ import functools
 import jax
 from jaxtyping import Array, Float
 
+from gdn_jax.ops.checks import forward_traced
+
+
 def _is_linear(lhs, rhs, dimension_numbers) -> bool:
     """Whether ``dimension_numbers`` are ``nnx.Linear``'s: ``lhs``'s last axis against the
     first of a 2-D ``rhs``, no batch axes."""
@@ -40,9 +43,9 @@ def projection_dot_general(
     the same values, with the pullback of ``project`` where ``nnx.Linear`` calls it (its
     product, no output dtype or sharding asked for, no forward-mode tracer); otherwise
     ``jax.lax.dot_general`` itself."""
-    forward = any(isinstance(x, jax.interpreters.ad.JVPTracer) for x in (lhs, rhs))
     plain = (
-        forward
+        forward_traced(lhs)
+        or forward_traced(rhs)
         or preferred_element_type is not None
         or out_sharding is not None
         or not _is_linear(lhs, rhs, dimension_numbers)

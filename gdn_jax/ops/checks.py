@@ -153,12 +153,19 @@ def check_scale(fn: str, scale) -> None:
         check_positive_number(fn, scale=scale)
 
 
+def forward_traced(x) -> bool:
+    """Whether forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``) traces ``x``: reverse
+    mode traces with other tracers, and forward over reverse reaches a ``custom_vjp`` as
+    reverse mode."""
+    return isinstance(x, jax.interpreters.ad.JVPTracer)
+
+
 def check_reverse_mode(fn: str, instead: str, **arrays) -> None:
     """No input is traced by forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``): the chunked
     forms' gradient is a hand-written reverse-mode rule (a ``jax.custom_vjp``), which JAX
     cannot run forward. ``instead`` names what to use for forward mode. Reverse mode, and
     forward over reverse (``jax.hessian``), work."""
-    forward = [name for name, x in arrays.items() if isinstance(x, jax.interpreters.ad.JVPTracer)]
+    forward = [name for name, x in arrays.items() if forward_traced(x)]
     if forward:
         raise ValueError(
             f"{fn}: forward-mode autodiff (jax.jvp, jax.jacfwd) reaches {', '.join(forward)}, "

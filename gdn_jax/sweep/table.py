@@ -110,33 +110,33 @@ def write_table(
         "seeds" if grid_seeds is None else f"seed(s) {', '.join(map(str, sorted(grid_seeds)))}"
     )
     for width in widths:
-
-        def rows(text_of) -> list[str]:  # one row per mixer, one column per pair count
-            head = ["| mixer | " + " | ".join(f"{p} kv pairs" for p in pairs) + " |"]
-            head.append("|---|" + "---|" * len(pairs))
-            return head + [
-                f"| {mixer} | "
-                + " | ".join(text_of(table.get((mixer, p, width))) for p in pairs)
-                + " |"
-                for mixer in mixers
-            ]
-
         lines += [
             f"d_model = {width}: held-out accuracy at the learning rate with the best mean over "
             f"{seeds_text}: mean (min-max over seeds) [learning rate]",
             "",
-            *rows(cell_text),
+            *_rows(table, mixers, pairs, width, cell_text),
             "",
             f"d_model = {width}: how those runs ended: at the target accuracy (early stop), "
             f"or at the step budget on a plateau or still rising (at least {RISE} gained over "
             "their last quarter)",
             "",
-            *rows(endings_text),
+            *_rows(table, mixers, pairs, width, endings_text),
             "",
         ]
     text = "\n".join(lines)
     write_whole(path, lambda partial: partial.write_text(text))
     return table
+
+
+def _rows(table: dict, mixers, pairs, width: int, text_of) -> list[str]:
+    """A Markdown table of ``text_of(summary)`` at ``width``: a row per mixer, a column per
+    number of pairs."""
+    lines = ["| mixer | " + " | ".join(f"{p} kv pairs" for p in pairs) + " |"]
+    lines.append("|---|" + "---|" * len(pairs))
+    for mixer in mixers:
+        cells = [text_of(table.get((mixer, p, width))) for p in pairs]
+        lines.append(f"| {mixer} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def write_plot(path: Path, table: dict) -> None:

@@ -62,7 +62,9 @@ def test_other_products_are_dot_generals_own():
     numbers = (((0,), (0,)), ((), ()))  # x's first axis, not its last
     y = projection_dot_general(x, x, numbers)
     np.testing.assert_array_equal(y, jax.lax.dot_general(x, x, numbers))
-    wide = projection_dot_general(x, kernel, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float64)
+    wide = projection_dot_general(
+        x, kernel, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float64
+    )
     assert wide.dtype == jnp.float64
 
 
