@@ -55,10 +55,9 @@ from gdn_jax.ops import checks
 from gdn_jax.ops.blocks import barrier_off_cpu, scan_blocks, scan_blocks_backward
 from gdn_jax.ops.channel_decays import (
     ChannelDecays,
-    channel_decays,
-    channel_decays_bwd,
     channel_scores,
     channel_scores_bwd,
+    level_sums,
 )
 from gdn_jax.ops.chunked import (
     cast_back,
@@ -113,10 +112,8 @@ def chunk_factors(
     """Stage 1 for one chunk (inputs in the compute dtype); ``write_gate=None`` writes with
     the erase gate (KDA's ``beta``). Both scores come from one pass over the levels."""
     write_gate = erase_gate if write_gate is None else write_gate
-    log_alpha = clamped(log_alpha)
-    decays = channel_decays(log_alpha)
     erase = gated(k, erase_gate)
-    scores, erase_scores = channel_scores((q, erase), k, log_alpha)
+    (scores, erase_scores), decays = channel_scores((q, erase), k, clamped(log_alpha))
     w, u, inverse = two_products(
         jnp.tril(erase_scores, -1), erase * decays.from_start, gated(v, write_gate)
     )
@@ -148,13 +145,15 @@ def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d):
     dtype), ``T``, start state ``S`` and what the reverse state pass returned, ``d = (dY, U,
     dU, d(K decayed to the end), d exp(G_C))``. The decays and the levels are formed again."""
     d_y, corrections, d_u, d_k_to_end, d_whole = d
-    gates = clamped(log_alpha)
-    decays = channel_decays(gates)
+    levels, decays = level_sums(clamped(log_alpha))
     erase = gated(k, erase_gate)
     d_write, d_erase_decayed, d_strict = two_products_bwd(inverse, start, corrections, d_u)
     d_q_from_start = d_y @ start
     d_scores = jnp.tril(d_y @ corrections.T)
-    (d_q, d_erase), d_k, d_levels = channel_scores_bwd((q, erase), k, gates, (d_scores, d_strict))
+    d_decays = (d_q_from_start * q + d_erase_decayed * erase, d_k_to_end * k, d_whole)
+    (d_q, d_erase), d_k, d_log_alpha = channel_scores_bwd(
+        (q, erase), k, levels, decays, (d_scores, d_strict), d_decays
+    )
     d_erase = d_erase + d_erase_decayed * decays.from_start
     d_k_erase, d_erase_gate = gated_bwd(k, erase_gate, d_erase)
     d_v, d_write_gate = gated_bwd(v, erase_gate if write_gate is None else write_gate, d_write)
@@ -162,8 +161,6 @@ def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d):
         d_erase_gate, d_write_gate = d_erase_gate + d_write_gate, None
     d_q = d_q + d_q_from_start * decays.from_start
     d_k = d_k + d_k_erase + d_k_to_end * decays.to_end
-    d_from_start = d_q_from_start * q + d_erase_decayed * erase
-    d_log_alpha = d_levels + channel_decays_bwd(decays, d_from_start, d_k_to_end * k, d_whole)
     d_log_alpha = jnp.where(log_alpha > LOG_ALPHA_FLOOR, d_log_alpha, 0)
     return d_q, d_k, d_v, d_log_alpha, d_erase_gate, d_write_gate
 

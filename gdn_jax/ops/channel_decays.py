@@ -23,32 +23,41 @@ boundary, ``(X_2 * exp(G_2 - G_r)) (K_1 * exp(G_r - G_1))^T``, and the two diago
 quarters are the same problem at half the size, down to single tokens (``x_t . k_t``: no
 decay). The matmuls add up to the ``2 C^2 K`` flops of one undecayed ``X K^T``.
 
-Every decay is the ``exp`` of a sum of the gates over its own segment of tokens (``(r, t]``
-for a level's rows, ``(i, r]`` for its columns, ``[0, t]``, ``(i, C)``), summed directly as
-a product with a triangle of ones, never a difference of running sums (``decays.py`` says
-why: float32 would lose the -0.01 steps after a -1e4 reset). Each level's two ``[C/2, K]``
-factors depend on the gates alone, so they are made where a level uses them and dropped
-after it: a chunk's largest arrays are ``[C, K]`` and ``M`` itself, never ``[C, C, K]`` nor
-all ``log2(C)`` levels at once (batched over every chunk, as the hoisted schedule runs it,
-those would be ``log2(C)`` copies of the keys).
+Every decay is the ``exp`` of a sum of the gates over its own segment of tokens, and every
+such sum is a sum over its own segment, never a difference of running sums (``decays.py``
+says why: float32 would lose the -0.01 steps after a -1e4 reset). They come from one chain
+over the levels, finest first, with no product: for blocks of ``h`` tokens let ``P_h[t]``
+be the sum of the gates from the start of ``t``'s block through ``t`` and ``S_h[t]`` the sum
+over the rest of its block after ``t`` (``P_1 = g``, ``S_1 = 0``). A level whose blocks hold
+``2h`` tokens decays its rows by ``exp(P_h)`` on the second halves and its columns by
+``exp(S_h)`` on the first halves, and the blocks of ``2h`` tokens follow from those of ``h``
+by adding one half's total to the other half:
+
+    P_2h = [P_h,  P_h + (first half's total)],   S_2h = [S_h + (second half's total),  S_h],
+
+each term a sum of gates of one sign, so nothing cancels. At the top, ``exp(P_C)``,
+``exp(S_C)`` and ``exp(P_C[-1])`` are the decays from the chunk's start, to its end and over
+it. (Each sum as a product with a triangle of ones gave XLA:CPU outputs with the tokens
+minor, which every use then read transposed: 1.2x the time of KDA's forward+backward,
+docs/benchmarks.md.) A level's two ``[C/2, K]`` factors are made where it uses them: a
+chunk's largest arrays are ``[C, K]`` and ``M`` itself, never ``[C, C, K]``.
 
 Backward. The scores' pullback mirrors their build, coarsest level first: a level's block
 ``(X_2 * R) (K_1 * Cc)^T`` sends ``dL (K_1 * Cc)`` to ``X_2 * R`` and ``dL^T (X_2 * R)`` to
-``K_1 * Cc``, hence to ``x``, ``k`` and the factors ``R`` and ``Cc``; the diagonal sends
-``dM_tt k_t`` and ``dM_tt x_t``. A factor is ``exp`` of a sum of gates over a segment, so
-the gradient of gate ``s`` sums (cotangent x value) over the factors whose segment holds
-``s``: for ``R = exp(G_t - G_r)``, the tokens ``t >= s`` of a second half; for ``Cc =
-exp(G_r - G_i)``, the ``i < s`` of a first half; for ``exp(G_t)`` every ``t >= s``, for
-``exp(G_C - G_i)`` every ``i < s``, for ``exp(G_C)`` all. Every term of such a sum belongs
-to it, so none is added and cancelled again (``decays.chunk_decays_bwd`` says what that
-costs in float32).
+``K_1 * Cc``, hence to ``x``, ``k`` and the factors ``R = exp(P_h)`` and ``Cc = exp(S_h)``
+(cotangents ``dR * R`` and ``dCc * Cc`` of the sums); the diagonal sends ``dM_tt k_t`` and
+``dM_tt x_t``. The sums' cotangents run down the same chain, from the decays' at the top:
+the pullback of one step from ``h`` to ``2h`` passes ``dP_2h`` and ``dS_2h`` through and adds
+to the last token of each first half the second half's summed ``dP_2h``, and to the last
+token of each second half the first half's summed ``dS_2h``; ``dP_1`` is the gates'
+gradient. The backward makes every level's sums first (``level_sums``), ``2 log2(C)`` arrays
+of ``[C, K]``.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
@@ -64,28 +73,7 @@ class ChannelDecays(NamedTuple):
     whole: Float[Array, " K"]  # exp(G_C)
 
 
-def sums_along(x: Float[Array, "... n K"], *, reverse: bool, exclusive: bool):
-    """Cumulative sums of ``x`` along its axis ``n``, forward (``sum_{i <= s}``, or ``i <
-    s`` when ``exclusive``) or ``reverse`` (``sum_{t >= s}``, or ``t > s``), as one product
-    with a triangle of ones (XLA:CPU's cumsum is a slow reduce_window); HIGHEST keeps TPU
-    and GPU from rounding the terms to bf16 or tf32."""
-    n = x.shape[-2]
-    index = jnp.arange(n)
-    rows, cols = index[:, None], index[None, :]
-    if reverse:
-        keep = cols > rows if exclusive else cols >= rows
-    else:
-        keep = cols < rows if exclusive else cols <= rows
-    ones = keep.astype(x.dtype)
-    return jnp.einsum("st,...tk->...sk", ones, x, precision=jax.lax.Precision.HIGHEST)
-
-
-def channel_decays(log_alpha: Float[Array, "C K"]) -> ChannelDecays:
-    """The decays from the chunk's start and to its end, from its gates ``log_alpha [C, K]``
-    (each ``<= 0``, finite)."""
-    from_start = sums_along(log_alpha, reverse=False, exclusive=False)
-    to_end = sums_along(log_alpha, reverse=True, exclusive=True)
-    return ChannelDecays(jnp.exp(from_start), jnp.exp(to_end), jnp.exp(from_start[-1]))
+Sums = tuple  # (P_h, S_h), each [C, K]: the gates summed within blocks of h tokens
 
 
 def halving_sizes(chunk: int) -> list[int]:
@@ -93,28 +81,72 @@ def halving_sizes(chunk: int) -> list[int]:
     return [2**j for j in range(chunk.bit_length() - 1)]
 
 
-def level_factors(log_alpha: Float[Array, "C K"], half: int):
-    """The factors of the level whose blocks hold ``2 half`` tokens: ``(rows, cols)``, each
-    ``[NB, half, K]``, ``rows = exp(G_t - G_r)`` for ``t`` in a block's second half and
-    ``cols = exp(G_r - G_i)`` for ``i`` in its first, ``r`` the first half's last token."""
-    chunk, key_dim = log_alpha.shape
-    halves = log_alpha.reshape(chunk // (2 * half), 2, half, key_dim)
-    rows = sums_along(halves[:, 1], reverse=False, exclusive=False)
-    cols = sums_along(halves[:, 0], reverse=True, exclusive=True)
-    return jnp.exp(rows), jnp.exp(cols)
+def finest(log_alpha: Float[Array, "C K"]) -> Sums:
+    """The sums within blocks of one token: ``(g, 0)``."""
+    return log_alpha, jnp.zeros_like(log_alpha)
+
+
+def coarser(sums: Sums, half: int) -> Sums:
+    """The sums within blocks of ``2 half`` tokens from those within blocks of ``half``."""
+    p, s = (x.reshape(-1, 2, half, x.shape[-1]) for x in sums)
+    p2 = jnp.stack([p[:, 0], p[:, 1] + p[:, 0, -1:]], axis=1)
+    s2 = jnp.stack([s[:, 0] + p[:, 1, -1:], s[:, 1]], axis=1)
+    return p2.reshape(sums[0].shape), s2.reshape(sums[0].shape)
+
+
+def coarser_bwd(d_sums: Sums, half: int) -> Sums:
+    """The pullback of ``coarser(sums, half)``: the cotangents of the sums within blocks of
+    ``half`` tokens from those of ``2 half``."""
+    d_p, d_s = (x.reshape(-1, 2, half, x.shape[-1]) for x in d_sums)
+    totals = jnp.stack([d_p[:, 1].sum(1), d_s[:, 0].sum(1)], axis=1)  # [NB, 2, K]
+    last = d_p[:, :, -1:] + totals[:, :, None]
+    d_p = jnp.concatenate([d_p[:, :, :-1], last], axis=2)
+    return d_p.reshape(d_sums[0].shape), d_sums[1]
+
+
+def top_decays(sums: Sums) -> ChannelDecays:
+    """The chunk's decays from the sums within its one block."""
+    from_start, to_end = sums
+    return ChannelDecays(jnp.exp(from_start), jnp.exp(to_end), jnp.exp(from_start[-1]))
+
+
+def channel_decays(log_alpha: Float[Array, "C K"]) -> ChannelDecays:
+    """The decays from the chunk's start and to its end, from its gates ``log_alpha [C, K]``
+    (each ``<= 0``, finite)."""
+    return level_sums(log_alpha)[1]
+
+
+def level_sums(log_alpha: Float[Array, "C K"]) -> tuple[list[Sums], ChannelDecays]:
+    """Every level's sums, finest first (those of the level with half-blocks of ``h``
+    tokens are the sums within blocks of ``h``), and the chunk's decays."""
+    sums, levels = finest(log_alpha), []
+    for half in halving_sizes(log_alpha.shape[0]):
+        levels.append(sums)
+        sums = coarser(sums, half)
+    return levels, top_decays(sums)
+
+
+def level_factors(sums: Sums, half: int):
+    """The factors of the level whose blocks hold ``2 half`` tokens, from the sums within
+    blocks of ``half``: ``(rows, cols)``, each ``[NB, half, K]``, ``rows = exp(G_t - G_r)``
+    for ``t`` in a block's second half and ``cols = exp(G_r - G_i)`` for ``i`` in its first,
+    ``r`` the first half's last token."""
+    p, s = (x.reshape(-1, 2, half, x.shape[-1]) for x in sums)
+    return jnp.exp(p[:, 1]), jnp.exp(s[:, 0])
 
 
 def channel_scores(
     xs: tuple[Float[Array, "C K"], ...], k: Float[Array, "C K"], log_alpha: Float[Array, "C K"]
-) -> tuple[Float[Array, "C C"], ...]:
+) -> tuple[tuple[Float[Array, "C C"], ...], ChannelDecays]:
     """``M_ti = sum_c x_tc k_ic exp(G_tc - G_ic)`` for ``i <= t``, zero above the diagonal,
     for each row factor ``x`` of ``xs`` (the queries, the erase vectors) against one ``k``:
-    every level's factors are made once for all of them."""
+    every level's factors are made once for all of them. Also returns the chunk's decays."""
     chunk, key_dim = k.shape
     blocks = [(x * k).sum(-1)[:, None, None] for x in xs]  # [C, 1, 1]: the diagonals
+    sums = finest(log_alpha)
     for half in halving_sizes(chunk):
-        blocks, gates = _after(blocks, log_alpha)
-        rows, cols = level_factors(gates, half)
+        blocks, sums = _after(blocks, sums)
+        rows, cols = level_factors(sums, half)
         num = rows.shape[0]
         k_cols = k.reshape(num, 2, half, key_dim)[:, 0] * cols
         for i, x in enumerate(xs):
@@ -124,21 +156,27 @@ def channel_scores(
             top = jnp.concatenate([pairs[:, 0], jnp.zeros_like(lower)], axis=2)
             bottom = jnp.concatenate([lower, pairs[:, 1]], axis=2)
             blocks[i] = jnp.concatenate([top, bottom], axis=1)  # [NB, b, b]
-    return tuple(b.reshape(chunk, chunk) for b in blocks)
+        sums = coarser(sums, half)
+    return tuple(b.reshape(chunk, chunk) for b in blocks), top_decays(sums)
 
 
-def channel_scores_bwd(xs, k, log_alpha, d_scores):
+def channel_scores_bwd(xs, k, levels: list[Sums], decays: ChannelDecays, d_scores, d_decays):
     """The pullback of ``channel_scores(xs, k, log_alpha)`` for cotangents ``d_scores`` (one
-    ``[C, C]`` per score; what lies above the diagonal is ignored): ``(d_xs, d_k,
-    d_log_alpha)``, the last from the levels' factors only (``channel_decays_bwd`` adds the
-    rest)."""
+    ``[C, C]`` per score; what lies above the diagonal is ignored) and ``d_decays`` (of the
+    decays from the start, to the end, over the chunk), given ``level_sums(log_alpha)``:
+    ``(d_xs, d_k, d_log_alpha)``."""
     chunk, key_dim = k.shape
+    d_from_start, d_to_end, d_whole = d_decays
+    d_p = d_from_start * decays.from_start
+    d_p = d_p.at[-1].add(d_whole * decays.whole)
+    d_sums = (d_p, d_to_end * decays.to_end)
     blocks = [d[None] for d in d_scores]  # the diagonal blocks of each level, [NB, b, b]
     d_xs = [jnp.zeros_like(x) for x in xs]
-    d_k, d_log_alpha = jnp.zeros_like(k), jnp.zeros_like(log_alpha)
-    for half in reversed(halving_sizes(chunk)):
-        (blocks, d_log_alpha), gates = _after((blocks, d_log_alpha), log_alpha)
-        rows, cols = level_factors(gates, half)
+    d_k = jnp.zeros_like(k)
+    for half, sums in reversed(list(zip(halving_sizes(chunk), levels, strict=True))):
+        (blocks, d_sums), sums = _after((blocks, d_sums), sums)
+        d_sums = coarser_bwd(d_sums, half)
+        rows, cols = level_factors(sums, half)
         num = rows.shape[0]
         k_cols = k.reshape(num, 2, half, key_dim)[:, 0]
         d_rows, d_cols = jnp.zeros_like(rows), jnp.zeros_like(cols)
@@ -152,23 +190,24 @@ def channel_scores_bwd(xs, k, log_alpha, d_scores):
             d_rows, d_cols = d_rows + d_x_rows * x_rows, d_cols + d_k_cols * k_cols
             halves = jnp.stack([blocks[i][:, :half, :half], blocks[i][:, half:, half:]], 1)
             blocks[i] = halves.reshape(num * 2, half, half)
-        second = sums_along(d_rows * rows, reverse=True, exclusive=False)
-        first = sums_along(d_cols * cols, reverse=False, exclusive=True)
-        d_log_alpha = d_log_alpha + jnp.stack([first, second], axis=1).reshape(chunk, key_dim)
+        d_sums = (
+            d_sums[0] + _second_halves(d_rows * rows),
+            d_sums[1] + _first_halves(d_cols * cols),
+        )
     for i, x in enumerate(xs):
         diagonal = blocks[i][:, 0, :]  # [C, 1]
         d_xs[i], d_k = d_xs[i] + diagonal * k, d_k + diagonal * x
-    return tuple(d_xs), d_k, d_log_alpha
+    return tuple(d_xs), d_k, d_sums[0]
 
 
-def _after(done, log_alpha):
-    """``(done, log_alpha)`` as they are, with the next level's factors made from this
-    ``log_alpha`` only once ``done`` (the last level's results) exists. Off CPU the barrier
-    keeps XLA from making every level's factors at once, ``log2(C)`` copies of the keys
-    batched over all chunks (KDA's hoisted forward+backward on a v5e chip: 1504 MiB with it,
-    1588 without); XLA:CPU's temp is the same either way and the barrier cost it 5-7% of
-    KDA's time (docs/benchmarks.md)."""
-    return barrier_off_cpu(done, log_alpha)
+def _after(done, sums):
+    """``(done, sums)`` as they are, with the next level's factors made from these ``sums``
+    only once ``done`` (the last level's results) exists. Off CPU the barrier keeps XLA from
+    making every level's factors at once, ``log2(C)`` copies of the keys batched over all
+    chunks (KDA's hoisted forward+backward on a v5e chip: 1504 MiB with it, 1588 without);
+    XLA:CPU's temp is the same either way and the barrier cost it 5-7% of KDA's time
+    (docs/benchmarks.md)."""
+    return barrier_off_cpu(done, sums)
 
 
 def _first_halves(x: Float[Array, "NB h K"]) -> Float[Array, "C K"]:
@@ -179,16 +218,3 @@ def _first_halves(x: Float[Array, "NB h K"]) -> Float[Array, "C K"]:
 def _second_halves(x: Float[Array, "NB h K"]) -> Float[Array, "C K"]:
     """``x``, one row per token of each block's second half, in place among zeros."""
     return jnp.stack([jnp.zeros_like(x), x], axis=1).reshape(-1, x.shape[-1])
-
-
-def channel_decays_bwd(
-    decays: ChannelDecays,
-    d_from_start: Float[Array, "C K"],
-    d_to_end: Float[Array, "C K"],
-    d_whole: Float[Array, " K"],
-) -> Float[Array, "C K"]:
-    """The gradient with respect to the gates ``log_alpha [C, K]`` from the cotangents of
-    the decays from the start, to the end and over the whole chunk (module docstring)."""
-    d = sums_along(d_from_start * decays.from_start, reverse=True, exclusive=False)
-    d = d + sums_along(d_to_end * decays.to_end, reverse=False, exclusive=True)
-    return d + (d_whole * decays.whole)[None]

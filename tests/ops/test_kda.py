@@ -107,8 +107,12 @@ def test_channel_decays_and_scores_are_exact_segment_sums():
     segment[..., 1] = np.where(after, -0.01 * (t - i), segment[..., 1])  # not rounded sums
     expected = np.einsum("ptk,ik,tik->pti", x, k, np.exp(segment))
     xs = tuple(jnp.asarray(x_i, jnp.float32) for x_i in x)
-    scores = jax.jit(channel_scores)(xs, jnp.asarray(k, jnp.float32), jnp.asarray(g, jnp.float32))
+    scores, from_scores = jax.jit(channel_scores)(
+        xs, jnp.asarray(k, jnp.float32), jnp.asarray(g, jnp.float32)
+    )
     assert_close(jnp.stack(scores), expected, jnp.float32)
+    for made, alone in zip(from_scores, decays, strict=True):
+        assert_close(made, alone, jnp.float32)
 
 
 CHUNKED_CASES = [
