@@ -38,8 +38,8 @@ by adding one half's total to the other half:
 each term a sum of gates of one sign, so nothing cancels. At the top, ``exp(P_C)``,
 ``exp(S_C)`` and ``exp(P_C[-1])`` are the decays from the chunk's start, to its end and over
 it. (Each sum as a product with a triangle of ones gave XLA:CPU outputs with the tokens
-minor, which every use then read transposed: 1.2x the time of KDA's forward+backward,
-docs/benchmarks.md.) A level's two ``[C/2, K]`` factors are made where it uses them: a
+minor, which every use then read transposed: KDA's forward+backward took 1.19x the time in
+the in_scan schedule and 1.10x hoisted, docs/benchmarks.md.) A level's two ``[C/2, K]`` factors are made where it uses them: a
 chunk's largest arrays are ``[C, K]`` and ``M`` itself, never ``[C, C, K]``.
 
 Backward. The scores' pullback mirrors their build, coarsest level first: a level's block
@@ -204,7 +204,7 @@ def _after(done, sums):
     """``(done, sums)`` as they are, with the next level's factors made from these ``sums``
     only once ``done`` (the last level's results) exists. Off CPU the barrier keeps XLA from
     making every level's factors at once, ``log2(C)`` copies of the keys batched over all
-    chunks (KDA's hoisted forward+backward on a v5e chip: 1504 MiB with it, 1588 without);
+    chunks (KDA's hoisted forward+backward on a v5e chip: 1434 MiB with it, 1813 without);
     XLA:CPU's temp is the same either way and the barrier cost it 5-7% of KDA's time
     (docs/benchmarks.md)."""
     return barrier_off_cpu(done, sums)
