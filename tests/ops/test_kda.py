@@ -11,11 +11,18 @@ from jax.test_util import check_grads
 from support import cpu_schedule as on_cpu
 from support import forms
 from support.forms import with_state_and_cotangents
+from support.hlo import dots
 from support.reference import gated_delta_reference, random_inputs, random_state
 from support.tolerance import assert_close
 
 import gdn_jax
-from gdn_jax.ops.channel_decays import channel_decays, channel_scores
+from gdn_jax.ops.channel_decays import (
+    channel_decays,
+    channel_scores,
+    channel_scores_bwd,
+    halving_sizes,
+    level_sums,
+)
 
 HEADS, V_HEADS, KEY, VALUE = 2, 4, 12, 10
 
@@ -113,6 +120,28 @@ def test_channel_decays_and_scores_are_exact_segment_sums():
     assert_close(jnp.stack(scores), expected, jnp.float32)
     for made, alone in zip(from_scores, decays, strict=True):
         assert_close(made, alone, jnp.float32)
+
+
+def test_channel_decays_need_no_products():
+    """The scores and their pullback make one product per halving level and score (and per
+    side in the pullback), nothing more: every sum of gates is elementwise work. A sum as a
+    product with a triangle of ones came out of XLA:CPU with the tokens minor, and every use
+    read it transposed (KDA's forward+backward 1.19x slower, docs/benchmarks.md)."""
+    chunk, key_dim = 16, 8
+    levels_of_products = len(halving_sizes(chunk))  # 4 (the finest is elementwise here)
+    x = np.ones((chunk, key_dim), np.float32)
+    gates = np.full((chunk, key_dim), -0.1, np.float32)
+
+    def pullback(xs, k, log_alpha, d_scores):
+        levels, decays = level_sums(log_alpha)
+        d_decays = (k, k, k[0])
+        return channel_scores_bwd(xs, k, levels, decays, d_scores, d_decays)
+
+    d_scores = (np.ones((chunk, chunk), np.float32),) * 2
+    forward = jax.jit(channel_scores).lower((x, x), x, gates).compile().as_text()
+    backward = jax.jit(pullback).lower((x, x), x, gates, d_scores).compile().as_text()
+    assert len(dots(forward.splitlines())) <= 2 * levels_of_products
+    assert len(dots(backward.splitlines())) <= 2 * 2 * levels_of_products
 
 
 CHUNKED_CASES = [
