@@ -87,6 +87,18 @@ def gated_bwd(x, gate: Gate, d) -> tuple[Float[Array, "C D"], Gate]:
     return gated(d, gate), (d * x).sum(1) if gate.ndim == 1 else d * x
 
 
+# In place of a write gate: the values are already what each token writes (``w * v``).
+WRITTEN = ()
+
+
+def writes(v, erase_gate: EraseGate, write_gate) -> Float[Array, "C V"]:
+    """What each token writes: ``w * v``, KDA's ``beta * v`` (``write_gate`` None: the erase
+    gate writes too), or ``v`` itself (``WRITTEN``)."""
+    if write_gate is None:
+        return gated(v, erase_gate)
+    return v if isinstance(write_gate, tuple) else gated(v, write_gate)
+
+
 class Factors(NamedTuple):
     """Stage 1 of one chunk: its decays, erase vectors ``e = b * k``, WY factors and the
     decayed query-key scores ``M`` of its outputs."""
@@ -107,15 +119,14 @@ def clamped(log_alpha):
 
 
 def chunk_factors(
-    q, k, v, log_alpha, erase_gate: EraseGate, write_gate: WriteGate | None
+    q, k, v, log_alpha, erase_gate: EraseGate, write_gate: WriteGate | tuple[()] | None
 ) -> Factors:
     """Stage 1 for one chunk (inputs in the compute dtype); ``write_gate=None`` writes with
     the erase gate (KDA's ``beta``). Both scores come from one pass over the levels."""
-    write_gate = erase_gate if write_gate is None else write_gate
     erase = gated(k, erase_gate)
     (scores, erase_scores), decays = channel_scores((q, erase), k, clamped(log_alpha))
     w, u, inverse = two_products(
-        jnp.tril(erase_scores, -1), erase * decays.from_start, gated(v, write_gate)
+        jnp.tril(erase_scores, -1), erase * decays.from_start, writes(v, erase_gate, write_gate)
     )
     return Factors(decays, erase, w, u, inverse, scores)
 
@@ -156,7 +167,10 @@ def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d):
     )
     d_erase = d_erase + d_erase_decayed * decays.from_start
     d_k_erase, d_erase_gate = gated_bwd(k, erase_gate, d_erase)
-    d_v, d_write_gate = gated_bwd(v, erase_gate if write_gate is None else write_gate, d_write)
+    if isinstance(write_gate, tuple):  # WRITTEN
+        d_v, d_write_gate = d_write, WRITTEN
+    else:
+        d_v, d_write_gate = gated_bwd(v, erase_gate if write_gate is None else write_gate, d_write)
     if write_gate is None:  # one gate erases and writes
         d_erase_gate, d_write_gate = d_erase_gate + d_write_gate, None
     d_q = d_q + d_q_from_start * decays.from_start
@@ -218,15 +232,42 @@ def _hoisted_backward(inputs, starts, resets, d_ys, d_finals):
     return grads, d_initial
 
 
+def _writes_first(inputs, dtype):
+    """``inputs`` with GDN-2's values and write gates as one array, ``w * v`` in ``dtype``,
+    and ``WRITTEN`` for the gate: the scan over chunks, which needs its inputs laid out
+    chunk by chunk, then copies one ``[T, V]`` array where it copied two, and returns one
+    gradient in their place (GDN-2's CPU forward+backward temp 160.5 -> 120.4 MB,
+    docs/benchmarks.md). KDA's inputs are left as they are."""
+    q, k, v, log_alpha, erase_gate, write_gate = inputs
+    if write_gate is None:
+        return inputs
+    made = over_chunks(gated)(v.astype(dtype), write_gate.astype(dtype))
+    return q, k, made, log_alpha, erase_gate, WRITTEN
+
+
 def _in_scan_forward(inputs, initial_states, resets, *, keep_starts):
     ys, *starts, finals = scan_blocks(
-        chunk_forward, inputs, initial_states, resets, keep_starts=keep_starts
+        chunk_forward,
+        _writes_first(inputs, initial_states.dtype),
+        initial_states,
+        resets,
+        keep_starts=keep_starts,
     )
     return ys, finals, starts
 
 
 def _in_scan_backward(inputs, starts, resets, d_ys, d_finals):
-    return scan_blocks_backward(chunk_backward, (starts, *inputs, d_ys), d_finals, resets)
+    folded = _writes_first(inputs, starts.dtype)
+    xs = (starts, *folded, d_ys)
+    grads, d_initial = scan_blocks_backward(chunk_backward, xs, d_finals, resets)
+    v, write_gate = inputs[2], inputs[5]
+    if write_gate is None:
+        return grads, d_initial
+    d_made = grads[2]
+    v32, gate32 = v.astype(starts.dtype), write_gate.astype(starts.dtype)
+    d_v, d_write_gate = over_chunks(gated_bwd)(v32, gate32, d_made)
+    grads = (*grads[:2], d_v.astype(v.dtype), *grads[3:5], d_write_gate.astype(write_gate.dtype))
+    return grads, d_initial
 
 
 SCHEDULES = {

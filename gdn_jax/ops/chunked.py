@@ -64,19 +64,22 @@ over_chunks = jax.vmap
 
 
 def cast_to(dtype, *arrays):
-    """``arrays`` cast to ``dtype`` (None stays None): the inputs stay in their own dtype
-    until a chunk's work reads them."""
-    return tuple(None if x is None else x.astype(dtype) for x in arrays)
+    """``arrays`` cast to ``dtype`` (None, and an empty tuple in place of a gate, stay as
+    they are): the inputs stay in their own dtype until a chunk's work reads them."""
+    return tuple(x if x is None or isinstance(x, tuple) else x.astype(dtype) for x in arrays)
 
 
 def cast_back(arrays, dtypes):
     """Each of ``arrays`` cast to its own of ``dtypes`` (gradients back to their inputs';
-    None stays None)."""
-    return tuple(None if x is None else x.astype(d) for x, d in zip(arrays, dtypes, strict=True))
+    None and an empty tuple stay as they are)."""
+    return tuple(
+        x if x is None or isinstance(x, tuple) else x.astype(d)
+        for x, d in zip(arrays, dtypes, strict=True)
+    )
 
 
 def dtypes_of(arrays) -> tuple:
-    return tuple(None if x is None else x.dtype for x in arrays)
+    return tuple(x if x is None or isinstance(x, tuple) else x.dtype for x in arrays)
 
 
 def decayed(
