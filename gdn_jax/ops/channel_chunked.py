@@ -32,14 +32,15 @@ chunk's start state: ``dM = dY U^T`` on ``i <= t``; the WY pullback (``wy.two_pr
 ``dX = T^T dU``, ``d(E * exp(G)) = -dX S``, ``dA = -(dX U^T)`` on ``i < t`` (``d(I + A)^{-1}
 = -T dA T``); ``d(Q * exp(G)) = dY S``; then ``dM`` and ``dA`` through the scores to ``q``,
 ``e``, ``k`` and the decay factors, ``e = b * k`` and ``x = w * v`` to the gates, and every
-decay factor's cotangent to ``g`` (``channel_decays.channel_scores_bwd`` and
-``channel_decays_bwd``). Between the forward and the backward only the inputs, in their own
-dtype, and one ``[V, K]`` state per chunk are kept.
+decay factor's cotangent to ``g`` (``channel_decays.channel_scores_bwd``, down its chain of
+sums). Between the forward and the backward only the inputs, in their own dtype, and one
+``[V, K]`` state per chunk are kept.
 
 As in ``chunked.py``, stages 1 and 3 and the gradients run hoisted out of the scan over
 chunks and batched (``"hoisted"``: only state-sized products in the loops; the keys and
-queries enter them already decayed) or inside it, chunk by chunk (``"in_scan"``). A NaN in
-k, v or a gate reaches the outputs from the start of its chunk on.
+queries enter them already decayed) or inside it, chunk by chunk (``"in_scan"``, which
+takes GDN-2's ``x = w * v`` into its scan already formed: ``_writes_first``). A NaN in k, v
+or a gate reaches the outputs from the start of its chunk on.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def chunk_factors(
     q, k, v, log_alpha, erase_gate: EraseGate, write_gate: WriteGate | tuple[()] | None
 ) -> Factors:
     """Stage 1 for one chunk (inputs in the compute dtype); ``write_gate=None`` writes with
-    the erase gate (KDA's ``beta``). Both scores come from one pass over the levels."""
+    the erase gate (KDA's ``beta``), ``WRITTEN`` writes ``v`` as it is. Both scores come from
+    one pass over the levels."""
     erase = gated(k, erase_gate)
     (scores, erase_scores), decays = channel_scores((q, erase), k, clamped(log_alpha))
     w, u, inverse = two_products(
@@ -264,8 +266,8 @@ def _in_scan_backward(inputs, starts, resets, d_ys, d_finals):
     if write_gate is None:
         return grads, d_initial
     d_made = grads[2]
-    v32, gate32 = v.astype(starts.dtype), write_gate.astype(starts.dtype)
-    d_v, d_write_gate = over_chunks(gated_bwd)(v32, gate32, d_made)
+    v_c, gate_c = v.astype(starts.dtype), write_gate.astype(starts.dtype)
+    d_v, d_write_gate = over_chunks(gated_bwd)(v_c, gate_c, d_made)
     grads = (*grads[:2], d_v.astype(v.dtype), *grads[3:5], d_write_gate.astype(write_gate.dtype))
     return grads, d_initial
 
