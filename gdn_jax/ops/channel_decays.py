@@ -39,8 +39,9 @@ each term a sum of gates of one sign, so nothing cancels. At the top, ``exp(P_C)
 ``exp(S_C)`` and ``exp(P_C[-1])`` are the decays from the chunk's start, to its end and over
 it. (Each sum as a product with a triangle of ones gave XLA:CPU outputs with the tokens
 minor, which every use then read transposed: KDA's forward+backward took 1.19x the time in
-the in_scan schedule and 1.10x hoisted, docs/benchmarks.md.) A level's two ``[C/2, K]`` factors are made where it uses them: a
-chunk's largest arrays are ``[C, K]`` and ``M`` itself, never ``[C, C, K]``.
+the in_scan schedule and 1.10x hoisted, docs/benchmarks.md.) A level's two ``[C/2, K]``
+factors are made where it uses them: a chunk's largest arrays are ``[C, K]`` and ``M``
+itself, never ``[C, C, K]``.
 
 Backward. The scores' pullback mirrors their build, coarsest level first: a level's block
 ``(X_2 * R) (K_1 * Cc)^T`` sends ``dL (K_1 * Cc)`` to ``X_2 * R`` and ``dL^T (X_2 * R)`` to
@@ -110,15 +111,10 @@ def top_decays(sums: Sums) -> ChannelDecays:
     return ChannelDecays(jnp.exp(from_start), jnp.exp(to_end), jnp.exp(from_start[-1]))
 
 
-def channel_decays(log_alpha: Float[Array, "C K"]) -> ChannelDecays:
-    """The decays from the chunk's start and to its end, from its gates ``log_alpha [C, K]``
-    (each ``<= 0``, finite)."""
-    return level_sums(log_alpha)[1]
-
-
 def level_sums(log_alpha: Float[Array, "C K"]) -> tuple[list[Sums], ChannelDecays]:
     """Every level's sums, finest first (those of the level with half-blocks of ``h``
-    tokens are the sums within blocks of ``h``), and the chunk's decays."""
+    tokens are the sums within blocks of ``h``), and the chunk's decays from its gates
+    ``log_alpha [C, K]`` (each ``<= 0``, finite)."""
     sums, levels = finest(log_alpha), []
     for half in halving_sizes(log_alpha.shape[0]):
         levels.append(sums)
