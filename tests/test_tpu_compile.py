@@ -56,6 +56,20 @@ def test_op_compiles_for_tpu_with_its_schedules_loops(schedule):
         assert all(has_square(body, CHUNK) for body in (*forward.bodies, *both.bodies))
 
 
+@pytest.mark.parametrize("op", ["kda", "gdn2"])
+def test_channel_gated_rules_compile_for_tpu_with_state_sized_loops(op):
+    """KDA and GDN-2, hoisted, have Gated DeltaNet's two state passes, each body state-sized:
+    the forward's two products, the reverse pass's four (a decay a channel changes what
+    decays the keys and queries before the loop, not what the loop does)."""
+    forward = op_program(TOPOLOGY, "hoisted", "bfloat16", SHAPE, CHUNK, grad=False, op=op)
+    both = op_program(TOPOLOGY, "hoisted", "bfloat16", SHAPE, CHUNK, grad=True, op=op)
+    assert (forward.whiles, both.whiles) == (1, 2)
+    assert [len(dots(body)) for body in forward.bodies] == [2]
+    assert sorted(len(dots(body)) for body in both.bodies) == [2, 4]
+    for body in (*forward.bodies, *both.bodies):
+        assert not has_square(body, CHUNK)
+
+
 def test_auto_is_hoisted_when_traced_here_and_compiled_for_tpu():
     """``schedule="auto"`` follows the platform a program is compiled for: the program for a
     v5e chip is the hoisted one, that for this CPU the in_scan one."""

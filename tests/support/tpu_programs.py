@@ -46,6 +46,15 @@ def compile_program(fn, *args, device=None) -> Program:
     return Program(compiled.as_text(), compiled.memory_analysis(), time.perf_counter() - start)
 
 
+# Each op's gates after q, k and v, by their last axis: none (one a head and token), the key
+# channels or the value channels.
+GATES = {
+    "gated_delta_rule": (None, None),
+    "kda": ("K", None),
+    "gdn2": ("K", "K", "V"),
+}
+
+
 @functools.cache
 def op_program(
     topology: str,
@@ -55,23 +64,30 @@ def op_program(
     chunk_size: int,
     *,
     grad: bool,
+    op: str = "gated_delta_rule",
 ) -> Program:
-    """``gdn_jax.gated_delta_rule`` for one chip of ``topology``: q, k ``[B, T, H, K]`` and v
-    ``[B, T, H, V]`` in ``dtype``, float32 gates, ``shape = (B, T, H, K, V)``; its forward,
-    or with ``grad`` the gradient of every input of ``sum(y)`` (forward and backward)."""
+    """``gdn_jax.<op>`` for one chip of ``topology``: q, k ``[B, T, H, K]`` and v
+    ``[B, T, H, V]`` in ``dtype``, ``shape = (B, T, H, K, V)``; a gate a head and token
+    ``[B, T, H]`` in float32, a gate a channel ``[B, T, H, K or V]`` in ``dtype`` (token-sized,
+    as q, k and v are); its forward, or with ``grad`` the gradient of every input of
+    ``sum(y)`` (forward and backward)."""
     batch, seq_len, heads, key_dim, value_dim = shape
     dtype = jnp.dtype(dtype)
-    args = [
-        jax.ShapeDtypeStruct((batch, seq_len, heads, dim), dtype)
-        for dim in (key_dim, key_dim, value_dim)
+    tokens = (batch, seq_len, heads)
+    args = [jax.ShapeDtypeStruct((*tokens, dim), dtype) for dim in (key_dim, key_dim, value_dim)]
+    tails = {"K": (key_dim,), "V": (value_dim,)}
+    args += [
+        jax.ShapeDtypeStruct((*tokens, *tails[axis]), dtype)
+        if axis
+        else jax.ShapeDtypeStruct(tokens, jnp.float32)
+        for axis in GATES[op]
     ]
-    args += [jax.ShapeDtypeStruct((batch, seq_len, heads), jnp.float32)] * 2
 
     def forward(*args):
-        return gdn_jax.gated_delta_rule(*args, chunk_size=chunk_size, schedule=schedule)[0]
+        return getattr(gdn_jax, op)(*args, chunk_size=chunk_size, schedule=schedule)[0]
 
     def loss(*args):
         return jnp.sum(forward(*args).astype(jnp.float32))
 
-    fn = jax.grad(loss, argnums=range(5)) if grad else forward
+    fn = jax.grad(loss, argnums=range(len(args))) if grad else forward
     return compile_program(fn, *args, device=devices(topology)[0])
