@@ -219,19 +219,54 @@ def _hoisted_backward(inputs, starts, resets, d_ys, d_finals):
     # As in chunked.py: off CPU a barrier keeps XLA from keeping the decays of stage 1
     # through the loop for chunk_grads, which forms them again after it.
     kept, d_u = barrier_off_cpu(inputs, d_u)
-    q, k, v, *gates = cast_to(starts.dtype, *kept)
     d = (d_ys, corrections, d_u, d_k_to_end, d_whole)
+    dtypes = dtypes_of(inputs)
+
+    def grads_of(*xs):
+        *chunk_inputs, inverse, start, d = xs
+        q, k, v, *gates = cast_to(starts.dtype, *chunk_inputs)
+        return cast_back(chunk_grads(q, k, v, *gates, inverse, start, d), dtypes)
+
     # The gradients of GRADS_GROUP chunks at a time: all at once, the levels' factors and
     # their cotangents, some thirty [C, K] arrays a chunk, would hold 3.8 GB on a v5e chip
-    # at B=2, T=8192, H=16, K=V=128 (docs/benchmarks.md).
-    # Each group's gradients leave it in the inputs' dtype (no float32 copy of them all).
-    dtypes = dtypes_of(inputs)
-    grads = jax.lax.map(
-        lambda xs: cast_back(chunk_grads(*xs), dtypes),
-        (q, k, v, *gates, f.inverse, starts, d),
-        batch_size=GRADS_GROUP,
-    )
+    # at B=2, T=8192, H=16, K=V=128 (docs/benchmarks.md). Each group reads its inputs in
+    # their own dtype and leaves its gradients in it (no float32 copy of them all).
+    grads = map_groups(grads_of, (*kept, f.inverse, starts, d), GRADS_GROUP)
     return grads, d_initial
+
+
+def map_groups(fn, xs, size):
+    """``fn`` of each entry of ``xs`` along their leading axis, ``size`` entries at a
+    time (the last group shorter), batched within a group: ``jax.lax.map(fn, xs,
+    batch_size=size)``, except that each group's inputs are sliced out of ``xs`` where they
+    lie and its outputs written into their place in the whole. ``lax.map`` stacks ``xs``
+    group-major first, a copy of every input (here cast to float32 as well): on a v5e chip
+    at B=2, T=8192, H=16, K=V=128 that held GDN-2's hoisted forward+backward at 1673 MiB of
+    temp, and KDA's at 1434; slicing in place, 1353 and 1350 (docs/benchmarks.md).
+    ``leaves`` may hold None (a gate an op does not have), in and out."""
+    leaves = jax.tree.leaves(xs)
+    total = leaves[0].shape[0]
+    fn = jax.vmap(fn)
+    if total <= size:
+        return fn(*xs)
+    groups, rest = divmod(total, size)
+
+    def take(start, length):
+        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, length), xs)
+
+    def put(whole, part, start):
+        return jax.tree.map(
+            lambda w, p: jax.lax.dynamic_update_slice_in_dim(w, p, start, 0), whole, part
+        )
+
+    shapes = jax.eval_shape(fn, *take(0, size))
+    whole = jax.tree.map(lambda s: jnp.zeros((total, *s.shape[1:]), s.dtype), shapes)
+    whole = jax.lax.fori_loop(
+        0, groups, lambda i, whole: put(whole, fn(*take(i * size, size)), i * size), whole
+    )
+    if rest:
+        whole = put(whole, fn(*take(groups * size, rest)), groups * size)
+    return whole
 
 
 def _writes_first(inputs, dtype):

@@ -16,6 +16,7 @@ from support.reference import gated_delta_reference, random_inputs, random_state
 from support.tolerance import assert_close
 
 import gdn_jax
+from gdn_jax.ops.channel_chunked import GRADS_GROUP, map_groups
 from gdn_jax.ops.channel_decays import (
     channel_scores,
     channel_scores_bwd,
@@ -148,7 +149,28 @@ CHUNKED_CASES = [
     # chunks (the smallest is in the batched tests); K and V odd sizes; both schedules.
     (130, 16, 24, 64, "in_scan"),
     (150, 20, 12, 128, "hoisted"),
+    # More chunks than the hoisted backward takes at a time (GRADS_GROUP), and a shorter
+    # last group.
+    (16 * (GRADS_GROUP + 3) - 5, 8, 6, 16, "hoisted"),
 ]
+
+
+@pytest.mark.parametrize("total", [7, 16, 37])
+def test_map_groups_equals_mapping_every_entry(total):
+    """In groups of 16, fewer, exactly one group, and two with a shorter third: the same as
+    mapping each entry, with a gate an op lacks (None) passing through."""
+    rng = np.random.default_rng(total)
+    a, b = (jnp.asarray(rng.standard_normal((total, 3, *tail))) for tail in ((), (2,)))
+
+    def fn(a, missing, b):
+        assert missing is None
+        return a.sum() * b, None, jnp.sin(a)
+
+    got = map_groups(fn, (a, None, b), 16)
+    want = jax.vmap(fn)(a, None, b)
+    assert got[1] is None
+    for g, w in ((got[0], want[0]), (got[2], want[2])):
+        np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.parametrize(("seq_len", "key_dim", "value_dim", "chunk", "schedule"), CHUNKED_CASES)
