@@ -200,7 +200,7 @@ def _after(done, sums):
     """``(done, sums)`` as they are, with the next level's factors made from these ``sums``
     only once ``done`` (the last level's results) exists. Off CPU the barrier keeps XLA from
     making every level's factors at once, ``log2(C)`` copies of the keys batched over all
-    chunks (KDA's hoisted forward+backward on a v5e chip: 1434 MiB with it, 1813 without);
+    chunks (KDA's hoisted forward+backward on a v5e chip: 1350 MiB with it, 1841 without);
     XLA:CPU's temp is the same either way and the barrier cost it 5-7% of KDA's time
     (docs/benchmarks.md)."""
     return barrier_off_cpu(done, sums)

@@ -17,9 +17,10 @@ at this size, docs/benchmarks.md).
 GDN-2, with a decay a key channel and erase and write gates, has the same two state passes and
 one loop more: its hoisted backward forms the chunks' gradients ``GRADS_GROUP`` chunks at a
 time (``ops/channel_chunked.py``), whose body holds the ``[C, C]`` work the state passes do
-not. Its forward+backward temp is at most 1.4x Gated DeltaNet's in the same compiler
-(measured 1673 MiB against 1264, libtpu 0.0.52). KDA runs the same engine without the write
-gate (1434 MiB); its program at this size is not compiled here, since each of these two
+not. Its forward+backward temp is at most 1.2x Gated DeltaNet's in the same compiler
+(measured 1353 MiB against 1264, 1.07x, with libtpu 0.0.52; 1673 MiB, 1.32x, when the groups
+were stacked before their loop). KDA runs the same engine without the write
+gate (1350 MiB); its program at this size is not compiled here, since each of these two
 compiles costs 70-90 s of CPU (the suite's budget is 6 minutes on 2 cores), and GDN-2's holds
 every stage KDA's does. Both ops' loops are also read at a small size in
 ``test_tpu_compile.py``.
@@ -68,7 +69,7 @@ def test_hoisted_schedule_is_lean_on_tpu_v5e():
 def test_gdn2_is_lean_on_tpu_v5e():
     both = program("gdn2")
     temp, gdn_temp = (p.memory.temp_size_in_bytes for p in (both, program("gated_delta_rule")))
-    assert temp <= 1.4 * gdn_temp, (temp / 2**20, gdn_temp / 2**20)
+    assert temp <= 1.2 * gdn_temp, (temp / 2**20, gdn_temp / 2**20)
     assert both.whiles == 3  # the two state passes and the grouped chunks' gradients
     passes = [
         (body, n)
