@@ -2,7 +2,10 @@
 
 For each table cell (mixer, key-value pairs, width) the learning rate with the best mean
 held-out accuracy over its seeds is shown, with the mean, the range over seeds and their
-number, and how those runs ended (early stop, plateau or still rising); a run that failed is
+number, how those runs ended (early stop, plateau or still rising) and, for those that
+stopped early, after how many steps: where several mixers reach the target accuracy, the
+accuracy at the stop is only where it crossed the target, and the steps tell them apart. A
+run that failed is
 counted as failed, never as an accuracy, and a table cell whose
 runs all failed reads "failed". Only the records of the sweep's own runs are shown, under
 the command that made them.
@@ -82,6 +85,21 @@ def endings_text(summary: dict | None) -> str:
     return ", ".join(f"{n} {way}" for way, n in sorted(counts.items())) or "-"
 
 
+def steps_text(summary: dict | None) -> str:
+    """The steps to the target of the runs at a cell's chosen rate that stopped there:
+    "450 (300-600), 2 of 3 runs"; "none of 3 runs" when none did."""
+    if summary is None or not summary["records"]:
+        return "-"
+    steps = [r["final_step"] for r in summary["records"] if ending(r) == "target"]
+    runs = len(summary["records"])
+    if not steps:
+        return f"none of {runs} runs"
+    text = f"{statistics.fmean(steps):.0f}"
+    if len(steps) > 1:
+        text += f" ({min(steps)}-{max(steps)})"
+    return f"{text}, {len(steps)} of {runs} runs"
+
+
 def cell_text(summary: dict | None) -> str:
     if summary is None:
         return "-"
@@ -121,6 +139,11 @@ def write_table(
             "their last quarter)",
             "",
             *_rows(table, mixers, pairs, width, endings_text),
+            "",
+            f"d_model = {width}: steps to the target accuracy of those that stopped there: "
+            "mean (min-max), and how many of the runs did",
+            "",
+            *_rows(table, mixers, pairs, width, steps_text),
             "",
         ]
     text = "\n".join(lines)

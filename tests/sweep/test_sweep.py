@@ -120,6 +120,7 @@ def test_a_sweep_records_every_run_and_a_rerun_trains_nothing(sweep, tmp_path, b
     assert row in table, table
     # Neither reached its target: seed 0's run ended flat, seed 1's gained 0.05 at the end.
     assert "| gdn | 1 plateau, 1 rising |" in table, table
+    assert "| gdn | none of 2 runs |" in table, table
     assert rows[0]["reason"] == "steps" and rows[0]["final_step"] == 200
     assert [step for step, _ in rows[0]["evals"]] == [100, 200]
     assert Path("out", "accuracy.png").stat().st_size > 0
@@ -158,6 +159,7 @@ def test_later_seeds_train_only_at_each_cells_best_rate_on_the_grid_seeds(sweep)
     row = f"| gdn | {mean:.3f} ({min(accuracies):.3f}-{max(accuracies):.3f}, 3 seeds) [lr 0.05] |"
     assert row in table, table
     assert "| gdn | 1 plateau, 2 target |" in table, table  # 1.0 and 0.99 stop; 0.98 does not
+    assert "| gdn | 200 (200-200), 2 of 3 runs |" in table, table  # the stand-in stops at the end
 
     status, out, err, trained = sweep(*grid)
     assert status == 0 and trained == [], err
