@@ -243,9 +243,8 @@ def map_groups(fn, xs, size):
     group-major first, a copy of every input (here cast to float32 as well): on a v5e chip
     at B=2, T=8192, H=16, K=V=128 that held GDN-2's hoisted forward+backward at 1673 MiB of
     temp, and KDA's at 1434; slicing in place, 1353 and 1350 (docs/benchmarks.md).
-    ``leaves`` may hold None (a gate an op does not have), in and out."""
-    leaves = jax.tree.leaves(xs)
-    total = leaves[0].shape[0]
+    ``xs`` and ``fn``'s outputs may hold None (a gate an op does not have)."""
+    total = jax.tree.leaves(xs)[0].shape[0]
     fn = jax.vmap(fn)
     if total <= size:
         return fn(*xs)
