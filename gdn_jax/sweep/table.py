@@ -5,9 +5,8 @@ held-out accuracy over its seeds is shown, with the mean, the range over seeds a
 number, how those runs ended (early stop, plateau or still rising) and, for those that
 stopped early, after how many steps: where several mixers reach the target accuracy, the
 accuracy at the stop is only where it crossed the target, and the steps tell them apart. A
-run that failed is
-counted as failed, never as an accuracy, and a table cell whose
-runs all failed reads "failed". Only the records of the sweep's own runs are shown, under
+run that failed is counted as failed, never as an accuracy, and a table cell whose runs all
+failed reads "failed". Only the records of the sweep's own runs are shown, under
 the command that made them.
 """
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 import gdn_jax
 from gdn_jax import tpu_compile
+from gdn_jax.ops.rules import RULES
 from support.hlo import count, loop_bodies
 
 
@@ -46,15 +47,6 @@ def compile_program(fn, *args, device=None) -> Program:
     return Program(compiled.as_text(), compiled.memory_analysis(), time.perf_counter() - start)
 
 
-# Each op's gates after q, k and v, by their last axis: none (one a head and token), the key
-# channels or the value channels.
-GATES = {
-    "gated_delta_rule": (None, None),
-    "kda": ("K", None),
-    "gdn2": ("K", "K", "V"),
-}
-
-
 @functools.cache
 def op_program(
     topology: str,
@@ -66,7 +58,8 @@ def op_program(
     grad: bool,
     op: str = "gated_delta_rule",
 ) -> Program:
-    """``gdn_jax.<op>`` for one chip of ``topology``: q, k ``[B, T, H, K]`` and v
+    """``gdn_jax.<op>`` (a rule of ``RULES``, gates as it declares them) for one chip of
+    ``topology``: q, k ``[B, T, H, K]`` and v
     ``[B, T, H, V]`` in ``dtype``, ``shape = (B, T, H, K, V)``; a gate a head and token
     ``[B, T, H]`` in float32, a gate a channel ``[B, T, H, K or V]`` in ``dtype`` (token-sized,
     as q, k and v are); its forward, or with ``grad`` the gradient of every input of
@@ -77,10 +70,10 @@ def op_program(
     args = [jax.ShapeDtypeStruct((*tokens, dim), dtype) for dim in (key_dim, key_dim, value_dim)]
     tails = {"K": (key_dim,), "V": (value_dim,)}
     args += [
-        jax.ShapeDtypeStruct((*tokens, *tails[axis]), dtype)
-        if axis
+        jax.ShapeDtypeStruct((*tokens, *tails[gate.channels]), dtype)
+        if gate.channels
         else jax.ShapeDtypeStruct(tokens, jnp.float32)
-        for axis in GATES[op]
+        for gate in RULES[op].gates
     ]
 
     def forward(*args):
