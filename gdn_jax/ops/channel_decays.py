@@ -53,6 +53,12 @@ to the last token of each first half the second half's summed ``dP_2h``, and to 
 token of each second half the first half's summed ``dS_2h``; ``dP_1`` is the gates'
 gradient. The backward makes every level's sums first (``level_sums``), ``2 log2(C)`` arrays
 of ``[C, K]``.
+
+Both directions treat the row factors together: a level stacks every ``x``'s second halves
+along the tokens, so it is one product for all of them, and the keys' cotangent from that
+product is already summed over them, so ``k`` gets one padded piece per level, not one per
+``x``. (One product per ``x`` cost KDA's forward+backward 5-10% more on XLA:CPU,
+docs/benchmarks.md: the per-token gradient's assembly read twice the pieces.)
 """
 
 from __future__ import annotations
@@ -138,6 +144,7 @@ def channel_scores(
     for each row factor ``x`` of ``xs`` (the queries, the erase vectors) against one ``k``:
     every level's factors are made once for all of them. Also returns the chunk's decays."""
     chunk, key_dim = k.shape
+    n = len(xs)
     blocks = [(x * k).sum(-1)[:, None, None] for x in xs]  # [C, 1, 1]: the diagonals
     sums = finest(log_alpha)
     for half in halving_sizes(chunk):
@@ -145,9 +152,12 @@ def channel_scores(
         rows, cols = level_factors(sums, half)
         num = rows.shape[0]
         k_cols = k.reshape(num, 2, half, key_dim)[:, 0] * cols
-        for i, x in enumerate(xs):
-            x_rows = x.reshape(num, 2, half, key_dim)[:, 1] * rows
-            lower = jnp.einsum("jtk,jik->jti", x_rows, k_cols)  # [NB, b/2, b/2]
+        x_rows = jnp.concatenate(
+            [x.reshape(num, 2, half, key_dim)[:, 1] * rows for x in xs], axis=1
+        )  # [NB, n b/2, K]: every x's second halves, one after another
+        lowers = jnp.einsum("jtk,jik->jti", x_rows, k_cols)  # [NB, n b/2, b/2]
+        for i in range(n):
+            lower = lowers[:, i * half : (i + 1) * half]
             pairs = blocks[i].reshape(num, 2, half, half)
             top = jnp.concatenate([pairs[:, 0], jnp.zeros_like(lower)], axis=2)
             bottom = jnp.concatenate([lower, pairs[:, 1]], axis=2)
@@ -162,6 +172,7 @@ def channel_scores_bwd(xs, k, levels: list[Sums], decays: ChannelDecays, d_score
     decays from the start, to the end, over the chunk), given ``level_sums(log_alpha)``:
     ``(d_xs, d_k, d_log_alpha)``."""
     chunk, key_dim = k.shape
+    n = len(xs)
     d_from_start, d_to_end, d_whole = d_decays
     d_p = d_from_start * decays.from_start
     d_p = d_p.at[-1].add(d_whole * decays.whole)
@@ -175,20 +186,23 @@ def channel_scores_bwd(xs, k, levels: list[Sums], decays: ChannelDecays, d_score
         rows, cols = level_factors(sums, half)
         num = rows.shape[0]
         k_cols = k.reshape(num, 2, half, key_dim)[:, 0]
-        d_rows, d_cols = jnp.zeros_like(rows), jnp.zeros_like(cols)
-        for i, x in enumerate(xs):
-            lower = blocks[i][:, half:, :half]  # [NB, b/2, b/2]
-            x_rows = x.reshape(num, 2, half, key_dim)[:, 1]
-            d_x_rows = jnp.einsum("jti,jik->jtk", lower, k_cols * cols)  # of x_rows * rows
-            d_k_cols = jnp.einsum("jti,jtk->jik", lower, x_rows * rows)  # of k_cols * cols
-            d_xs[i] = d_xs[i] + _second_halves(d_x_rows * rows)
-            d_k = d_k + _first_halves(d_k_cols * cols)
-            d_rows, d_cols = d_rows + d_x_rows * x_rows, d_cols + d_k_cols * k_cols
+        lowers = jnp.concatenate([b[:, half:, :half] for b in blocks], axis=1)  # [NB, n h, h]
+        x_rows = [x.reshape(num, 2, half, key_dim)[:, 1] for x in xs]
+        d_x_rows = jnp.einsum("jti,jik->jtk", lowers, k_cols * cols)  # of each x_rows * rows
+        d_k_cols = jnp.einsum(
+            "jti,jtk->jik", lowers, jnp.concatenate([x * rows for x in x_rows], axis=1)
+        )  # of k_cols * cols, summed over xs
+        d_rows = jnp.zeros_like(rows)
+        for i in range(n):
+            d_x_i = d_x_rows[:, i * half : (i + 1) * half]
+            d_xs[i] = d_xs[i] + _second_halves(d_x_i * rows)
+            d_rows = d_rows + d_x_i * x_rows[i]
             halves = jnp.stack([blocks[i][:, :half, :half], blocks[i][:, half:, half:]], 1)
             blocks[i] = halves.reshape(num * 2, half, half)
+        d_k = d_k + _first_halves(d_k_cols * cols)
         d_sums = (
             d_sums[0] + _second_halves(d_rows * rows),
-            d_sums[1] + _first_halves(d_cols * cols),
+            d_sums[1] + _first_halves(d_k_cols * k_cols * cols),
         )
     for i, x in enumerate(xs):
         diagonal = blocks[i][:, 0, :]  # [C, 1]
