@@ -54,11 +54,13 @@ token of each second half the first half's summed ``dS_2h``; ``dP_1`` is the gat
 gradient. The backward makes every level's sums first (``level_sums``), ``2 log2(C)`` arrays
 of ``[C, K]``.
 
-Both directions treat the row factors together: a level stacks every ``x``'s second halves
-along the tokens, so it is one product for all of them, and the keys' cotangent from that
-product is already summed over them, so ``k`` gets one padded piece per level, not one per
-``x``. (One product per ``x`` cost KDA's forward+backward 5-10% more on XLA:CPU,
-docs/benchmarks.md: the per-token gradient's assembly read twice the pieces.)
+The backward treats the row factors together: a level stacks every ``x``'s cotangent block
+along the rows, so each direction is one product for all of them, and the keys' cotangent
+from that product is already summed over them, so ``k`` gets one padded piece per level,
+not one per ``x`` (XLA:CPU assembles the per-token gradients from these pieces in one pass
+whose cost grows with their number). On XLA:CPU this took 4-7% off KDA's and GDN-2's
+forward+backward; the forward stacked the same way was no faster on CPU and took 130 MiB
+more temp on a v5e chip (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -144,7 +146,6 @@ def channel_scores(
     for each row factor ``x`` of ``xs`` (the queries, the erase vectors) against one ``k``:
     every level's factors are made once for all of them. Also returns the chunk's decays."""
     chunk, key_dim = k.shape
-    n = len(xs)
     blocks = [(x * k).sum(-1)[:, None, None] for x in xs]  # [C, 1, 1]: the diagonals
     sums = finest(log_alpha)
     for half in halving_sizes(chunk):
@@ -152,12 +153,9 @@ def channel_scores(
         rows, cols = level_factors(sums, half)
         num = rows.shape[0]
         k_cols = k.reshape(num, 2, half, key_dim)[:, 0] * cols
-        x_rows = jnp.concatenate(
-            [x.reshape(num, 2, half, key_dim)[:, 1] * rows for x in xs], axis=1
-        )  # [NB, n b/2, K]: every x's second halves, one after another
-        lowers = jnp.einsum("jtk,jik->jti", x_rows, k_cols)  # [NB, n b/2, b/2]
-        for i in range(n):
-            lower = lowers[:, i * half : (i + 1) * half]
+        for i, x in enumerate(xs):
+            x_rows = x.reshape(num, 2, half, key_dim)[:, 1] * rows
+            lower = jnp.einsum("jtk,jik->jti", x_rows, k_cols)  # [NB, b/2, b/2]
             pairs = blocks[i].reshape(num, 2, half, half)
             top = jnp.concatenate([pairs[:, 0], jnp.zeros_like(lower)], axis=2)
             bottom = jnp.concatenate([lower, pairs[:, 1]], axis=2)
