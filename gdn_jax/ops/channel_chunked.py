@@ -38,9 +38,10 @@ sums). Between the forward and the backward only the inputs, in their own dtype,
 
 As in ``chunked.py``, stages 1 and 3 and the gradients run hoisted out of the scan over
 chunks and batched (``"hoisted"``: only state-sized products in the loops; the keys and
-queries enter them already decayed) or inside it, chunk by chunk (``"in_scan"``, which
-takes GDN-2's ``x = w * v`` into its scan already formed: ``_writes_first``). A NaN in k, v
-or a gate reaches the outputs from the start of its chunk on.
+queries enter them already decayed) or inside it, chunk by chunk (``"in_scan"``). Both take
+GDN-2's ``x = w * v`` already formed (``_writes_first``; the hoisted one only where that is
+no wider than ``v``). A NaN in k, v or a gate reaches the outputs from the start of its
+chunk on.
 """
 
 from __future__ import annotations
@@ -268,14 +269,18 @@ def map_groups(fn, xs, size):
     return whole
 
 
-def _writes_first(inputs, dtype):
+def _writes_first(inputs, dtype, *, wider_too: bool):
     """``inputs`` with GDN-2's values and write gates as one array, ``w * v`` in ``dtype``,
-    and ``WRITTEN`` for the gate: the scan over chunks, which needs its inputs laid out
-    chunk by chunk, then copies one ``[T, V]`` array where it copied two, and returns one
-    gradient in their place (GDN-2's CPU forward+backward temp 160.5 -> 120.4 MB,
-    docs/benchmarks.md). KDA's inputs are left as they are."""
+    and ``WRITTEN`` for the gate. Both schedules lay their inputs out chunk by chunk and
+    return a gradient for each, so that is one token-sized array fewer in and out:
+    GDN-2's CPU forward+backward temp (float32) in_scan 160.5 -> 120.4 MB, hoisted 369.0 ->
+    321.0 MB at 0.95x the time (docs/benchmarks.md). ``w * v`` is formed once and kept from
+    the forward to the backward, so when it is wider than ``v`` (``dtype`` float32, inputs
+    bfloat16) the hoisted schedule keeps the inputs as they are (``wider_too=False``): its
+    v5e forward+backward temp went 1353 -> 1481 MiB with it formed. KDA's inputs are left as
+    they are."""
     q, k, v, log_alpha, erase_gate, write_gate = inputs
-    if write_gate is None:
+    if write_gate is None or not (wider_too or v.dtype == dtype):
         return inputs
     made = over_chunks(gated)(v.astype(dtype), write_gate.astype(dtype))
     return q, k, made, log_alpha, erase_gate, WRITTEN
@@ -283,32 +288,41 @@ def _writes_first(inputs, dtype):
 
 def _in_scan_forward(inputs, initial_states, resets, *, keep_starts):
     ys, *starts, finals = scan_blocks(
-        chunk_forward,
-        _writes_first(inputs, initial_states.dtype),
-        initial_states,
-        resets,
-        keep_starts=keep_starts,
+        chunk_forward, inputs, initial_states, resets, keep_starts=keep_starts
     )
     return ys, finals, starts
 
 
 def _in_scan_backward(inputs, starts, resets, d_ys, d_finals):
-    folded = _writes_first(inputs, starts.dtype)
-    xs = (starts, *folded, d_ys)
-    grads, d_initial = scan_blocks_backward(chunk_backward, xs, d_finals, resets)
-    v, write_gate = inputs[2], inputs[5]
-    if write_gate is None:
-        return grads, d_initial
-    d_made = grads[2]
-    v_c, gate_c = v.astype(starts.dtype), write_gate.astype(starts.dtype)
-    d_v, d_write_gate = over_chunks(gated_bwd)(v_c, gate_c, d_made)
-    grads = (*grads[:2], d_v.astype(v.dtype), *grads[3:5], d_write_gate.astype(write_gate.dtype))
-    return grads, d_initial
+    return scan_blocks_backward(chunk_backward, (starts, *inputs, d_ys), d_finals, resets)
+
+
+def _with_writes_first(schedule, *, wider_too: bool):
+    """``schedule``'s forward and backward on ``_writes_first``'s inputs, the gradient of
+    ``w * v`` taken back to ``v`` and ``w`` after it."""
+    forward, backward = schedule
+
+    def folded_forward(inputs, initial_states, resets, *, keep_starts):
+        folded = _writes_first(inputs, initial_states.dtype, wider_too=wider_too)
+        return forward(folded, initial_states, resets, keep_starts=keep_starts)
+
+    def folded_backward(inputs, starts, resets, d_ys, d_finals):
+        folded = _writes_first(inputs, starts.dtype, wider_too=wider_too)
+        grads, d_initial = backward(folded, starts, resets, d_ys, d_finals)
+        if folded is inputs:
+            return grads, d_initial
+        v, write_gate = inputs[2], inputs[5]
+        v_c, gate_c = v.astype(starts.dtype), write_gate.astype(starts.dtype)
+        d_v, d_write_gate = over_chunks(gated_bwd)(v_c, gate_c, grads[2])
+        d_v, d_write_gate = d_v.astype(v.dtype), d_write_gate.astype(write_gate.dtype)
+        return (*grads[:2], d_v, *grads[3:5], d_write_gate), d_initial
+
+    return folded_forward, folded_backward
 
 
 SCHEDULES = {
-    "hoisted": (_hoisted_forward, _hoisted_backward),
-    "in_scan": (_in_scan_forward, _in_scan_backward),
+    "hoisted": _with_writes_first((_hoisted_forward, _hoisted_backward), wider_too=False),
+    "in_scan": _with_writes_first((_in_scan_forward, _in_scan_backward), wider_too=True),
 }
 
 

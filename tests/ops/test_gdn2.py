@@ -222,16 +222,32 @@ def test_packed_sequences_equal_separate_runs():
     forms.assert_packed_equals_separate("gdn2", inputs, state, ct_out, cu, loop_per_head)
 
 
-def test_bfloat16_inputs_keep_a_float32_state():
+@pytest.mark.parametrize("schedule", ["in_scan", "hoisted"])
+def test_bfloat16_inputs_keep_a_float32_state(schedule):
+    """Outputs, final state and every gradient of bfloat16 inputs against the same inputs
+    in float32, in both schedules: the hoisted one forms ``w * v`` before its loops only for
+    inputs already in float32, so the two dtypes take its two paths."""
     inputs = batched_inputs(10, 45)
     state = random_state(11, 1, V_HEADS, VALUE, KEY)
     low = tuple(x.astype(jnp.bfloat16) for x in inputs)
-    run = functools.partial(gdn2, initial_state=state, impl="chunked", chunk_size=32)
+    run = functools.partial(
+        gdn2, initial_state=state, impl="chunked", chunk_size=32, schedule=schedule
+    )
     out, final = run(*low)
     assert out.dtype == jnp.bfloat16 and final.dtype == jnp.float32
     out_ref, final_ref = run(*(x.astype(jnp.float32) for x in low))
     assert_close(out, out_ref, jnp.bfloat16)
     assert_close(final, final_ref, jnp.float32)
+
+    def loss(*xs):
+        y, s = run(*xs)
+        return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(s)
+
+    grad = jax.jit(jax.grad(loss, argnums=tuple(range(6))))
+    grads, grads_ref = grad(*low), grad(*(x.astype(jnp.float32) for x in low))
+    for name, g, g_ref in zip("q k v log_alpha b w".split(), grads, grads_ref, strict=True):
+        assert g.dtype == jnp.bfloat16, name
+        assert_close(g, g_ref, jnp.bfloat16, err_msg=name)
 
 
 def test_long_sequence_is_finite_and_matches_recurrent():
