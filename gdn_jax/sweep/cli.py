@@ -5,6 +5,8 @@ checked before anything is created or trained; a bad one is one line, ``sweep: e
 with exit status 2. Then the sweep locks ``--out``, trains the cells without a record, and
 writes the table and the plot. A stopped sweep (SIGINT, SIGTERM) records nothing for the runs
 it stopped, says so in one line and exits 130 or 143; the same command goes on from there.
+The same command with ``--table-only`` trains nothing and writes the table and the plot of
+what is recorded so far.
 """
 
 from __future__ import annotations
@@ -72,6 +74,12 @@ def parse_args(argv):
         "train as one program in one process (1: a process per run)",
     )
     add("--retry-failed", action="store_true", help="train the failed runs again")
+    add(
+        "--table-only",
+        action="store_true",
+        help="train nothing: write the table and the plot from the runs recorded so far, "
+        "those not trained yet counted as such (a sweep that spans several sittings)",
+    )
     add("--out", default="docs/sweep", help="results.jsonl, table.md and accuracy.png")
     add("--runs", default="runs/sweep", help="the runs' own directories")
     return parser.parse_args(argv)
@@ -192,7 +200,8 @@ def _sweep(args, argv, phases, out: Path, trainers) -> int:
             "sweep wrote them): they are kept, and not shown",
             file=sys.stderr,
         )
-    status = _train_phase(args, grid_jobs, results, trainers)
+    train = _train_phase if not args.table_only else lambda *_: None
+    status = train(args, grid_jobs, results, trainers)
     if status is not None:
         return status
     grid_seeds = set(args.seeds)
@@ -201,11 +210,12 @@ def _sweep(args, argv, phases, out: Path, trainers) -> int:
         best = best_per_cell([(job.cell, results.records.get(job.key)) for job in grid_jobs])
         chosen = [job for job in later if job.cell.learning_rate == _rate(best, job)]
         print(f"--best-rate-seeds at each cell's best rate on --seeds: {len(chosen)} runs")
-        status = _train_phase(args, chosen, results, trainers)
+        status = train(args, chosen, results, trainers)
         if status is not None:
             return status
         jobs += chosen
-    command = f"{PROG} {shlex.join(argv)}".strip()
+    # The command that trains these runs, which --table-only does not.
+    command = f"{PROG} {shlex.join(a for a in argv if a != '--table-only')}".strip()
     runs = [(job.cell, results.records.get(job.key)) for job in jobs]
     table = write_table(out / "table.md", runs, command, grid_seeds if later else None)
     write_plot(out / "accuracy.png", table)

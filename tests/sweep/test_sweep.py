@@ -166,6 +166,26 @@ def test_later_seeds_train_only_at_each_cells_best_rate_on_the_grid_seeds(sweep)
     assert Path("out", "table.md").read_text() == table
 
 
+def test_table_only_trains_nothing_and_counts_the_runs_not_trained_yet(sweep):
+    """A sweep that spans sittings: ``--table-only`` writes the table and the plot from the
+    runs recorded so far, under the command that trains them, each cell's runs still to
+    train counted, and trains nothing."""
+    grid = [*GRID[: GRID.index("--seeds")], "--mixers", "gdn", "--out", "out"]
+    status, _, err, trained = sweep(*grid, "--seeds", "0")
+    assert status == 0 and len(trained) == 2, err
+    for made in ("table.md", "accuracy.png"):
+        Path("out", made).unlink()
+    full = [*grid, "--seeds", "0", "--best-rate-seeds", "1", "2"]
+    status, out, err, trained = sweep(*full, "--table-only")
+    assert status == 0 and trained == [], err
+    assert len(records()) == 2 and Path("out", "accuracy.png").exists()
+    table = Path("out", "table.md").read_text()
+    assert table.startswith(f"Command: `python -m gdn_jax.sweep {' '.join(full)}`"), table
+    best = max((0.01, 0.03), key=lambda lr: (accuracy(lr, 0), -lr))
+    row = f"| gdn | {accuracy(best, 0):.3f} [lr {best:g}] (2 not run yet) |"
+    assert row in table, table
+
+
 def test_other_settings_train_their_own_runs_and_the_table_shows_them(sweep):
     assert sweep(*GRID, "--out", "out")[0] == 0
     status, _, err, trained = sweep(*GRID, "--out", "out", "--set", "train.eval_every=4")
