@@ -274,7 +274,7 @@ def _writes_first(inputs, dtype, *, wider_too: bool):
     and ``WRITTEN`` for the gate. Both schedules lay their inputs out chunk by chunk and
     return a gradient for each, so that is one token-sized array fewer in and out:
     GDN-2's CPU forward+backward temp (float32) in_scan 160.5 -> 120.4 MB, hoisted 369.0 ->
-    321.0 MB at 0.95x the time (docs/benchmarks.md). ``w * v`` is formed once and kept from
+    321.0 MB, its time within the noise (docs/benchmarks.md). ``w * v`` is formed once and kept from
     the forward to the backward, so when it is wider than ``v`` (``dtype`` float32, inputs
     bfloat16) the hoisted schedule keeps the inputs as they are (``wider_too=False``): its
     v5e forward+backward temp went 1353 -> 1481 MiB with it formed. KDA's inputs are left as

@@ -214,8 +214,7 @@ def _sweep(args, argv, phases, out: Path, trainers) -> int:
         if status is not None:
             return status
         jobs += chosen
-    # The command that trains these runs, which --table-only does not.
-    command = f"{PROG} {shlex.join(a for a in argv if a != '--table-only')}".strip()
+    command = f"{PROG} {shlex.join(_training_argv(argv))}".strip()
     runs = [(job.cell, results.records.get(job.key)) for job in jobs]
     table = write_table(out / "table.md", runs, command, grid_seeds if later else None)
     write_plot(out / "accuracy.png", table)
@@ -224,6 +223,12 @@ def _sweep(args, argv, phases, out: Path, trainers) -> int:
     if failed:
         print(f"{failed} run(s) failed: see their errors in {results.path}", file=sys.stderr)
     return 0
+
+
+def _training_argv(argv) -> list[str]:
+    """``argv`` less ``--table-only``, however abbreviated (argparse takes any unique prefix
+    of it): the command that trains the runs the table shows."""
+    return [a for a in argv if not (len(a) > 2 and "--table-only".startswith(a))]
 
 
 def _rate(best: dict, job) -> float | None:

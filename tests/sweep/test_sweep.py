@@ -184,6 +184,9 @@ def test_table_only_trains_nothing_and_counts_the_runs_not_trained_yet(sweep):
     best = max((0.01, 0.03), key=lambda lr: (accuracy(lr, 0), -lr))
     row = f"| gdn | {accuracy(best, 0):.3f} [lr {best:g}] (2 not run yet) |"
     assert row in table, table
+    status, _, err, trained = sweep(*full, "--table-o")  # argparse's abbreviation of it
+    assert status == 0 and trained == [], err
+    assert Path("out", "table.md").read_text() == table
 
 
 def test_other_settings_train_their_own_runs_and_the_table_shows_them(sweep):
