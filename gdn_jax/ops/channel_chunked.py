@@ -196,8 +196,10 @@ def chunk_backward(d_end, start, q, k, v, log_alpha, erase_gate, write_gate, d_y
     return d_start, cast_back(grads, dtypes_of(inputs))
 
 
-# Chunks whose gradients the hoisted backward forms together, after its loop.
+# Chunks whose gradients the hoisted backward forms together, after its loop: GRADS_GROUP
+# on accelerators, CPU_GRADS_GROUP on XLA:CPU (``_grads_in_groups`` says why they differ).
 GRADS_GROUP = 16
+CPU_GRADS_GROUP = 4
 
 
 def _hoisted_forward(inputs, initial_states, resets, *, keep_starts):
@@ -228,12 +230,28 @@ def _hoisted_backward(inputs, starts, resets, d_ys, d_finals):
         q, k, v, *gates = cast_to(starts.dtype, *chunk_inputs)
         return cast_back(chunk_grads(q, k, v, *gates, inverse, start, d), dtypes)
 
-    # The gradients of GRADS_GROUP chunks at a time: all at once, the levels' factors and
-    # their cotangents, some thirty [C, K] arrays a chunk, would hold 3.8 GB on a v5e chip
-    # at B=2, T=8192, H=16, K=V=128 (docs/benchmarks.md). Each group reads its inputs in
-    # their own dtype and leaves its gradients in it (no float32 copy of them all).
-    grads = map_groups(grads_of, (*kept, f.inverse, starts, d), GRADS_GROUP)
+    grads = _grads_in_groups(grads_of, (*kept, f.inverse, starts, d))
     return grads, d_initial
+
+
+def _grads_in_groups(grads_of, xs):
+    """``map_groups(grads_of, xs, size)``: the gradients a group of chunks at a time. All at
+    once, the levels' factors and their cotangents, some thirty ``[C, K]`` arrays a chunk,
+    would hold 3.8 GB on a v5e chip at B=2, T=8192, H=16, K=V=128 (docs/benchmarks.md). Each
+    group reads its inputs in their own dtype and leaves its gradients in it (no float32
+    copy of them all). On XLA:CPU a group's arrays are its chunks' times the heads batched
+    around them, and the pullback of the scores makes many elementwise passes over them:
+    groups of 4 chunks kept them nearer the cores and took KDA's hoisted forward+backward
+    from 622.6 to 568.5 ms and GDN-2's from 637.7 to 602.6 (B=1, H=8, T=4096, K=V=128,
+    float32, one run), at the same temp. On the v5e chip 16 is kept: 4 took GDN-2's temp
+    from 1353 to 1415 MiB (docs/benchmarks.md)."""
+
+    def in_groups(size):
+        return lambda *xs: map_groups(grads_of, xs, size)
+
+    return jax.lax.platform_dependent(
+        *xs, cpu=in_groups(CPU_GRADS_GROUP), default=in_groups(GRADS_GROUP)
+    )
 
 
 def map_groups(fn, xs, size):

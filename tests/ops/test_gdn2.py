@@ -16,7 +16,7 @@ from support.reference import erase_write_reference, random_inputs, random_state
 from support.tolerance import assert_close
 
 import gdn_jax
-from gdn_jax.ops.channel_chunked import GRADS_GROUP
+from gdn_jax.ops.channel_chunked import CPU_GRADS_GROUP, GRADS_GROUP
 
 HEADS, V_HEADS, KEY, VALUE = 2, 4, 12, 10
 
@@ -115,8 +115,9 @@ def test_chunked_equals_recurrent_values_and_gradients(schedule):
 
 
 def test_hoisted_gradients_in_groups_of_chunks_equal_recurrent():
-    """More chunks than the hoisted backward takes at a time (``GRADS_GROUP``), the last
-    group shorter."""
+    """More chunks than the hoisted backward takes at a time (``GRADS_GROUP``, and
+    ``CPU_GRADS_GROUP`` on this CPU), the last group shorter."""
+    assert (GRADS_GROUP + 3) % CPU_GRADS_GROUP
     args = single_head_args(131, 16 * (GRADS_GROUP + 3) - 5, 8, 6)
     options = dict(chunk_size=16, schedule="hoisted")
     assert_forms_agree(args, jnp.float32, options, "hoisted, in groups")

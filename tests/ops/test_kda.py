@@ -16,7 +16,7 @@ from support.reference import gated_delta_reference, random_inputs, random_state
 from support.tolerance import assert_close
 
 import gdn_jax
-from gdn_jax.ops.channel_chunked import GRADS_GROUP, map_groups
+from gdn_jax.ops.channel_chunked import CPU_GRADS_GROUP, GRADS_GROUP, map_groups
 from gdn_jax.ops.channel_decays import (
     channel_scores,
     channel_scores_bwd,
@@ -149,10 +149,11 @@ CHUNKED_CASES = [
     # chunks (the smallest is in the batched tests); K and V odd sizes; both schedules.
     (130, 16, 24, 64, "in_scan"),
     (150, 20, 12, 128, "hoisted"),
-    # More chunks than the hoisted backward takes at a time (GRADS_GROUP), and a shorter
-    # last group.
+    # More chunks than the hoisted backward takes at a time (GRADS_GROUP, CPU_GRADS_GROUP
+    # here), and a shorter last group.
     (16 * (GRADS_GROUP + 3) - 5, 8, 6, 16, "hoisted"),
 ]
+assert (GRADS_GROUP + 3) % CPU_GRADS_GROUP, "the CPU's last group of chunks is a short one"
 
 
 @pytest.mark.parametrize("total", [7, 16, 37])
