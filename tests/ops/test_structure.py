@@ -6,6 +6,8 @@ idle the MXU, so in the ``"hoisted"`` schedule (the default off CPU) the intra-c
 here; no accelerator is needed to check the structure.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -13,6 +15,7 @@ from support.hlo import dots, has_square, loop_bodies
 from support.reference import random_inputs, random_state
 
 import gdn_jax
+from gdn_jax.ops.channel_chunked import CPU_GRADS_GROUP
 
 # Distinct sizes, so that a [C, C] array cannot be mistaken for anything else.
 SEQ, CHUNK, KEY, VALUE = 96, 16, 24, 40
@@ -87,20 +90,28 @@ def test_batched_grouped_heads_keep_the_structure(impl_fn):
         assert not has_chunk_square(body)
 
 
-def test_kda_hoisted_loops_hold_only_state_sized_work():
-    """Kimi Delta Attention's hoisted schedule: autodiff with the forward rematerialised, so
-    the backward runs the state pass again besides its reverse, all state-sized."""
-    q, k, v, la, b = random_inputs(3, SEQ, KEY, VALUE, per_channel=True)
+@pytest.mark.parametrize("op", ["kda_chunked", "gdn2_chunked"])
+def test_channel_gated_hoisted_loops(op):
+    """KDA's and GDN-2's hoisted forward+backward: the forward's and the reverse state pass
+    hold only state-sized work (two and four products), and the chunks' gradients, with
+    the ``[C, C]`` work, run after them in a loop over groups of ``CPU_GRADS_GROUP`` chunks
+    on this CPU (``channel_chunked._grads_in_groups``): 9 chunks are two groups of 4 in the
+    loop and one chunk after it."""
+    chunks = 9
+    q, k, v, la, b = random_inputs(3, chunks * CHUNK, KEY, VALUE, per_channel=True)
+    gates = (la, b) if op == "kda_chunked" else (la, jax.nn.sigmoid(k), jax.nn.sigmoid(v))
     state = random_state(4, VALUE, KEY)
 
-    def kda_loss(*args):
-        options = dict(initial_state=args[5], chunk_size=CHUNK, schedule="hoisted")
-        y, s = gdn_jax.kda_chunked(*args[:5], **options)
+    def op_loss(*args):
+        options = dict(initial_state=args[-1], chunk_size=CHUNK, schedule="hoisted")
+        y, s = getattr(gdn_jax, op)(*args[:-1], **options)
         return jnp.sum(y**2) + jnp.sum(s**2)
 
-    grad = jax.jit(jax.grad(kda_loss, argnums=range(6)))
-    bodies = loop_bodies(grad.lower(q, k, v, la, b, state).compile().as_text())
-    assert len(bodies) >= 2
-    for body in bodies:
-        assert 1 <= len(dots(body)) <= 6, dots(body)
-        assert not has_chunk_square(body)
+    args = (q, k, v, *gates, state)
+    hlo = jax.jit(jax.grad(op_loss, argnums=range(len(args)))).lower(*args).compile().as_text()
+    bodies = loop_bodies(hlo)
+    passes = [body for body in bodies if not has_chunk_square(body)]
+    assert sorted(len(dots(body)) for body in passes) == [2, 4], [dots(b) for b in passes]
+    assert len(bodies) == 3, len(bodies)
+    trips = sorted(int(n) for n in re.findall(r'known_trip_count":\{"n":"(\d+)"', hlo))
+    assert trips == [chunks // CPU_GRADS_GROUP, chunks, chunks], trips
