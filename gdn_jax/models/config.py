@@ -48,6 +48,9 @@ class ModelConfig:
     allow_neg_eigval: bool = False
     # Gated DeltaProduct: delta-rule steps a token (each with its key, value and beta).
     num_householder: int = 2
+    # KDA: its forget and output gates each a product of two projections through rank
+    # head_v_dim (flash-linear-attention's); false: one full-rank projection each (Bailing's).
+    low_rank_gates: bool = True
     # Chunk size C of the chunked recurrence.
     chunk_size: int = 64
     # "chunked" (train with this) or "recurrent" (the token-by-token reference).
@@ -110,6 +113,7 @@ class ModelConfig:
                 fail(field, "must be a number")
         for field in (
             "allow_neg_eigval",
+            "low_rank_gates",
             "use_gate",
             "use_short_conv",
             "use_mlp",

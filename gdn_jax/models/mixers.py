@@ -53,15 +53,17 @@ def recurrent_kwargs(config) -> dict:
 
 
 def recurrent(
-    layer, *, negative_eigenvalues: bool, gate_init: str | None
+    layer, *, negative_eigenvalues: bool, gate_init: str | None, options: tuple[str, ...] = ()
 ) -> Callable[..., TokenMixer]:
     """The builder of a recurrent ``layer``; ``negative_eigenvalues``: whether it takes the
     model-wide ``allow_neg_eigval`` (the mixers with a delta correction); ``gate_init``: the
     config field that holds its decay gate's initial law (``"head_gate_init"`` or
-    ``"channel_gate_init"``), or ``None`` for a mixer without a decay gate."""
+    ``"channel_gate_init"``), or ``None`` for a mixer without a decay gate; ``options``: the
+    config fields it takes as constructor arguments of the same name."""
 
     def build(config, common):
         extra = dict(allow_neg_eigval=config.allow_neg_eigval) if negative_eigenvalues else {}
+        extra.update({name: getattr(config, name) for name in options})
         if gate_init is not None:
             extra["gate_init"] = getattr(config, gate_init)
         heads = (config.d_model, config.num_heads, config.key_head_dim)
@@ -118,7 +120,12 @@ MIXERS: dict[str, MixerSpec] = {
     ),
     "kda": MixerSpec(
         KimiDeltaAttention,
-        recurrent(KimiDeltaAttention, negative_eigenvalues=True, gate_init="channel_gate_init"),
+        recurrent(
+            KimiDeltaAttention,
+            negative_eigenvalues=True,
+            gate_init="channel_gate_init",
+            options=("low_rank_gates",),
+        ),
         "Kimi Delta Attention: delta correction, one decay per key channel",
     ),
     "gdn2": MixerSpec(

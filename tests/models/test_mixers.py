@@ -56,3 +56,16 @@ def test_mixer_init_std_draws_the_projections_of_every_kind_of_mixer():
         assert kernels, name
         for kernel in kernels:
             assert abs(float(np.std(kernel)) - 0.02) < 0.004, name
+
+
+def test_low_rank_gates_reaches_kda_alone():
+    """``ModelConfig.low_rank_gates`` is KDA's constructor argument: false gives its full-rank
+    forget gate ``f_proj`` in place of ``f_b_proj(f_a_proj(x))``; the other mixers ignore it."""
+    for low_rank in (True, False):
+        config = ModelConfig(vocab_size=50, d_model=16, low_rank_gates=low_rank)
+        kda = nnx.eval_shape(lambda c=config: build_mixer(c, "kda", rngs=nnx.Rngs(0)))
+        assert (kda.f_proj is None) is low_rank
+        assert (kda.f_a_proj is None) is not low_rank
+    config = ModelConfig(vocab_size=50, d_model=16, low_rank_gates=False)
+    gdn2 = nnx.eval_shape(lambda: build_mixer(config, "gdn2", rngs=nnx.Rngs(0)))
+    assert gdn2.f_a_proj is not None

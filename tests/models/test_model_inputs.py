@@ -114,6 +114,7 @@ def test_array_scalars_are_refused_as_not_a_python_number(model):
         ("head_dim", 8.0, "must be a positive integer or None"),
         ("expand_v", "2", "must be a number"),
         ("use_gate", 1, "must be true or false"),
+        ("low_rank_gates", "no", "must be true or false"),
         ("mixer_init_std", -1.0, r"must be a positive number or None"),
     ],
 )
