@@ -30,6 +30,9 @@ SWEEP_FIELDS = {
 }
 # Resolved-config fields that do not change what a run computes.
 NOT_IDENTITY = ("train.out_dir", "train.progress")
+# Fields added after runs were recorded, with the value every earlier run had: at it they
+# stay out of the key, so that recorded runs keep their identity and directories.
+ADDED_LATER = {"model.low_rank_gates": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +100,10 @@ class Plan:
         for dotted in NOT_IDENTITY:
             section, field = dotted.split(".")
             del config[section][field]
+        for dotted, earlier in ADDED_LATER.items():
+            section, field = dotted.split(".")
+            if config[section][field] == earlier:
+                del config[section][field]
         return config
 
     def key(self, cell: Cell) -> str:

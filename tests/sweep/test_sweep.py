@@ -21,8 +21,9 @@ import pytest
 from support.runs import TINY
 from sweep_trainer import accuracy, failure_line
 
+import gdn_jax
 from gdn_jax.sweep import cli
-from gdn_jax.sweep.cells import SWEEP_FIELDS
+from gdn_jax.sweep.cells import SWEEP_FIELDS, Cell, Plan
 from gdn_jax.sweep.runner import Trainers, batches
 from gdn_jax.training import batched_cli
 from gdn_jax.training.config import load_config
@@ -416,3 +417,18 @@ def test_runs_of_the_real_command_are_recorded(sweep):
         assert 0 <= row["accuracy"] <= 1 and row["best_step"] in (6, 12)
         assert row["reason"] in ("target", "steps") and row["final_step"] in (6, 12)
         assert max(accuracy for _, accuracy in row["evals"]) == pytest.approx(row["accuracy"])
+
+
+def test_a_field_added_later_keeps_the_recorded_runs_keys(tmp_path):
+    """``ModelConfig.low_rank_gates`` came after runs were recorded: at the value they all had
+    it stays out of the key (their records and directories still match); set otherwise, it
+    is a run of its own."""
+    configs = {"kda": Path(gdn_jax.__file__).parent / "configs" / "mqar_kda.yaml"}
+    cell = Cell(mixer="kda", kv_pairs=16, d_model=64, learning_rate=3e-3, seed=0)
+
+    def plan(*sets):
+        return Plan(configs=configs, sets=sets, steps=200, layers=2, runs=tmp_path)
+
+    assert "low_rank_gates" not in plan().resolved(cell)["model"]
+    assert plan("model.low_rank_gates=true").key(cell) == plan().key(cell)
+    assert plan("model.low_rank_gates=false").key(cell) != plan().key(cell)
