@@ -9,9 +9,9 @@ own held-out set (``train.eval_examples`` examples from its seed's test stream, 
 logged accuracy was measured on). Pair ``i`` of ``n`` sits at tokens ``2i, 2i + 1`` and is
 queried once, ``d`` tokens after its key. Prints one row per run: accuracy over all queries,
 then by pair index in ``--buckets`` equal groups (first written to last), then by ``d`` in
-``--buckets`` groups of equal query counts. Misses that pile up on the first pairs and the
-longest ``d`` mean the state lost old writes (decay or overwriting); misses spread evenly
-mean the pairs interfere as they are read.
+``--buckets`` groups of equal query counts. Misses that grow with ``d`` mean writes fade over
+time (decay); misses on the first-written pairs whatever ``d`` mean later writes overwrote
+them; misses spread evenly over both mean the pairs interfere as they are read.
 """
 
 from __future__ import annotations
