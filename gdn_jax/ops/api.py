@@ -51,8 +51,8 @@ def over_batch_and_heads(
     per-channel rules, whose every product of q or k carries a value head's own decays, so
     that nothing is shared) q and k are repeated per value head: sharing them made autodiff
     sum their cotangents over the group inside the loop, as reduces of products over a middle
-    axis, and XLA:CPU (jaxlib 0.10.2) hands those to YNNPACK, which segfaults or returns
-    wrong values on some of their shapes (``tests/ops/test_head_layouts.py``)."""
+    axis, and XLA:CPU hands those to YNNPACK, which segfaulted or returned wrong values on
+    some of their shapes (``tests/ops/test_head_layouts.py`` runs a grid of them)."""
     if not share_qk:
         return _over_value_heads(one_head, q, k, v, gates, initial_states, cu_seqlens)
     batch, seq_len, heads, key_dim = q.shape
@@ -94,8 +94,8 @@ def _one_sequence(one_head):
 def _over_value_heads(one_head, q, k, v, gates, initial_states, cu_seqlens):
     """``over_batch_and_heads`` with q and k repeated per value head, mapped over the batch
     and the value heads: two maps where the grouped layout needs three, which trace a
-    channel-gated rule's forward and backward once more over (KDA's gradient at T = 70: 2.1
-    to 2.5 s of tracing with three, 1.4 s with two). Each axis stays its own, so a mesh that
+    channel-gated rule's forward and backward once more over, and take longer to trace
+    (docs/benchmarks.md). Each axis stays its own, so a mesh that
     splits the batch and the heads over different axes keeps them split."""
     q, k = (jnp.repeat(x, v.shape[2] // q.shape[2], axis=2) for x in (q, k))
     if cu_seqlens is None:

@@ -237,14 +237,13 @@ def _hoisted_backward(inputs, starts, resets, d_ys, d_finals):
 def _grads_in_groups(grads_of, xs):
     """``map_groups(grads_of, xs, size)``: the gradients a group of chunks at a time. All at
     once, the levels' factors and their cotangents, some thirty ``[C, K]`` arrays a chunk,
-    would hold 3.8 GB on a v5e chip at B=2, T=8192, H=16, K=V=128 (docs/benchmarks.md). Each
-    group reads its inputs in their own dtype and leaves its gradients in it (no float32
-    copy of them all). On XLA:CPU a group's arrays are its chunks' times the heads batched
-    around them, and the pullback of the scores makes many elementwise passes over them:
-    groups of 4 chunks kept them nearer the cores and took KDA's hoisted forward+backward
-    from 622.6 to 568.5 ms and GDN-2's from 637.7 to 602.6 (B=1, H=8, T=4096, K=V=128,
-    float32, one run), at the same temp. On the v5e chip 16 is kept: 4 took GDN-2's temp
-    from 1353 to 1415 MiB (docs/benchmarks.md)."""
+    would take gigabytes of an accelerator's memory at long sequences. Each group reads its inputs in
+    their own dtype and leaves its gradients in it (no float32 copy of them all). The group
+    size depends on the platform: on XLA:CPU a group's arrays are its chunks' times the heads
+    batched around them, and the pullback of the scores makes many elementwise passes over
+    them, which run faster over few chunks that stay near the cores, at the same temp; on a
+    TPU fewer chunks a group take more temp. The measurements that chose
+    ``CPU_GRADS_GROUP`` and ``GRADS_GROUP`` are in docs/benchmarks.md."""
 
     def in_groups(size):
         return lambda *xs: map_groups(grads_of, xs, size)
@@ -259,9 +258,8 @@ def map_groups(fn, xs, size):
     time (the last group shorter), batched within a group: ``jax.lax.map(fn, xs,
     batch_size=size)``, except that each group's inputs are sliced out of ``xs`` where they
     lie and its outputs written into their place in the whole. ``lax.map`` stacks ``xs``
-    group-major first, a copy of every input (here cast to float32 as well): on a v5e chip
-    at B=2, T=8192, H=16, K=V=128 that held GDN-2's hoisted forward+backward at 1673 MiB of
-    temp, and KDA's at 1434; slicing in place, 1353 and 1350 (docs/benchmarks.md).
+    group-major first, a copy of every input (here cast to float32 as well), which on a TPU
+    holds more temp than slicing in place (docs/benchmarks.md).
     ``xs`` and ``fn``'s outputs may hold None (a gate an op does not have)."""
     total = jax.tree.leaves(xs)[0].shape[0]
     fn = jax.vmap(fn)
@@ -290,13 +288,11 @@ def map_groups(fn, xs, size):
 def _writes_first(inputs, dtype, *, wider_too: bool):
     """``inputs`` with GDN-2's values and write gates as one array, ``w * v`` in ``dtype``,
     and ``WRITTEN`` for the gate. Both schedules lay their inputs out chunk by chunk and
-    return a gradient for each, so that is one token-sized array fewer in and out:
-    GDN-2's CPU forward+backward temp (float32) in_scan 160.5 -> 120.4 MB, hoisted 369.0 ->
-    321.0 MB, its time within the noise (docs/benchmarks.md). ``w * v`` is formed once and kept from
-    the forward to the backward, so when it is wider than ``v`` (``dtype`` float32, inputs
-    bfloat16) the hoisted schedule keeps the inputs as they are (``wider_too=False``): its
-    v5e forward+backward temp went 1353 -> 1481 MiB with it formed. KDA's inputs are left as
-    they are."""
+    return a gradient for each, so that is one token-sized array fewer in and out, less temp
+    at the same time. ``w * v`` is formed once and kept from the forward to the backward, so
+    when it is wider than ``v`` (``dtype`` float32, inputs bfloat16) the hoisted schedule
+    keeps the inputs as they are (``wider_too=False``): formed, it took more TPU temp than it
+    saved. KDA's inputs are left as they are (figures in docs/benchmarks.md)."""
     q, k, v, log_alpha, erase_gate, write_gate = inputs
     if write_gate is None or not (wider_too or v.dtype == dtype):
         return inputs

@@ -38,8 +38,8 @@ by adding one half's total to the other half:
 each term a sum of gates of one sign, so nothing cancels. At the top, ``exp(P_C)``,
 ``exp(S_C)`` and ``exp(P_C[-1])`` are the decays from the chunk's start, to its end and over
 it. (Each sum as a product with a triangle of ones gave XLA:CPU outputs with the tokens
-minor, which every use then read transposed: KDA's forward+backward took 1.19x the time in
-the in_scan schedule and 1.10x hoisted, docs/benchmarks.md.) A level's two ``[C/2, K]``
+minor, which every use then read transposed, and KDA's forward+backward slower in both
+schedules: docs/benchmarks.md.) A level's two ``[C/2, K]``
 factors are made where it uses them: a chunk's largest arrays are ``[C, K]`` and ``M``
 itself, never ``[C, C, K]``.
 
@@ -58,9 +58,9 @@ The backward treats the row factors together: a level stacks every ``x``'s cotan
 along the rows, so each direction is one product for all of them, and the keys' cotangent
 from that product is already summed over them, so ``k`` gets one padded piece per level,
 not one per ``x`` (XLA:CPU assembles the per-token gradients from these pieces in one pass
-whose cost grows with their number). On XLA:CPU this took 4-7% off KDA's and GDN-2's
-forward+backward; the forward stacked the same way was no faster on CPU and took 130 MiB
-more temp on a v5e chip (docs/benchmarks.md).
+whose cost grows with their number). On XLA:CPU this made KDA's and GDN-2's
+forward+backward faster; the forward stacked the same way was no faster on CPU and took
+more temp on a TPU (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -212,9 +212,8 @@ def _after(done, sums):
     """``(done, sums)`` as they are, with the next level's factors made from these ``sums``
     only once ``done`` (the last level's results) exists. Off CPU the barrier keeps XLA from
     making every level's factors at once, ``log2(C)`` copies of the keys batched over all
-    chunks (KDA's hoisted forward+backward on a v5e chip: 1350 MiB with it, 1841 without);
-    XLA:CPU's temp is the same either way and the barrier cost it 5-7% of KDA's time
-    (docs/benchmarks.md)."""
+    chunks, which holds more TPU temp; XLA:CPU's temp is the same either way and the barrier
+    only slows it (docs/benchmarks.md)."""
     return barrier_off_cpu(done, sums)
 
 

@@ -39,8 +39,8 @@ def sync(name: str) -> None:
 def use_replica_parallel_only_across_processes() -> None:
     """Replica-parallel saving (orbax's default) splits each replicated array among its
     replicas, so that several hosts share the writes; in one process it only slices every
-    array per device, compiling a slice program for each: a save on 8 CPU devices took ~3 s
-    where one device took 0.3 s. So one process registers, as orbax's own benchmarks do, a
+    array per device, compiling a slice program for each, which made a save on 8 CPU devices
+    several times slower than on one (docs/benchmarks.md). So one process registers, as orbax's own benchmarks do, a
     handler for jax.Array without it in orbax's global registry (its override warning
     silenced); several keep orbax's default. The arrays on disk are the same either way."""
     if jax.process_count() > 1:

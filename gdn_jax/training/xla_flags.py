@@ -9,10 +9,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, MutableMapping
 
-# XLA:CPU hands dots to YNNPACK either way; by default it also sends elementwise and reduce
-# fusions there, which on the small per-chunk arrays of the chunked op ran slower than
-# XLA's own loops (MQAR-shape op forward+backward 43.2 -> 34.9 ms, training step 226 ->
-# 191 ms). Ignored off CPU.
+# Dots only to YNNPACK: its elementwise and reduce fusions ran slower than XLA's own loops on
+# the chunked op's small arrays (docs/benchmarks.md, "CPU options"). Ignored off CPU.
 CPU_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 
