@@ -1,9 +1,9 @@
 """Time and memory of the recurrent and chunked gated delta rule and Kimi Delta Attention.
 
-    python benchmarks/bench_ops.py --baseline 6fca74a            # the table in docs/benchmarks.md
+    python benchmarks/bench_ops.py                               # the first table in docs/benchmarks.md
     python benchmarks/bench_ops.py --seq-lens 4096 --chunk-sizes 16 32 64 128
     python benchmarks/bench_ops.py --shape mqar --seq-lens 256 --chunk-sizes 16 32 64 \\
-        --baseline 6fca74a --no-recurrent                        # before/after, one run
+        --baseline REV --no-recurrent                            # before/after, one run
     python benchmarks/bench_ops.py --ops gdn kda --seq-lens 4096 --no-recurrent \\
         --schedules auto                                         # KDA next to Gated DeltaNet
 

@@ -1,6 +1,6 @@
 """The op's memory and loops on a TPU chip, from ahead-of-time compiles on this host.
 
-    python benchmarks/bench_tpu_op.py --baseline f73a0a5       # the table in docs/benchmarks.md
+    python benchmarks/bench_tpu_op.py --ops gdn kda gdn2 --schedules hoisted   # docs/benchmarks.md
 
 For each of ``--ops`` (``gdn``, ``kda``, ``gdn2``: ``bench_ops.OPS``) and each schedule it
 compiles the op's forward and its forward+backward (the

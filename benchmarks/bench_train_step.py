@@ -1,7 +1,7 @@
 """The jitted MQAR training step of a config, now and at another revision, in one run.
 
-    python benchmarks/bench_train_step.py --baseline 6fca74a --chunk-sizes 16 32 64
-    python benchmarks/bench_train_step.py --baseline 6fca74a --loop
+    python benchmarks/bench_train_step.py --baseline REV --chunk-sizes 16 32 64
+    python benchmarks/bench_train_step.py --baseline REV --loop
 
 Builds the model, optimizer and step of the config (``configs/mqar_gdn.yaml`` by default)
 once with the current package and once with the package as it was at ``--baseline``
