@@ -12,7 +12,6 @@ the columns).
 
 from __future__ import annotations
 
-import functools
 from typing import no_type_check
 
 import jax
@@ -32,7 +31,8 @@ from gdn_jax.layers.params import (
 )
 from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer, seq_parallel_mesh
 from gdn_jax.layers.recurrent_mixer import head_log_decay
-from gdn_jax.ops import checks, gated_delta_product, gated_delta_product_seq_parallel
+from gdn_jax.ops import checks
+from gdn_jax.ops.rules.gated_delta_product import GATED_DELTA_PRODUCT
 
 
 @no_type_check  # checks.py names bad arguments and inputs
@@ -90,7 +90,7 @@ class GatedDeltaProduct(RecurrentLayer):
             conv_bias=conv_bias, allow_neg_eigval=allow_neg_eigval, norm_eps=norm_eps,
             chunk_size=chunk_size, impl=impl, schedule=schedule, dtype=dtype,
             param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs,
-            steps_per_token=num_householder,
+            rule=GATED_DELTA_PRODUCT, rule_options=dict(num_householder=num_householder),
         )  # fmt: skip
         self.num_householder, self.use_forget_gate = num_householder, use_forget_gate
         linear = bias_free_linear(
@@ -105,13 +105,6 @@ class GatedDeltaProduct(RecurrentLayer):
             self.A_log = param(a_log, PER_HEAD, NoWeightDecay)
             self.dt_bias = param(dt_bias, PER_HEAD, NoWeightDecay)
         self.g_proj = linear(hidden_size, self.value_dim, COLUMNS) if use_gate else None
-
-    def _rule_ops(self):
-        n = self.num_householder
-        return (
-            functools.partial(gated_delta_product, num_householder=n),
-            functools.partial(gated_delta_product_seq_parallel, num_householder=n),
-        )
 
     def _mix(self, x, *, mask, cu_seqlens, cache, impl):
         seq_mesh = seq_parallel_mesh() if impl == "chunked" and cache is None else None

@@ -30,7 +30,8 @@ from gdn_jax.layers.params import (
     param,
 )
 from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer, seq_parallel_mesh
-from gdn_jax.ops import checks, gdn2, gdn2_seq_parallel
+from gdn_jax.ops import checks
+from gdn_jax.ops.rules.gdn2 import GDN2
 
 
 @no_type_check  # checks.py names bad arguments and inputs
@@ -89,7 +90,7 @@ class GatedDeltaNet2(RecurrentLayer):
             use_gate=use_gate, use_short_conv=use_short_conv, conv_size=conv_size,
             conv_bias=conv_bias, allow_neg_eigval=allow_neg_eigval, norm_eps=norm_eps,
             chunk_size=chunk_size, impl=impl, schedule=schedule, dtype=dtype,
-            param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs,
+            param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs, rule=GDN2,
         )  # fmt: skip
         self.gate_lower_bound = None if gate_lower_bound is None else float(gate_lower_bound)
         linear = bias_free_linear(
@@ -124,9 +125,6 @@ class GatedDeltaNet2(RecurrentLayer):
             else None
         )
         self.g_b_proj = gate_out
-
-    def _rule_ops(self):
-        return gdn2, gdn2_seq_parallel
 
     def _gates(self, x, real):
         """``(log_alpha [B, T, HV, K], b [B, T, HV, K], w [B, T, HV, V])`` in float32: the key

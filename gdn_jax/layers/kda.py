@@ -33,7 +33,8 @@ from gdn_jax.layers.params import (
     param,
 )
 from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer, seq_parallel_mesh
-from gdn_jax.ops import checks, kda, kda_seq_parallel
+from gdn_jax.ops import checks
+from gdn_jax.ops.rules.kda import KDA
 
 
 def kda_log_decay(
@@ -116,7 +117,7 @@ class KimiDeltaAttention(RecurrentLayer):
             use_gate=use_gate, use_short_conv=use_short_conv, conv_size=conv_size,
             conv_bias=conv_bias, allow_neg_eigval=allow_neg_eigval, norm_eps=norm_eps,
             chunk_size=chunk_size, impl=impl, schedule=schedule, dtype=dtype,
-            param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs,
+            param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs, rule=KDA,
         )  # fmt: skip
         self.gate_dim = self.num_v_heads * head_dim  # one decay per value head and key channel
         self.low_rank_gates = low_rank_gates
@@ -152,9 +153,6 @@ class KimiDeltaAttention(RecurrentLayer):
         )
         self.g_b_proj = gate_out(rank) if low_rank_output else None
         self.g_proj = gate_out(hidden_size) if use_gate and not low_rank_gates else None
-
-    def _rule_ops(self):
-        return kda, kda_seq_parallel
 
     def _mix(self, x, *, mask, cu_seqlens, cache, impl):
         # A mesh in context (jax.set_mesh) with a "seq" axis splits T, as in GatedDeltaNet.

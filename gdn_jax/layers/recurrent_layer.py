@@ -21,6 +21,9 @@ from gdn_jax.layers import input_checks
 from gdn_jax.layers.conv import ShortConvolution, convolve_qkv
 from gdn_jax.layers.params import COLUMNS, ROWS, SEQ_AXIS, bias_free_linear
 from gdn_jax.ops import checks
+from gdn_jax.ops.api import batched
+from gdn_jax.ops.rule import Rule
+from gdn_jax.ops.sequence_parallel import seq_parallel
 
 
 def seq_parallel_mesh():
@@ -96,8 +99,10 @@ class RecurrentLayer(nnx.Module):
     ``use_short_conv``), the per-head output norm ``o_norm`` and the bias-free ``o_proj``.
     A subclass calls it first, then builds its gates (with ``params.bias_free_linear`` of
     the same dtypes, initialisation and random streams), and implements ``_mix(x, *, mask, cu_seqlens,
-    cache, impl) -> (y, cache)``, which gets q, k and v from ``_qkv``. ``chunk_size``,
-    ``impl`` and ``schedule`` are its op's.
+    cache, impl) -> (y, cache)``, which gets q, k and v from ``_qkv``. ``rule`` is what it
+    runs (``ops.rules.RULES``), with ``rule_options`` (Gated DeltaProduct's
+    ``num_householder``), which also say how many keys and values a token takes;
+    ``chunk_size``, ``impl`` and ``schedule`` are its op's.
     """
 
     def __init__(
@@ -121,7 +126,8 @@ class RecurrentLayer(nnx.Module):
         param_dtype,
         kernel_init,
         rngs: nnx.Rngs,
-        steps_per_token: int = 1,
+        rule: Rule,
+        rule_options: dict | None = None,
     ):
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
         name = type(self).__name__
@@ -146,9 +152,10 @@ class RecurrentLayer(nnx.Module):
         self.key_dim, self.value_dim = num_heads * head_dim, num_v_heads * head_v_dim
         self.allow_neg_eigval, self.use_gate = allow_neg_eigval, use_gate
         self.impl, self.schedule, self.conv_size = impl, schedule, conv_size
-        # Keys and values per token: several for Gated DeltaProduct, each head's side by
-        # side ("(h n d)" features of one token, see _steps).
-        self.steps_per_token = steps_per_token
+        # The rule and its options (a tuple of pairs: static, hashable), and the keys and
+        # values it takes a token, each head's side by side ("(h n d)" features, see _steps).
+        self.rule, self.rule_options = rule, tuple(sorted((rule_options or {}).items()))
+        self.steps_per_token = steps_per_token = rule.steps_per_token(rule_options or {})
         self.widths = (
             self.key_dim,
             self.key_dim * steps_per_token,
@@ -215,31 +222,34 @@ class RecurrentLayer(nnx.Module):
         """One token per sequence, ``x [B, 1, D]``: ``(y [B, 1, D], cache)``, token by token."""
         return self._mix(x, mask=None, cu_seqlens=None, cache=cache, impl="recurrent")
 
-    def _rule_ops(self):
-        """``(op, seq_parallel_op)``: the layer's batched op and its sequence-parallel twin."""
-        raise NotImplementedError
-
     def _recurrence(self, q, k, v, gates: tuple, *, cu_seqlens, cache, impl, seq_mesh):
         """The layer's rule over q, k, v and its ``gates``: ``(o, state)``. With ``seq_mesh``
         (a mesh in context that splits T) the rule passes its state across the shards; else
-        it starts from the cache's state (zeros without a cache)."""
-        op, seq_parallel_op = self._rule_ops()
+        it starts from the cache's state (zeros without a cache). Its errors name the rule's
+        batched op, or its ``*_seq_parallel`` twin."""
+        rule = self.rule
         options = dict(
             chunk_size=self.chunk_size,
             schedule=self.schedule,
             cu_seqlens=cu_seqlens,
             use_qk_l2norm=True,
+            scale=None,
+            **dict(self.rule_options),
         )
         if seq_mesh is not None:
-            return seq_parallel_op(q, k, v, *gates, mesh=seq_mesh, axis_name=SEQ_AXIS, **options)
+            fn = f"{rule.name}_seq_parallel"
+            return seq_parallel(
+                rule, q, k, v, gates, fn=fn, mesh=seq_mesh, axis_name=SEQ_AXIS,
+                initial_state=None, **options,
+            )  # fmt: skip
         initial_state = None if cache is None else cache.state
-        return op(q, k, v, *gates, initial_state=initial_state, impl=impl, **options)
+        return batched(rule, q, k, v, gates, initial_state=initial_state, impl=impl, **options)
 
     def _qkv(self, x, *, mask, cu_seqlens, cache, seq_mesh):
         """The rule's inputs from ``x [B, T, D]``, after checking ``x``, ``mask`` and ``cache``.
 
         Returns ``(q [B, T, H, K], k [B, T n, H, K], v [B, T n, HV, V], real, conv_cache)``
-        (``n = steps_per_token``, 1 but for Gated DeltaProduct):
+        (``n = steps_per_token``, the steps a token of the layer's rule):
         ``real`` is the mask as ``[B, T, 1]`` booleans (None without one), ``conv_cache`` the
         convolution histories to decode on (None without short convolutions). With
         ``seq_mesh`` the convolutions split T over its ``SEQ_AXIS``.

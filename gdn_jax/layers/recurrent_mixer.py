@@ -29,13 +29,9 @@ from gdn_jax.layers.params import (
     param,
 )
 from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer, seq_parallel_mesh
-from gdn_jax.ops import (
-    checks,
-    gated_delta_rule,
-    gated_delta_rule_seq_parallel,
-    gated_linear_attention,
-    gated_linear_attention_seq_parallel,
-)
+from gdn_jax.ops import checks
+from gdn_jax.ops.rules.gated_delta import GATED_DELTA
+from gdn_jax.ops.rules.gated_linear import GATED_LINEAR
 
 
 def head_log_decay(projected, A_log, dt_bias):
@@ -119,6 +115,7 @@ class RecurrentMixer(RecurrentLayer):
             conv_bias=conv_bias, allow_neg_eigval=allow_neg_eigval, norm_eps=norm_eps,
             chunk_size=chunk_size, impl=impl, schedule=schedule, dtype=dtype,
             param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs,
+            rule=GATED_DELTA if self.delta else GATED_LINEAR,
         )  # fmt: skip
         linear = bias_free_linear(
             dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
@@ -132,11 +129,6 @@ class RecurrentMixer(RecurrentLayer):
             self.A_log = param(a_log, PER_HEAD, NoWeightDecay)
             self.dt_bias = param(dt_bias, PER_HEAD, NoWeightDecay)
         self.g_proj = linear(hidden_size, self.value_dim, COLUMNS) if use_gate else None
-
-    def _rule_ops(self):
-        if self.delta:
-            return gated_delta_rule, gated_delta_rule_seq_parallel
-        return gated_linear_attention, gated_linear_attention_seq_parallel
 
     def _mix(self, x, *, mask, cu_seqlens, cache, impl):
         # A mesh in context (jax.set_mesh) with a "seq" axis splits T: the convolution takes

@@ -59,9 +59,10 @@ def over_batch_and_heads(
     v_heads, value_dim = v.shape[2:]
     num_states = initial_states.shape[0]
     group = v_heads // heads
-    v = v.reshape(batch, seq_len, heads, group, value_dim)
-    # Per-channel gates keep their trailing K or V axis.
-    gates = tuple(x.reshape(batch, seq_len, heads, group, *x.shape[3:]) for x in gates)
+    # Each keeps its own length (``T n`` where it is per step) and per-channel gates their
+    # trailing K or V axis.
+    v, *gates = (x.reshape(*x.shape[:2], heads, group, *x.shape[3:]) for x in (v, *gates))
+    gates = tuple(gates)
     states = initial_states.reshape(num_states, heads, group, value_dim, key_dim)
     if cu_seqlens is None:
         over_group = jax.vmap(
@@ -123,13 +124,16 @@ def batched(
     schedule: checks.Schedule,
     cu_seqlens,
     use_qk_l2norm: bool,
+    **rule_options,
 ):
     """``rule`` over a batch of sequences and heads (the body of every batched op): the
     shape checks, the prepared inputs, then the one-head form ``impl`` over batch and heads,
-    and the outputs scaled: ``S (scale q) = scale (S q)``."""
+    and the outputs scaled: ``S (scale q) = scale (S q)``. ``rule_options`` are the batched
+    op's own (``Rule.steps``)."""
     fn = rule.name
+    steps = checks.check_steps(fn, rule, rule_options)
     named = dict(zip(rule.gate_names, gates, strict=True))
-    checks.check_batched(fn, q, k, v, named, rule.gates, initial_state, cu_seqlens)
+    sizes = checks.check_batched(fn, rule, q, k, v, named, initial_state, cu_seqlens, steps)
     checks.check_scale(fn, scale)
     checks.check_impl(fn, impl)
     if impl == "chunked":
@@ -138,6 +142,7 @@ def batched(
         if not rule.forward_mode:
             arrays = dict(q=q, k=k, v=v, **named, initial_state=initial_state)
             checks.check_reverse_mode(fn, 'impl="recurrent"', **arrays)
+    gates = rule.with_defaults(gates, "batched", sizes)
     inputs = prepare_batched(
         q, k, v, gates, initial_state, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens
     )

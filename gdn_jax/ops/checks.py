@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdn_jax.ops.rule import STEPS, Form, GateSpec, Rule, shape_of
+
 Impl = Literal["chunked", "recurrent"]
 Schedule = Literal["auto", "hoisted", "in_scan"]
 
@@ -196,60 +198,88 @@ def check_schedule(fn: str, schedule) -> None:
         raise ValueError(f"{fn}: schedule={schedule!r} must be one of {SUPPORTED_SCHEDULES}")
 
 
-def check_gates(fn: str, gates: dict, specs, dims: dict[str, int], key_dim: int, value_dim: int):
-    """Each gate of ``specs`` (``rule.GateSpec``s) in ``gates`` (name to array) holds one
-    number per position of ``dims`` (names to sizes, e.g. ``{"T": 100}``), and one per key
-    or value channel where its spec says so (KDA's ``log_alpha [..., K]``)."""
-    for spec in specs:
-        names, shape = list(dims), tuple(dims.values())
-        if spec.channels is not None:
-            size = key_dim if spec.channels == "K" else value_dim
-            names, shape = [*names, spec.channels], (*shape, size)
-        layout = f"[{', '.join(names)}]" if names else "a scalar"
-        if spec.channels is not None:
-            kind = "key" if spec.channels == "K" else "value"
-            layout += f" (one gate per {kind} channel)"
-        check_shape(fn, spec.name, gates[spec.name], shape, layout)
+def check_steps(fn: str, rule: Rule, options: dict) -> int:
+    """The steps a token takes under the public form's ``options`` (``Rule.steps``): 1 for a
+    rule of one step a token, else the option's value, a positive integer."""
+    if rule.steps is None:
+        return 1
+    check_positive_int(fn, **{rule.steps: options[rule.steps]})
+    return int(options[rule.steps])
 
 
-def check_step(fn: str, state, q, k, v, gates: dict, specs) -> None:
-    """Shapes of the one-token contract: state [V, K], q, k [K], v [V], and each gate a
-    scalar (an array or a Python number), or one per key or value channel (``specs``)."""
-    arrays = dict(state=state, q=q, k=k, v=v)
-    per_channel = {s.name: gates[s.name] for s in specs if s.channels is not None}
-    check_arrays(fn, **arrays, **per_channel)
-    check_floating(fn, **arrays, **gates)
-    check_same_dtype(fn, q=q, k=k, v=v)
-    check_rank(fn, "q", q, 1, "[K]")
-    check_rank(fn, "v", v, 1, "[V]")
-    check_features(fn, "q", q, "K", "[K]")
-    check_features(fn, "v", v, "V", "[V]")
-    (key_dim,), (value_dim,) = q.shape, v.shape
-    check_shape(fn, "k", k, (key_dim,), "[K] like q")
-    check_shape(fn, "state", state, (value_dim, key_dim), "[V, K]")
-    check_gates(fn, gates, specs, {}, key_dim, value_dim)
+def layout_shown(rule: Rule, spec: GateSpec, form: Form, steps: int) -> str:
+    """How the errors show ``spec``'s layout in ``form``: its axes (``Rule.layout``) and,
+    where it helps, what they mean: k is ``like q``; a gate per channel says so; with
+    several steps a token, whether the argument is one a step or one a token."""
+    axes = rule.layout(spec, form)
+    shown = f"[{', '.join(axes)}]" if axes else "a scalar"
+    if spec.name == "k" and not spec.per_step:
+        shown += " like q"
+    elif spec.channels is not None and spec.name not in ("q", "k", "v"):
+        kind = "key" if spec.channels == "K" else "value"
+        shown += f" (one gate per {kind} channel)"
+    if rule.steps is not None and spec.per_step:
+        shown += f" with n = {rule.steps} = {steps} steps a token"
+    elif rule.steps is not None and spec.name != "q":
+        shown += " (one a token)"
+    return shown
 
 
-def check_single_head(fn: str, q, k, v, gates: dict, specs, initial_state) -> None:
-    """Shapes of the one-head, one-sequence contract: q, k [T, K], v [T, V] and each gate
-    [T], or [T, K] or [T, V] where its spec says so."""
-    check_arrays(fn, q=q, k=k, v=v, **gates, initial_state=initial_state)
-    check_floating(fn, q=q, k=k, v=v, **gates, initial_state=initial_state)
-    check_same_dtype(fn, q=q, k=k, v=v)
-    check_rank(fn, "q", q, 2, "[T, K]")
-    check_rank(fn, "k", k, 2, "[T, K]")
-    check_rank(fn, "v", v, 2, "[T, V]")
-    check_features(fn, "q", q, "K", "[T, K]")
-    check_features(fn, "v", v, "V", "[T, V]")
-    seq_len, key_dim = q.shape
-    value_dim = v.shape[1]
-    check_shape(fn, "k", k, (seq_len, key_dim), "[T, K] like q")
-    check_shape(fn, "v", v, (seq_len, value_dim), "[T, V] with T of q")
-    check_gates(fn, gates, specs, {"T": seq_len}, key_dim, value_dim)
+def check_layouts(fn: str, rule: Rule, form: Form, arrays: dict, sizes: dict) -> None:
+    """Each of q, k, v and the gates in ``arrays`` has the shape of its layout in ``form``
+    (``Rule.layout``) for ``sizes`` (the legend's letters); a gate with a default may be
+    None."""
+    for spec in rule.arguments:
+        x = arrays[spec.name]
+        if x is None and spec.default is not None:
+            continue
+        expected = shape_of(rule.layout(spec, form), sizes)
+        check_shape(fn, spec.name, x, expected, layout_shown(rule, spec, form, sizes[STEPS]))
+
+
+def check_qv(fn: str, rule: Rule, form: Form, q, v, steps: int) -> None:
+    """Ranks of q and v and their feature axes, from which the other sizes are read."""
+    for spec in rule.arguments[0], rule.arguments[2]:
+        x = q if spec.name == "q" else v
+        axes = rule.layout(spec, form)
+        check_rank(fn, spec.name, x, len(axes), layout_shown(rule, spec, form, steps))
+        check_features(fn, spec.name, x, axes[-1], f"[{', '.join(axes)}]")
+
+
+def check_inputs(fn: str, rule: Rule, form: Form, arrays: dict) -> None:
+    """Arrays (a gate that is one number in ``form`` may be a Python number) of floating
+    dtypes, q, k and v of one."""
+    scalars = {spec.name for spec in rule.gates if not rule.layout(spec, form)}
+    check_arrays(fn, **{name: x for name, x in arrays.items() if name not in scalars})
+    check_floating(fn, **arrays)
+    check_same_dtype(fn, q=arrays["q"], k=arrays["k"], v=arrays["v"])
+
+
+def check_step(fn: str, rule: Rule, state, q, k, v, gates: dict, steps: int = 1) -> dict:
+    """Shapes of the one-token contract: state [V, K], q [K], k [K] and v [V] (``[n, K]`` and
+    ``[n, V]`` with ``n`` steps a token), and each gate a scalar (an array or a Python
+    number), or one per key or value channel, or per step, as its spec says."""
+    check_inputs(fn, rule, "step", dict(state=state, q=q, k=k, v=v, **gates))
+    check_qv(fn, rule, "step", q, v, steps)
+    sizes = {"K": q.shape[-1], "V": v.shape[-1], STEPS: steps}
+    check_shape(fn, "state", state, (sizes["V"], sizes["K"]), "[V, K]")
+    check_layouts(fn, rule, "step", dict(q=q, k=k, v=v, **gates), sizes)
+    return sizes
+
+
+def check_single_head(fn: str, rule: Rule, q, k, v, gates: dict, initial_state, steps=1) -> dict:
+    """Shapes of the one-head, one-sequence contract: q [T, K], k [T, K], v [T, V] and each
+    gate [T], or [T, K] or [T, V] where its spec says so (``T n`` long where it is per step)."""
+    check_inputs(fn, rule, "one_head", dict(q=q, k=k, v=v, **gates, initial_state=initial_state))
+    check_qv(fn, rule, "one_head", q, v, steps)
+    (seq_len, key_dim), value_dim = q.shape, v.shape[-1]
+    sizes = {"T": seq_len, "K": key_dim, "V": value_dim, STEPS: steps}
+    check_layouts(fn, rule, "one_head", dict(q=q, k=k, v=v, **gates), sizes)
     if initial_state is not None:
         check_shape(fn, "initial_state", initial_state, (value_dim, key_dim), "[V, K]")
     if seq_len < 1:
         raise ValueError(f"{fn}: need at least one token, got q.shape={q.shape}")
+    return sizes
 
 
 def check_cu_seqlens(fn: str, cu_seqlens, seq_len: int) -> None:
@@ -273,67 +303,20 @@ def check_cu_seqlens(fn: str, cu_seqlens, seq_len: int) -> None:
         )
 
 
-def check_householder_steps(fn: str, q, k, v, log_alpha, beta, n, *, lead: int) -> None:
-    """Gated DeltaProduct's layout: per token a query and a decay (``log_alpha`` may be
-    None), per step (``n`` a token) a key, a value and a ``beta``. ``lead`` is 1 for the
-    batched layout (``q [B, T, H, K]``, ``k [B, T n, H, K]``, ``v [B, T n, HV, V]``,
-    ``log_alpha [B, T, HV]``, ``beta [B, T n, HV]``) and 0 for one head (the same without
-    ``B`` and the head axes). The rest is the gated delta rule's, checked by its op."""
-    check_positive_int(fn, num_householder=n)
-    check_arrays(fn, q=q, k=k, v=v, log_alpha=log_alpha, beta=beta)
-    rank = 2 + 2 * lead
-    q_layout, k_layout, v_layout = (
-        ("[B, T, H, K]", "[B, T n, H, K]", "[B, T n, HV, V]")
-        if lead
-        else ("[T, K]", "[T n, K]", "[T n, V]")
-    )
-    check_rank(fn, "q", q, rank, q_layout)
-    steps = (*q.shape[:lead], q.shape[lead] * n)
-    wanted = {"k": (k, k_layout, (*steps, *q.shape[lead + 1 :])), "v": (v, v_layout, steps)}
-    for name, (x, layout, leading) in wanted.items():
-        check_rank(fn, name, x, rank, layout)
-        if tuple(x.shape[: len(leading)]) != leading:
-            shape = leading if name == "k" else (*steps, "...")
-            raise ValueError(
-                f"{fn}: {name} must have shape {layout} with n = num_householder = {n} steps "
-                f"a token = {shape}, got {tuple(x.shape)}"
-            )
-    heads = v.shape[lead + 1 :][:1] if lead else ()
-    per_token = (*q.shape[: lead + 1], *heads)
-    per_step = (*steps, *heads)
-    if log_alpha is not None and tuple(log_alpha.shape) != per_token:
-        layout = "[B, T, HV]" if lead else "[T]"
-        raise ValueError(
-            f"{fn}: log_alpha must have shape {layout} (one decay a token) = {per_token}, "
-            f"got {tuple(log_alpha.shape)}"
-        )
-    if tuple(beta.shape) != per_step:
-        layout = "[B, T n, HV]" if lead else "[T n]"
-        raise ValueError(
-            f"{fn}: beta must have shape {layout} (one a step, n = {n}) = {per_step}, "
-            f"got {tuple(beta.shape)}"
-        )
-
-
-def check_batched(fn: str, q, k, v, gates: dict, specs, initial_state, cu_seqlens) -> None:
+def check_batched(
+    fn: str, rule: Rule, q, k, v, gates: dict, initial_state, cu_seqlens, steps: int = 1
+) -> dict:
     """The batched, multi-head contract: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` with HV a
     multiple of H, each gate ``[B, T, HV]`` (``[B, T, HV, K]`` or ``[B, T, HV, V]`` where its
-    spec says so), ``initial_state [B, HV, V, K]`` (``[N, HV, V, K]`` with packed
-    ``cu_seqlens``, which need ``B == 1``)."""
+    spec says so; ``T n`` long for what is per step), ``initial_state [B, HV, V, K]``
+    (``[N, HV, V, K]`` with packed ``cu_seqlens``, which need ``B == 1``)."""
     arrays = dict(q=q, k=k, v=v, **gates, initial_state=initial_state)
-    check_arrays(fn, **arrays)
-    check_floating(fn, **arrays)
-    check_same_dtype(fn, q=q, k=k, v=v)
-    check_rank(fn, "q", q, 4, "[B, T, H, K]")
-    check_rank(fn, "v", v, 4, "[B, T, HV, V]")
-    check_features(fn, "q", q, "K", "[B, T, H, K]")
-    check_features(fn, "v", v, "V", "[B, T, HV, V]")
+    check_inputs(fn, rule, "batched", arrays)
+    check_qv(fn, rule, "batched", q, v, steps)
     batch, seq_len, heads, key_dim = q.shape
     v_heads, value_dim = v.shape[2], v.shape[3]
-    check_shape(fn, "k", k, q.shape, "[B, T, H, K] like q")
-    check_shape(fn, "v", v, (batch, seq_len, v_heads, value_dim), "[B, T, HV, V]")
-    gate_dims = {"B": batch, "T": seq_len, "HV": v_heads}
-    check_gates(fn, gates, specs, gate_dims, key_dim, value_dim)
+    sizes = dict(B=batch, T=seq_len, H=heads, HV=v_heads, K=key_dim, V=value_dim, n=steps)
+    check_layouts(fn, rule, "batched", dict(q=q, k=k, v=v, **gates), sizes)
     require(
         fn,
         heads >= 1 and v_heads % heads == 0,
@@ -354,3 +337,4 @@ def check_batched(fn: str, q, k, v, gates: dict, specs, initial_state, cu_seqlen
         layout = "[N, HV, V, K]" if cu_seqlens is not None else "[B, HV, V, K]"
         expected = (num_states, v_heads, value_dim, key_dim)
         check_shape(fn, "initial_state", initial_state, expected, layout)
+    return sizes

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import jax
 
 from gdn_jax.ops import checks
-from gdn_jax.ops.recurrent import recurrent_rule
+from gdn_jax.ops.recurrent import rule_recurrent
 from gdn_jax.ops.rule import Rule
 
 # What "auto" means on each platform the program is lowered for (``jax.lax.platform_dependent``
@@ -24,7 +24,7 @@ def one_head_form(rule: Rule, impl: checks.Impl, *, chunk_size: int, schedule: c
     ``chunk_size`` and ``schedule`` (``"chunked"``)."""
     match impl:
         case "recurrent":
-            return functools.partial(recurrent_rule, step=rule.step)
+            return rule_recurrent(rule)
         case "chunked":
             return functools.partial(rule.chunked, chunk_size=chunk_size, schedule=schedule)
     raise ValueError(f"{rule.name}: impl={impl!r} must be one of {checks.SUPPORTED_IMPLS}")

@@ -84,10 +84,9 @@ def stacked_inputs(v, gates, rule: Rule, key_dim):
     """The values ``[v | 0]`` of the stacked state ``[R; P]`` and the gates to match: a
     write gate per value channel (GDN-2's ``w``) reaches the values only, so the transition
     rows, whose values are zero, get gates of one."""
-    local_len = v.shape[0]
-    stacked_v = jnp.concatenate([v, jnp.zeros((local_len, key_dim), v.dtype)], axis=1)
+    stacked_v = jnp.concatenate([v, jnp.zeros((v.shape[0], key_dim), v.dtype)], axis=1)
     stacked_gates = tuple(
-        jnp.concatenate([gate, jnp.ones((local_len, key_dim), gate.dtype)], axis=1)
+        jnp.concatenate([gate, jnp.ones((gate.shape[0], key_dim), gate.dtype)], axis=1)
         if spec.channels == "V"
         else gate
         for spec, gate in zip(rule.gates, gates, strict=True)
@@ -223,6 +222,7 @@ def seq_parallel(
     schedule,
     cu_seqlens,
     use_qk_l2norm,
+    **rule_options,
 ):
     """``rule``'s batched op (``api.batched``, chunked) with ``T`` split over the mesh axis
     ``axis_name``; the body of every ``*_seq_parallel`` op, whose errors name ``fn``.
@@ -233,16 +233,19 @@ def seq_parallel(
     The other axes of ``mesh`` are left to the compiler (``shard_map`` is manual over
     ``axis_name`` only), so a batch sharded over a data axis stays sharded. ``T`` must be
     divisible by the size ``n`` of the axis; ``cu_seqlens`` holds global offsets, and a
-    sequence may cross any number of shard boundaries.
+    sequence may cross any number of shard boundaries. ``rule_options`` are the op's own
+    (``Rule.steps``): a token's steps stay on its shard.
     """
+    steps = checks.check_steps(fn, rule, rule_options)
     named = dict(zip(rule.gate_names, gates, strict=True))
-    checks.check_batched(fn, q, k, v, named, rule.gates, initial_state, cu_seqlens)
+    sizes = checks.check_batched(fn, rule, q, k, v, named, initial_state, cu_seqlens, steps)
     _check_mesh(fn, mesh, axis_name, q.shape[1])
     checks.check_scale(fn, scale)
     chunk_size = checks.check_chunk_size(fn, chunk_size)
     checks.check_schedule(fn, schedule)
     arrays = dict(q=q, k=k, v=v, **named, initial_state=initial_state)
     checks.check_reverse_mode(fn, 'the one-device op with impl="recurrent"', **arrays)
+    gates = rule.with_defaults(gates, "batched", sizes)
     q, k, v, gates, states = prepare_batched(
         q, k, v, gates, initial_state, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens
     )

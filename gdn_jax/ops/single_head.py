@@ -3,12 +3,10 @@ inputs in the compute dtype, and the outputs scaled and cast back."""
 
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
 
 from gdn_jax.ops import checks
-from gdn_jax.ops.recurrent import recurrent_rule
+from gdn_jax.ops.recurrent import rule_recurrent
 
 
 def default_scale(key_dim: int) -> float:
@@ -45,28 +43,36 @@ def core_inputs(q, k, v, gates: tuple, initial_state):
     return q, k, v, tuple(gates), jnp.asarray(initial_state, compute)[None]
 
 
-def checked_single_head(fn, rule, core, q, k, v, gates: tuple, initial_state, *, scale, **options):
+def checked_single_head(
+    fn, rule, core, q, k, v, gates: tuple, initial_state, *, scale, rule_options, **options
+):
     """``core`` behind the one-sequence checks of ``rule``'s gates, for the public
     single-head forms: ``core(q, k, v, gates, initial_states [1, V, K], **options) -> (y,
-    finals)`` is a one-head form (recurrent or chunked); returns ``(y [T, V], final_state
-    [V, K])`` with ``y`` scaled and in the dtype of ``v``."""
+    finals)`` is a one-head form (recurrent or chunked), ``rule_options`` the public form's
+    own (``Rule.steps``); returns ``(y [T, V], final_state [V, K])`` with ``y`` scaled and in
+    the dtype of ``v``."""
+    steps = checks.check_steps(fn, rule, rule_options)
     named = dict(zip(rule.gate_names, gates, strict=True))
-    checks.check_single_head(fn, q, k, v, named, rule.gates, initial_state)
+    sizes = checks.check_single_head(fn, rule, q, k, v, named, initial_state, steps)
     checks.check_scale(fn, scale)
+    gates = rule.with_defaults(gates, "one_head", sizes)
     y, finals = core(*core_inputs(q, k, v, gates, initial_state), **options)
     return scaled_outputs(y, q.shape[-1], scale, v.dtype), finals[0]
 
 
-def recurrent_single_head(fn, rule, q, k, v, gates: tuple, initial_state, *, scale):
+def recurrent_single_head(fn, rule, q, k, v, gates: tuple, initial_state, *, scale, **rule_options):
     """``rule``'s token step scanned over one sequence (``recurrent.recurrent_rule``), for
     its public ``*_recurrent`` form."""
-    core = functools.partial(recurrent_rule, step=rule.step)
-    return checked_single_head(fn, rule, core, q, k, v, gates, initial_state, scale=scale)
+    core = rule_recurrent(rule)
+    return checked_single_head(
+        fn, rule, core, q, k, v, gates, initial_state, scale=scale, rule_options=rule_options
+    )
 
 
 def chunked_single_head(
-    fn, rule, q, k, v, gates: tuple, initial_state, *, scale, chunk_size, schedule, recurrent
-):
+    fn, rule, q, k, v, gates: tuple, initial_state, *, scale, chunk_size, schedule, recurrent,
+    **rule_options,
+):  # fmt: skip
     """``rule``'s chunked form over one sequence, for its public ``*_chunked`` form;
     ``recurrent`` names the form to use for forward-mode autodiff instead."""
     chunk_size = checks.check_chunk_size(fn, chunk_size)
@@ -77,6 +83,6 @@ def chunked_single_head(
             fn, recurrent, q=q, k=k, v=v, **named, initial_state=initial_state
         )
     return checked_single_head(
-        fn, rule, rule.chunked, q, k, v, gates, initial_state,
-        scale=scale, chunk_size=chunk_size, schedule=schedule,
+        fn, rule, rule.chunked, q, k, v, gates, initial_state, scale=scale,
+        rule_options=rule_options, chunk_size=chunk_size, schedule=schedule,
     )  # fmt: skip

@@ -69,13 +69,32 @@ def erase_write_step(
     return new_state, new_state @ q
 
 
-def checked_step(fn, rule, state, q, k, v, gates: tuple, *, scale):
+def householder_step(
+    state: Float[Array, "V K"],
+    q: Float[Array, " K"],
+    k: Float[Array, "n K"],
+    v: Float[Array, "n V"],
+    log_alpha: Float[Array, ""],
+    beta: Float[Array, " n"],
+) -> tuple[Float[Array, "V K"], Float[Array, " V"]]:
+    """Gated DeltaProduct: the token's decay once, then its ``n`` delta steps, ``S = S +
+    beta_j (v_j - S k_j) k_j^T`` (a product of generalised Householder transitions), then
+    the read ``y = S q``; ``n = 1`` is ``delta_step``."""
+    state = decay(state, log_alpha)
+    for j in range(k.shape[0]):
+        state = state + beta[j] * jnp.outer(v[j] - state @ k[j], k[j])
+    return state, state @ q
+
+
+def checked_step(fn, rule, state, q, k, v, gates: tuple, *, scale, **rule_options):
     """``rule.step`` behind the one-token checks of ``rule``'s gates, for the public steps:
-    inputs cast to the compute dtype, ``q`` scaled, ``y`` returned in the dtype of ``v``."""
-    checks.check_step(
-        fn, state, q, k, v, dict(zip(rule.gate_names, gates, strict=True)), rule.gates
-    )
+    inputs cast to the compute dtype, ``q`` scaled, ``y`` returned in the dtype of ``v``;
+    ``rule_options`` are the public step's own (``Rule.steps``)."""
+    steps = checks.check_steps(fn, rule, rule_options)
+    named = dict(zip(rule.gate_names, gates, strict=True))
+    sizes = checks.check_step(fn, rule, state, q, k, v, named, steps)
     checks.check_scale(fn, scale)
+    gates = rule.with_defaults(gates, "step", sizes)
     scale = default_scale(q.shape[0]) if scale is None else scale
     compute = compute_dtype(state, q, *gates)
     new_state, y = rule.step(

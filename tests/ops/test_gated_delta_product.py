@@ -177,7 +177,7 @@ def test_a_step_layout_that_does_not_fit_is_refused_naming_the_argument():
         gdn_jax.gated_delta_product(q, k, v, la, b[:, :6], num_householder=2)
     with pytest.raises(
         ValueError,
-        match=r"gated_delta_product: log_alpha must have shape \[B, T, HV\] \(one decay a token\)",
+        match=r"gated_delta_product: log_alpha must have shape \[B, T, HV\] \(one a token\)",
     ):
         gdn_jax.gated_delta_product(q, k, v, jnp.repeat(la, 2, axis=1), b, num_householder=2)
     with pytest.raises(ValueError, match=r"num_householder=0 must be a positive integer"):

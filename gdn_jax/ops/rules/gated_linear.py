@@ -20,7 +20,8 @@ from gdn_jax.ops.api import batched
 from gdn_jax.ops.chunked import chunked_rule
 from gdn_jax.ops.rule import GateSpec, Rule
 from gdn_jax.ops.sequence_parallel import seq_parallel
-from gdn_jax.ops.step import linear_step
+from gdn_jax.ops.single_head import chunked_single_head, recurrent_single_head
+from gdn_jax.ops.step import checked_step, linear_step
 from gdn_jax.ops.wy import LINEAR
 
 GATED_LINEAR = Rule(
@@ -30,6 +31,65 @@ GATED_LINEAR = Rule(
     chunked=functools.partial(chunked_rule, write=LINEAR),
     shares_qk=True,
 )
+
+
+@no_type_check  # a public entry point: checks.py names its bad arguments
+def gated_linear_attention_step(
+    state: Float[Array, "V K"],
+    q: Float[Array, " K"],
+    k: Float[Array, " K"],
+    v: Float[Array, " V"],
+    log_alpha: Float[Array, ""],
+    beta: Float[Array, ""],
+    *,
+    scale: float | None = None,
+) -> tuple[Float[Array, "V K"], Float[Array, " V"]]:
+    """Advance one head's gated linear attention memory by one token and read it: what a
+    decoder calls per token. Arguments and results are those of ``gated_delta_step``."""
+    gates = (log_alpha, beta)
+    fn = "gated_linear_attention_step"
+    return checked_step(fn, GATED_LINEAR, state, q, k, v, gates, scale=scale)
+
+
+@no_type_check  # a public entry point: checks.py names its bad arguments
+def gated_linear_attention_recurrent(
+    q: Float[Array, "T K"],
+    k: Float[Array, "T K"],
+    v: Float[Array, "T V"],
+    log_alpha: Float[Array, " T"],
+    beta: Float[Array, " T"],
+    *,
+    scale: float | None = None,
+    initial_state: Float[Array, "V K"] | None = None,
+) -> tuple[Float[Array, "T V"], Float[Array, "V K"]]:
+    """Gated linear attention for one head and one sequence, one token at a time: the
+    reference form. Arguments and results are those of ``gated_delta_rule_recurrent``."""
+    fn = "gated_linear_attention_recurrent"
+    gates = (log_alpha, beta)
+    return recurrent_single_head(fn, GATED_LINEAR, q, k, v, gates, initial_state, scale=scale)
+
+
+@no_type_check  # a public entry point: checks.py names its bad arguments
+def gated_linear_attention_chunked(
+    q: Float[Array, "T K"],
+    k: Float[Array, "T K"],
+    v: Float[Array, "T V"],
+    log_alpha: Float[Array, " T"],
+    beta: Float[Array, " T"],
+    *,
+    scale: float | None = None,
+    initial_state: Float[Array, "V K"] | None = None,
+    chunk_size: int = 64,
+    schedule: checks.Schedule = "auto",
+) -> tuple[Float[Array, "T V"], Float[Array, "V K"]]:
+    """Gated linear attention for one head and one sequence, chunkwise (``chunked.py`` with
+    no delta correction); the contract of ``gated_linear_attention_recurrent``, with
+    ``chunk_size`` and ``schedule`` as in ``gated_delta_rule_chunked``."""
+    return chunked_single_head(
+        "gated_linear_attention_chunked", GATED_LINEAR, q, k, v, (log_alpha, beta),
+        initial_state, scale=scale, chunk_size=chunk_size, schedule=schedule,
+        recurrent="gated_linear_attention_recurrent",
+    )  # fmt: skip
 
 
 @no_type_check  # a public entry point: checks.py names its bad arguments
