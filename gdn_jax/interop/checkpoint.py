@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import no_type_check
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
 
 INDEX = "model.safetensors.index.json"
 
@@ -39,7 +39,7 @@ def _files(fn: str, path: Path, prefix: str) -> tuple[list[Path], set[str]]:
 
 
 @no_type_check  # a public entry point: checks.py names its bad arguments
-def read_safetensors(path, prefix: str = "") -> dict[str, np.ndarray]:
+def read_safetensors(path: str | os.PathLike, prefix: str = "") -> dict[str, np.ndarray]:
     """The tensors of a checkpoint whose names start with ``prefix``, with it stripped.
 
     Args:
@@ -54,6 +54,12 @@ def read_safetensors(path, prefix: str = "") -> dict[str, np.ndarray]:
       when loading a layer.
     """
     fn = "read_safetensors"
+    try:  # the interop extra: the layers' loaders take arrays and need no file reader
+        from safetensors import SafetensorError, safe_open
+    except ImportError:
+        raise ImportError(
+            f'{fn} needs the safetensors package: pip install "gdn_jax[interop]"'
+        ) from None
     path = Path(path)
     files, promised = _files(fn, path, prefix)
     out: dict[str, np.ndarray] = {}

@@ -31,10 +31,11 @@ from typing import ClassVar, no_type_check
 
 import jax.numpy as jnp
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from gdn_jax.interop.tensors import as_numpy_dict, check_tensors
 from gdn_jax.interop.torch_layout import load_torch_layer, torch_state_dict, torch_tensor_shapes
-from gdn_jax.layers.recurrent_layer import RecurrentCache
+from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer
 from gdn_jax.ops import checks
 
 LINEAR = "linear_attention"
@@ -111,7 +112,14 @@ class Family(abc.ABC):
         return _layer_kwargs(self, f"{self.name}_layer_kwargs", config)
 
     @no_type_check  # a public entry point: checks.py names its bad arguments
-    def load(self, state_dict, config, *, dtype=None, schedule="auto"):
+    def load(
+        self,
+        state_dict: Mapping[str, ArrayLike],
+        config: Mapping | object,
+        *,
+        dtype: DTypeLike | None = None,
+        schedule: str = "auto",
+    ) -> RecurrentLayer:
         """The gdn_jax layer (``layer_class``) holding one linear-attention layer's weights.
 
         Args:
@@ -157,7 +165,7 @@ class Family(abc.ABC):
         }
 
     @no_type_check  # a public entry point: checks.py names its bad arguments
-    def cache_to_gdn_jax(self, conv_state, recurrent_state) -> RecurrentCache:
+    def cache_to_gdn_jax(self, conv_state: ArrayLike, recurrent_state: ArrayLike) -> RecurrentCache:
         """transformers' per-layer decoding cache as gdn_jax's ``RecurrentCache``.
 
         Args:

@@ -9,16 +9,18 @@ stores ``[W, D]``, and the output norm's weight is ``o_norm.weight`` in PyTorch 
 
 from __future__ import annotations
 
-from typing import no_type_check
+from collections.abc import Mapping
+from typing import Any, no_type_check
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from gdn_jax.interop.torch_layout import load_torch_layer, torch_state_dict
 from gdn_jax.layers.gated_deltanet import GatedDeltaNet
 
 
 @no_type_check  # a public entry point: checks.py names its bad arguments
-def load_fla_layer(state_dict, **layer_kwargs) -> GatedDeltaNet:
+def load_fla_layer(state_dict: Mapping[str, ArrayLike], **layer_kwargs: Any) -> GatedDeltaNet:
     """A ``GatedDeltaNet`` holding flash-linear-attention ``GatedDeltaNet`` weights.
 
     Args:
