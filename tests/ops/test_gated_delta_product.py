@@ -1,5 +1,6 @@
 """Gated DeltaProduct (``n`` delta steps a token): the recurrent and chunked forms and the
-batched entry against a float64 loop of the recurrence, each other and the gated delta rule."""
+batched entry against a float64 loop of the recurrence, each other and the gated delta rule,
+and its step against its recurrent form."""
 
 import functools
 
@@ -8,12 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
+from support.forms import assert_steps_equal_recurrent
 from support.reference import householder_reference, random_state
 from support.tolerance import assert_close
 
 import gdn_jax
 
 KEY, VALUE = 12, 10
+F32 = jnp.float32
 NAMES = ("q", "k", "v", "log_alpha", "beta", "initial_state")
 
 
@@ -182,3 +185,30 @@ def test_a_step_layout_that_does_not_fit_is_refused_naming_the_argument():
         gdn_jax.gated_delta_product(q, k, v, jnp.repeat(la, 2, axis=1), b, num_householder=2)
     with pytest.raises(ValueError, match=r"num_householder=0 must be a positive integer"):
         gdn_jax.gated_delta_product(q, k, v, la, b, num_householder=0)
+
+
+def test_step_token_by_token_equals_the_recurrent_form():
+    """A token's step runs its n Householder steps, then reads: values, the final state and
+    every gradient as the recurrent form's."""
+    q, k, v, la, b = product_inputs(30, 5, 3)
+    state = random_state(31, VALUE, KEY)
+    options = dict(num_householder=3)
+    assert_steps_equal_recurrent("gated_delta_product", (q, k, v, la, b), state, F32, **options)
+    new_state, y = gdn_jax.gated_delta_product_step(
+        state, q[0], k[:3], v[:3], None, b[:3], **options
+    )
+    y_ref, s_ref = householder_reference(
+        q[:1], k[:3], v[:3], None, b[:3], 3, scale=KEY**-0.5, initial_state=state
+    )
+    assert_close(y, y_ref[0], F32, "y without a forget gate")
+    assert_close(new_state, s_ref, F32, "state without a forget gate")
+
+
+def test_step_layout_is_checked_against_num_householder():
+    q, k, v, la, b = product_inputs(32, 2, 2)
+    state = random_state(33, VALUE, KEY)
+    with pytest.raises(
+        ValueError,
+        match=r"gated_delta_product_step: k must have shape \[n, K\] with n = num_householder = 3",
+    ):
+        gdn_jax.gated_delta_product_step(state, q[0], k[:2], v[:3], la[0], b[:3], num_householder=3)

@@ -21,17 +21,17 @@ import pytest
 from support.tolerance import assert_close
 
 import gdn_jax
+from gdn_jax.ops.rule import shape_of
 from gdn_jax.ops.rules import RULES
 
 # KDA, where XLA:CPU crashed, runs every layout; the other ops grouped value heads, the
 # layout that crashed (one head per layout is every other op test's, under the suite's
 # flags): GDN-2 runs KDA's engine (ops/channel_chunked.py) with the same per value head q and
-# k (``Rule.shares_qk``), the scalar-decay rules and Gated DeltaProduct (the gated delta rule
-# over each token's n steps) share q and k over a group.
+# k (``Rule.shares_qk``), the scalar-decay rules (Gated DeltaProduct among them: the gated
+# delta rule over each token's n steps) share q and k over a group.
 LAYOUTS = [(1, 1), (1, 2), (2, 4), (3, 6)]  # one head, and groups of 2 in three spreads
 EVERY_LAYOUT = ("kda",)
 GROUPED = [(2, 4)]
-PRODUCT = "gated_delta_product"  # n = 2 steps a token, not in RULES (its own gates' lengths)
 FORMS = {
     "recurrent": dict(impl="recurrent"),
     "in_scan": dict(impl="chunked", schedule="in_scan"),
@@ -40,54 +40,54 @@ FORMS = {
 # The crash's own shape: T = 70 leaves a tail of 6 tokens in the last chunk of 64.
 BATCH, SEQ_LEN, KEY_DIM, VALUE_DIM = 1, 70, 32, 48
 DRAWS = (0, 1)
-STEPS = 2  # Gated DeltaProduct's Householder steps a token
+STEPS = 2  # the steps a token of a rule that takes several (``Rule.steps``)
 CASES = [
     pytest.param(name, heads, v_heads, form, id=f"{name}-H{heads}-HV{v_heads}-{form}")
-    for name in (*RULES, PRODUCT)
+    for name in RULES
     for heads, v_heads in (LAYOUTS if name in EVERY_LAYOUT else GROUPED)
     for form in ("in_scan", "hoisted")
 ]
 
 
-def op_and_gates(name):
-    """The batched op and its gates ``(name, channel axis, steps a token)``."""
-    if name == PRODUCT:
-        op = functools.partial(gdn_jax.gated_delta_product, num_householder=STEPS)
-        return op, (("log_alpha", None, 1), ("beta", None, STEPS))
-    return getattr(gdn_jax, name), tuple((g.name, g.channels, 1) for g in RULES[name].gates)
+def rule_options(name):
+    """The options of ``name``'s public forms: ``STEPS`` steps a token where it takes
+    several."""
+    rule = RULES[name]
+    return {} if rule.steps is None else {rule.steps: STEPS}
 
 
 def inputs(seed, name, heads, v_heads):
-    """q, k, v, the op's gates (``log_alpha = -softplus(N(0, 1))``, the others sigmoids of
-    normals, each with its channel axis; Gated DeltaProduct's beta in (0, 2) and its k, v and
-    beta one per step) and an initial state."""
+    """q, k, v, the op's gates in their layouts (``log_alpha = -softplus(N(0, 1))``, the
+    others sigmoids of normals times the steps a token: beta in (0, 2) with two) and an
+    initial state."""
     rng = np.random.default_rng(seed)
-    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
-    steps = STEPS if name == PRODUCT else 1
-    q = normal(BATCH, SEQ_LEN, heads, KEY_DIM)
-    k = normal(BATCH, SEQ_LEN * steps, heads, KEY_DIM)
-    v = normal(BATCH, SEQ_LEN * steps, v_heads, VALUE_DIM)
-    channels = {None: (), "K": (KEY_DIM,), "V": (VALUE_DIM,)}
+    rule = RULES[name]
+    steps = rule.steps_per_token(rule_options(name))
+    sizes = dict(B=BATCH, T=SEQ_LEN, H=heads, HV=v_heads, K=KEY_DIM, V=VALUE_DIM, n=steps)
     drawn = []
-    for gate, axis, per_token in op_and_gates(name)[1]:
-        x = normal(BATCH, SEQ_LEN * per_token, v_heads, *channels[axis])
-        drawn.append(-jax.nn.softplus(x) if gate == "log_alpha" else jax.nn.sigmoid(x) * steps)
-    state = normal(BATCH, v_heads, VALUE_DIM, KEY_DIM)
-    return q, k, v, *drawn, state
+    for spec in rule.arguments:
+        shape = shape_of(rule.layout(spec, "batched"), sizes)
+        x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        if spec.name in rule.gate_names:
+            x = -jax.nn.softplus(x) if spec.name == "log_alpha" else jax.nn.sigmoid(x) * steps
+        drawn.append(x)
+    state = jnp.asarray(rng.standard_normal((BATCH, v_heads, VALUE_DIM, KEY_DIM)), jnp.float32)
+    return *drawn, state
 
 
 @functools.cache
 def results(name, heads, v_heads, form):
     """The outputs, final states and gradients of ``name``'s op in ``form`` on each draw, by
     what they are, each checked finite."""
-    op, gates = op_and_gates(name)
+    op, gates = getattr(gdn_jax, name), RULES[name].gate_names
+    options = dict(use_qk_l2norm=True, **rule_options(name), **FORMS[form])
 
     def loss(*args):
-        o, final = op(*args[:-1], initial_state=args[-1], use_qk_l2norm=True, **FORMS[form])
+        o, final = op(*args[:-1], initial_state=args[-1], **options)
         return jnp.sum(jnp.sin(o)) + jnp.sum(final**2) / 100, (o, final)
 
     run = jax.jit(jax.grad(loss, argnums=tuple(range(4 + len(gates))), has_aux=True))
-    names = ["o", "final", "dq", "dk", "dv", *(f"d{gate[0]}" for gate in gates), "dstate"]
+    names = ["o", "final", "dq", "dk", "dv", *(f"d{gate}" for gate in gates), "dstate"]
     draws = []
     for seed in DRAWS:
         grads, values = run(*inputs(seed, name, heads, v_heads))

@@ -1,4 +1,5 @@
-"""gated_linear_attention: the recurrence without the delta correction."""
+"""gated_linear_attention: the recurrence without the delta correction; its one-head forms
+against the float64 loop and each other, and its step against its recurrent form."""
 
 import functools
 
@@ -6,8 +7,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 from support import cpu_schedule as on_cpu
+from support.forms import (
+    assert_forms_agree,
+    assert_steps_equal_recurrent,
+    with_state_and_cotangents,
+)
 from support.reference import gated_delta_reference, random_inputs, random_state
 from support.tolerance import assert_close
+
+import gdn_jax
 
 rule = jax.jit(on_cpu.gated_linear_attention, static_argnames=("impl", "chunk_size"))
 
@@ -68,3 +76,30 @@ def test_packed_sequences_match_separate_runs():
         out_n, final_n = rule(*part, chunk_size=16)
         assert_close(out[:, cu[n] : cu[n + 1]], out_n, jnp.float32)
         assert_close(final[n], final_n[0], jnp.float32)
+
+
+def test_one_head_forms_match_the_float64_loop():
+    q, k, v, la, b = random_inputs(3, 45, 12, 10)
+    state = random_state(4, 10, 12)
+    y_ref, s_ref = gated_delta_reference(
+        q, k, v, la, b, scale=0.3, initial_state=state, delta=False
+    )
+    for fn in (gdn_jax.gated_linear_attention_recurrent, on_cpu.gated_linear_attention_chunked):
+        y, s = jax.jit(functools.partial(fn, scale=0.3))(q, k, v, la, b, initial_state=state)
+        assert y.dtype == jnp.float32 and y.shape == (45, 10)
+        assert_close(y, y_ref, jnp.float32, "y")
+        assert_close(s, s_ref, jnp.float32, "final state")
+
+
+@pytest.mark.parametrize("schedule", ["in_scan", "hoisted"])
+def test_one_head_chunked_equals_recurrent_values_and_gradients(schedule):
+    # 45 tokens, off the chunk grid of 16.
+    args = with_state_and_cotangents(random_inputs(5, 45, 12, 10), 5, 45, 12, 10, jnp.float32)
+    options = dict(chunk_size=16, schedule=schedule)
+    assert_forms_agree("gated_linear_attention", args, jnp.float32, options, schedule)
+
+
+def test_step_token_by_token_equals_the_recurrent_form():
+    q, k, v, la, b = random_inputs(6, 7, 12, 10)
+    state = random_state(7, 10, 12)
+    assert_steps_equal_recurrent("gated_linear_attention", (q, k, v, la, b), state, jnp.float32)

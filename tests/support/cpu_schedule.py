@@ -14,6 +14,9 @@ SCHEDULE = "in_scan"
 gated_delta_rule = functools.partial(gdn_jax.gated_delta_rule, schedule=SCHEDULE)
 gated_delta_rule_chunked = functools.partial(gdn_jax.gated_delta_rule_chunked, schedule=SCHEDULE)
 gated_linear_attention = functools.partial(gdn_jax.gated_linear_attention, schedule=SCHEDULE)
+gated_linear_attention_chunked = functools.partial(
+    gdn_jax.gated_linear_attention_chunked, schedule=SCHEDULE
+)
 kda = functools.partial(gdn_jax.kda, schedule=SCHEDULE)
 kda_chunked = functools.partial(gdn_jax.kda_chunked, schedule=SCHEDULE)
 gdn2 = functools.partial(gdn_jax.gdn2, schedule=SCHEDULE)

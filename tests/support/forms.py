@@ -3,8 +3,9 @@ or chunked (in the CPU schedule unless named), that returns the outputs, the fin
 the gradient of every input for given cotangents (so values and gradients compile together,
 and tests of one shape reuse one program: test_gradients.py, test_schedules.py, test_kda.py,
 test_gdn2.py), the same for the batched op on packed sequences (test_varlen.py and
-test_schedules.py), the batched ops jitted, and the checks that the channel-gated rules'
-tests (test_kda.py, test_gdn2.py) share."""
+test_schedules.py), the batched ops jitted, the checks that the channel-gated rules'
+tests (test_kda.py, test_gdn2.py) share, and a rule's public step token by token against
+its recurrent form (test_linear_attention.py, test_gated_delta_product.py)."""
 
 import functools
 
@@ -165,3 +166,47 @@ def assert_packed_equals_separate(rule, inputs, state, ct_out, cu, loop_per_head
     names = ("q", "k", "v", *RULES[rule].gate_names, "initial_state")
     for name, a, e in zip(names, grads, grads_recurrent, strict=True):
         assert_close(a, e, jnp.float32, f"packed d{name}")
+
+
+def assert_steps_equal_recurrent(rule, inputs, state, dtype, **options):
+    """``rule``'s public step (``<rule>_step``), called token by token, equals its recurrent
+    form on ``inputs`` (one head, one sequence) from ``state``: the outputs, the final state
+    and the gradients of every input and the state. ``options`` are the rule's own
+    (``Rule.steps``); a token's per-step arguments reach the step together, ``[n, ...]``."""
+    spec = RULES[rule]
+    steps = spec.steps_per_token(options)
+    step, recurrent = getattr(gdn_jax, f"{rule}_step"), getattr(gdn_jax, f"{rule}_recurrent")
+    per_step = [arg.per_step for arg in spec.arguments]
+
+    def by_steps(*args):
+        *inputs, s = args
+        ys = []
+        for t in range(inputs[0].shape[0]):
+            token = [
+                x[t * steps : (t + 1) * steps] if p else x[t]
+                for x, p in zip(inputs, per_step, strict=True)
+            ]
+            s, y = step(s, *token, **options)
+            ys.append(y)
+        return jnp.stack(ys), s
+
+    def by_recurrent(*args):
+        *inputs, s = args
+        return recurrent(*inputs, initial_state=s, **options)
+
+    ct_y = random_state(11, inputs[0].shape[0], inputs[2].shape[-1], dtype=dtype)
+    results = []
+    for form in (by_steps, by_recurrent):
+
+        def loss(*args, form=form):
+            y, s = form(*args)
+            return jnp.sum(y * ct_y) + jnp.sum(s**2), (y, s)
+
+        run = jax.jit(jax.grad(loss, argnums=range(len(inputs) + 1), has_aux=True))
+        results.append(run(*inputs, state))
+    (grads, (y, s)), (want_grads, (want_y, want_s)) = results
+    assert_close(y, want_y, dtype, "y")
+    assert_close(s, want_s, dtype, "final state")
+    names = ("q", "k", "v", *spec.gate_names, "initial_state")
+    for name, a, e in zip(names, grads, want_grads, strict=True):
+        assert_close(a, e, dtype, f"d{name}")
