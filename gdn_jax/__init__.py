@@ -9,72 +9,62 @@ Dimension legend, one meaning per letter, used in every docstring and shape anno
 
 The memory state of one head is ``S [V, K]``: one row per value feature, one column per key
 feature (flash-linear-attention stores its transpose, ``[K, V]``).
+
+Importing ``gdn_jax`` loads the ops (JAX, NumPy and jaxtyping only); the layers and the
+model, which need Flax, load on first use of one of their names here or on import of
+``gdn_jax.layers`` or ``gdn_jax.models``.
 """
 
-from gdn_jax.layers import (
-    DeltaNet,
-    GatedDeltaNet,
-    GatedDeltaNet2,
-    GatedDeltaProduct,
-    GatedLinearAttention,
-    KimiDeltaAttention,
-    KVCache,
-    LinearAttention,
-    RecurrentCache,
-    SoftmaxAttention,
-)
-from gdn_jax.models import LanguageModel, ModelConfig, generate
-from gdn_jax.ops import (
-    default_scale,
-    gated_delta_product,
-    gated_delta_product_chunked,
-    gated_delta_product_recurrent,
-    gated_delta_rule,
-    gated_delta_rule_chunked,
-    gated_delta_rule_recurrent,
-    gated_delta_step,
-    gated_linear_attention,
-    gdn2,
-    gdn2_chunked,
-    gdn2_recurrent,
-    gdn2_step,
-    kda,
-    kda_chunked,
-    kda_recurrent,
-    kda_step,
-    l2_normalize,
-)
+import importlib
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "DeltaNet",
-    "GatedDeltaNet",
-    "GatedDeltaNet2",
-    "GatedDeltaProduct",
-    "GatedLinearAttention",
-    "KimiDeltaAttention",
-    "KVCache",
-    "LanguageModel",
-    "LinearAttention",
-    "ModelConfig",
-    "RecurrentCache",
-    "SoftmaxAttention",
-    "generate",
-    "default_scale",
-    "gated_delta_product",
-    "gated_delta_product_chunked",
-    "gated_delta_product_recurrent",
-    "gated_delta_rule",
-    "gated_delta_rule_chunked",
-    "gated_delta_rule_recurrent",
-    "gated_delta_step",
-    "gated_linear_attention",
-    "gdn2",
-    "gdn2_chunked",
-    "gdn2_recurrent",
-    "gdn2_step",
-    "kda",
-    "kda_chunked",
-    "kda_recurrent",
-    "kda_step",
-    "l2_normalize",
-]
+from gdn_jax import ops
+from gdn_jax.ops import *  # noqa: F403 (the ops' own __all__ is the public list)
+
+__version__ = "0.1.0"
+
+# The public names that need Flax, and the subpackage each is read from.
+_LAZY = {
+    "DeltaNet": "gdn_jax.layers",
+    "GatedDeltaNet": "gdn_jax.layers",
+    "GatedDeltaNet2": "gdn_jax.layers",
+    "GatedDeltaProduct": "gdn_jax.layers",
+    "GatedLinearAttention": "gdn_jax.layers",
+    "KimiDeltaAttention": "gdn_jax.layers",
+    "KVCache": "gdn_jax.layers",
+    "LinearAttention": "gdn_jax.layers",
+    "RecurrentCache": "gdn_jax.layers",
+    "SoftmaxAttention": "gdn_jax.layers",
+    "LanguageModel": "gdn_jax.models",
+    "ModelConfig": "gdn_jax.models",
+    "generate": "gdn_jax.models",
+}
+
+__all__ = ["__version__", *sorted(_LAZY), *(name for name in ops.__all__ if name != "RULES")]
+
+if TYPE_CHECKING:
+    from gdn_jax.layers import (
+        DeltaNet,
+        GatedDeltaNet,
+        GatedDeltaNet2,
+        GatedDeltaProduct,
+        GatedLinearAttention,
+        KimiDeltaAttention,
+        KVCache,
+        LinearAttention,
+        RecurrentCache,
+        SoftmaxAttention,
+    )
+    from gdn_jax.models import LanguageModel, ModelConfig, generate
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'gdn_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later reads skip this function
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *_LAZY})
