@@ -16,6 +16,8 @@ docstrings (``Rule.args_doc``) are read from it, never written out per form.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import textwrap
 from collections.abc import Callable, Mapping
 from typing import Literal, NamedTuple, no_type_check
 
@@ -71,7 +73,6 @@ class Rule:
       steps: the keyword option of the public forms that counts a token's steps (Gated
         DeltaProduct's ``num_householder``), each with its own key and value; ``None``: one
         step a token.
-      title: what the public forms' docstrings call it.
     """
 
     name: str
@@ -81,7 +82,6 @@ class Rule:
     shares_qk: bool
     forward_mode: bool = False
     steps: str | None = None
-    title: str = ""
 
     @property
     def gate_names(self) -> tuple[str, ...]:
@@ -92,7 +92,7 @@ class Rule:
         """q, k, v and the gates, in argument order: k and v are per step with ``steps``."""
         per_step = self.steps is not None
         return (
-            GateSpec("q", "K", doc="queries"),
+            GateSpec("q", "K", doc="queries; q, k and v share one floating dtype"),
             GateSpec("k", "K", per_step=per_step, doc="keys"),
             GateSpec("v", "V", per_step=per_step, doc="values"),
             *self.gates,
@@ -135,10 +135,16 @@ class Rule:
             axes = self.layout(spec, form)
             shown = f"``[{', '.join(axes)}]``" if axes else "a scalar (array or Python number)"
             extra = " or ``None`` (no decay)" if spec.default is not None else ""
-            lines.append(f"  {spec.name}: {shown}{extra}, {spec.doc}.")
+            lines.append(f"{spec.name}: {shown}{extra}, {spec.doc}.")
+        if form == "batched":
+            lines[2] += (
+                " ``HV`` is a multiple of ``H``: value head ``i`` reads query/key head"
+                " ``i // (HV // H)``."
+            )
         if self.steps is not None:
-            lines.append(f"  {self.steps}: ``{STEPS} >= 1``, the steps a token.")
-        return "\n".join(lines)
+            lines.append(f"{self.steps}: ``{STEPS} >= 1``, the steps a token.")
+        wrap = functools.partial(textwrap.fill, width=88, subsequent_indent="    ")
+        return "\n".join(textwrap.indent(wrap(line), "  ") for line in lines)
 
 
 def shape_of(axes: tuple[str, ...], sizes: Mapping[str, int]) -> tuple[int, ...]:

@@ -150,8 +150,8 @@ def gathered_finals(finals, initial_states, cu, local_len, shard, axis_name):
 
 def seq_parallel_rule(
     q: Float[Array, "T K"],
-    k: Float[Array, "T K"],
-    v: Float[Array, "T V"],
+    k: Float[Array, "Tn K"],
+    v: Float[Array, "Tn V"],
     gates: tuple,
     initial_states: Float[Array, "N V K"],
     *,
@@ -165,7 +165,8 @@ def seq_parallel_rule(
     the sequence-parallel twin of ``rule.chunked``, with its arguments and results.
 
     The gates and states are in the compute dtype, q, k and v in it or narrower, and ``q`` is
-    not scaled: q, k ``[T / n, K]``, v ``[T / n, V]`` and the gates are this shard's tokens;
+    not scaled: q ``[T / n, K]``, k, v and the gates are this shard's tokens (their steps,
+    with several a token: ``Rule.steps``);
     ``initial_states [N, V, K]`` and ``cu_seqlens [N+1]`` (global offsets) are the same on
     every shard. ``T / n`` need not be a multiple of ``chunk_size``.
 

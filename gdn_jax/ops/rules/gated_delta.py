@@ -9,36 +9,39 @@ with one decay per token, is ``chunked.py``'s.
 
 from __future__ import annotations
 
-from typing import no_type_check
-
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.api import batched
 from gdn_jax.ops.chunked import chunked_rule
-from gdn_jax.ops.rule import GateSpec, Rule
+from gdn_jax.ops.rule import GateSpec, Rule, public_form
 from gdn_jax.ops.sequence_parallel import seq_parallel
 from gdn_jax.ops.single_head import chunked_single_head, recurrent_single_head
 from gdn_jax.ops.step import checked_step, delta_step
 
 GATED_DELTA = Rule(
     name="gated_delta_rule",
-    gates=(GateSpec("log_alpha"), GateSpec("beta")),
+    gates=(
+        GateSpec("log_alpha", doc="decay gates in log space (``<= 0``; ``-inf`` is a full reset)"),
+        GateSpec(
+            "beta", doc="writing strengths, already activated (up to 2 with negative eigenvalues)"
+        ),
+    ),
     step=delta_step,
     chunked=chunked_rule,
     shares_qk=True,
 )
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
+@public_form(GATED_DELTA, "step")
 def gated_delta_step(
     state: Float[Array, "V K"],
-    q: Float[Array, " K"],
-    k: Float[Array, " K"],
-    v: Float[Array, " V"],
-    log_alpha: Float[Array, ""],
-    beta: Float[Array, ""],
+    q,
+    k,
+    v,
+    log_alpha,
+    beta,
     *,
     scale: float | None = None,
 ) -> tuple[Float[Array, "V K"], Float[Array, " V"]]:
@@ -47,12 +50,7 @@ def gated_delta_step(
     Args:
       state: memory ``[V, K]``, one row per value feature (flash-linear-attention stores the
         transpose, ``[K, V]``).
-      q, k: query and key ``[K]``.
-      v: value ``[V]``; q, k and v share one dtype.
-      log_alpha: scalar decay gate in log space, ``<= 0``: a 0-d floating array or a Python
-        number.
-      beta: scalar writing strength, already activated (in ``[0, 1]``, up to 2 with negative
-        eigenvalues), as an array or a Python number like ``log_alpha``.
+    {args}
       scale: query scale; ``None`` means ``K ** -0.5``.
 
     Returns:
@@ -63,13 +61,13 @@ def gated_delta_step(
     return checked_step("gated_delta_step", GATED_DELTA, state, q, k, v, gates, scale=scale)
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
+@public_form(GATED_DELTA, "one_head")
 def gated_delta_rule_recurrent(
-    q: Float[Array, "T K"],
-    k: Float[Array, "T K"],
-    v: Float[Array, "T V"],
-    log_alpha: Float[Array, " T"],
-    beta: Float[Array, " T"],
+    q,
+    k,
+    v,
+    log_alpha,
+    beta,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "V K"] | None = None,
@@ -77,9 +75,7 @@ def gated_delta_rule_recurrent(
     """One head, one sequence, one token at a time: the readable reference form.
 
     Args:
-      q, k: ``[T, K]``; v: ``[T, V]``; all three in one floating dtype.
-      log_alpha: ``[T]`` decay gates in log space (``<= 0``).
-      beta: ``[T]`` writing strengths, already activated.
+    {args}
       scale: query scale; ``None`` means ``K ** -0.5``.
       initial_state: ``[V, K]`` or ``None`` (zeros).
 
@@ -92,13 +88,13 @@ def gated_delta_rule_recurrent(
     return recurrent_single_head(fn, GATED_DELTA, q, k, v, gates, initial_state, scale=scale)
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
+@public_form(GATED_DELTA, "one_head")
 def gated_delta_rule_chunked(
-    q: Float[Array, "T K"],
-    k: Float[Array, "T K"],
-    v: Float[Array, "T V"],
-    log_alpha: Float[Array, " T"],
-    beta: Float[Array, " T"],
+    q,
+    k,
+    v,
+    log_alpha,
+    beta,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "V K"] | None = None,
@@ -112,9 +108,7 @@ def gated_delta_rule_chunked(
     that stores the inputs and one ``[V, K]`` state per chunk, never one per token.
 
     Args:
-      q, k: ``[T, K]``; v: ``[T, V]``; all three in one floating dtype.
-      log_alpha: ``[T]`` decay gates in log space (``<= 0``; ``-inf`` is a full reset).
-      beta: ``[T]`` writing strengths, already activated.
+    {args}
       scale: query scale; ``None`` means ``K ** -0.5``.
       initial_state: ``[V, K]`` or ``None`` (zeros).
       chunk_size: ``C``, one of 16, 32, 64, 128.
@@ -137,13 +131,13 @@ def gated_delta_rule_chunked(
     )  # fmt: skip
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
+@public_form(GATED_DELTA, "batched")
 def gated_delta_rule(
-    q: Float[Array, "B T H K"],
-    k: Float[Array, "B T H K"],
-    v: Float[Array, "B T HV V"],
-    log_alpha: Float[Array, "B T HV"],
-    beta: Float[Array, "B T HV"],
+    q,
+    k,
+    v,
+    log_alpha,
+    beta,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "B HV V K"] | None = None,
@@ -158,9 +152,7 @@ def gated_delta_rule(
     Per value head and sequence this is ``gated_delta_rule_chunked`` (or ``_recurrent``).
 
     Args:
-      q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; one floating dtype for all three.
-        ``HV`` is a multiple of ``H``: value head ``i`` reads query/key head ``i // (HV // H)``.
-      log_alpha, beta: ``[B, T, HV]``, log-space decay (``<= 0``) and activated strength.
+    {args}
       scale: query scale; ``None`` means ``K ** -0.5``.
       initial_state: ``[B, HV, V, K]``, or ``[N, HV, V, K]`` with ``cu_seqlens``; ``None`` is
         zeros. flash-linear-attention's states are ``[.., K, V]``: pass ``swapaxes(-1, -2)``.
@@ -184,13 +176,13 @@ def gated_delta_rule(
     )  # fmt: skip
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
+@public_form(GATED_DELTA, "batched")
 def gated_delta_rule_seq_parallel(
-    q: Float[Array, "B T H K"],
-    k: Float[Array, "B T H K"],
-    v: Float[Array, "B T HV V"],
-    log_alpha: Float[Array, "B T HV"],
-    beta: Float[Array, "B T HV"],
+    q,
+    k,
+    v,
+    log_alpha,
+    beta,
     *,
     mesh: Mesh | AbstractMesh,
     axis_name: str = "seq",
@@ -206,9 +198,10 @@ def gated_delta_rule_seq_parallel(
     the devices exchange one ``[V + K, K]`` state per head and sequence, never activations.
 
     Args:
-      q, k, v, log_alpha, beta, scale, initial_state, chunk_size, schedule, use_qk_l2norm:
-        as in ``gated_delta_rule``. ``T`` must be divisible by the size ``n`` of the axis;
-        ``T / n`` need not be a multiple of ``chunk_size``.
+    {args}
+      scale, initial_state, chunk_size, schedule, use_qk_l2norm: as in ``gated_delta_rule``.
+        ``T`` must be divisible by the size ``n`` of the axis; ``T / n`` need not be a
+        multiple of ``chunk_size``.
       mesh: a ``jax.sharding.Mesh`` with an axis ``axis_name``.
       axis_name: the mesh axis that splits ``T``.
       cu_seqlens: ``[N+1]`` global offsets of packed sequences (``B == 1``); a sequence may

@@ -70,7 +70,6 @@ def product_chunked(
 
 GATED_DELTA_PRODUCT = Rule(
     name="gated_delta_product",
-    title="Gated DeltaProduct",
     gates=(
         GateSpec("log_alpha", default=0.0, doc="decays in log space (``<= 0``), one a token"),
         GateSpec(
@@ -78,7 +77,7 @@ GATED_DELTA_PRODUCT = Rule(
             per_step=True,
             doc="writing strengths, activated (in (0, 2) with negative eigenvalues), one a step",
         ),
-    ),  # fmt: skip
+    ),
     step=householder_step,
     chunked=product_chunked,
     shares_qk=True,

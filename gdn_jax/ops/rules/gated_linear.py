@@ -10,7 +10,6 @@ with ``log_alpha = 0`` and ``beta = 1`` plain causal linear attention. Its chunk
 from __future__ import annotations
 
 import functools
-from typing import no_type_check
 
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import Array, Float, Int
@@ -18,7 +17,7 @@ from jaxtyping import Array, Float, Int
 from gdn_jax.ops import checks
 from gdn_jax.ops.api import batched
 from gdn_jax.ops.chunked import chunked_rule
-from gdn_jax.ops.rule import GateSpec, Rule
+from gdn_jax.ops.rule import GateSpec, Rule, public_form
 from gdn_jax.ops.sequence_parallel import seq_parallel
 from gdn_jax.ops.single_head import chunked_single_head, recurrent_single_head
 from gdn_jax.ops.step import checked_step, linear_step
@@ -26,21 +25,24 @@ from gdn_jax.ops.wy import LINEAR
 
 GATED_LINEAR = Rule(
     name="gated_linear_attention",
-    gates=(GateSpec("log_alpha"), GateSpec("beta")),
+    gates=(
+        GateSpec("log_alpha", doc="decay gates in log space (``<= 0``; ``-inf`` is a full reset)"),
+        GateSpec("beta", doc="writing strengths, already activated"),
+    ),
     step=linear_step,
     chunked=functools.partial(chunked_rule, write=LINEAR),
     shares_qk=True,
 )
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
+@public_form(GATED_LINEAR, "step")
 def gated_linear_attention_step(
     state: Float[Array, "V K"],
-    q: Float[Array, " K"],
-    k: Float[Array, " K"],
-    v: Float[Array, " V"],
-    log_alpha: Float[Array, ""],
-    beta: Float[Array, ""],
+    q,
+    k,
+    v,
+    log_alpha,
+    beta,
     *,
     scale: float | None = None,
 ) -> tuple[Float[Array, "V K"], Float[Array, " V"]]:
@@ -51,13 +53,13 @@ def gated_linear_attention_step(
     return checked_step(fn, GATED_LINEAR, state, q, k, v, gates, scale=scale)
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
+@public_form(GATED_LINEAR, "one_head")
 def gated_linear_attention_recurrent(
-    q: Float[Array, "T K"],
-    k: Float[Array, "T K"],
-    v: Float[Array, "T V"],
-    log_alpha: Float[Array, " T"],
-    beta: Float[Array, " T"],
+    q,
+    k,
+    v,
+    log_alpha,
+    beta,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "V K"] | None = None,
@@ -69,13 +71,13 @@ def gated_linear_attention_recurrent(
     return recurrent_single_head(fn, GATED_LINEAR, q, k, v, gates, initial_state, scale=scale)
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
+@public_form(GATED_LINEAR, "one_head")
 def gated_linear_attention_chunked(
-    q: Float[Array, "T K"],
-    k: Float[Array, "T K"],
-    v: Float[Array, "T V"],
-    log_alpha: Float[Array, " T"],
-    beta: Float[Array, " T"],
+    q,
+    k,
+    v,
+    log_alpha,
+    beta,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "V K"] | None = None,
@@ -92,13 +94,13 @@ def gated_linear_attention_chunked(
     )  # fmt: skip
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
+@public_form(GATED_LINEAR, "batched")
 def gated_linear_attention(
-    q: Float[Array, "B T H K"],
-    k: Float[Array, "B T H K"],
-    v: Float[Array, "B T HV V"],
-    log_alpha: Float[Array, "B T HV"],
-    beta: Float[Array, "B T HV"],
+    q,
+    k,
+    v,
+    log_alpha,
+    beta,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "B HV V K"] | None = None,
@@ -117,13 +119,13 @@ def gated_linear_attention(
     )  # fmt: skip
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
+@public_form(GATED_LINEAR, "batched")
 def gated_linear_attention_seq_parallel(
-    q: Float[Array, "B T H K"],
-    k: Float[Array, "B T H K"],
-    v: Float[Array, "B T HV V"],
-    log_alpha: Float[Array, "B T HV"],
-    beta: Float[Array, "B T HV"],
+    q,
+    k,
+    v,
+    log_alpha,
+    beta,
     *,
     mesh: Mesh | AbstractMesh,
     axis_name: str = "seq",

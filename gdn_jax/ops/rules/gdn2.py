@@ -14,37 +14,43 @@ is ``channel_chunked.py``'s.
 
 from __future__ import annotations
 
-from typing import no_type_check
-
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.api import batched
 from gdn_jax.ops.channel_chunked import channel_chunked_rule
-from gdn_jax.ops.rule import GateSpec, Rule
+from gdn_jax.ops.rule import GateSpec, Rule, public_form
 from gdn_jax.ops.sequence_parallel import seq_parallel
 from gdn_jax.ops.single_head import chunked_single_head, recurrent_single_head
 from gdn_jax.ops.step import checked_step, erase_write_step
 
 GDN2 = Rule(
     name="gdn2",
-    gates=(GateSpec("log_alpha", "K"), GateSpec("b", "K"), GateSpec("w", "V")),
+    gates=(
+        GateSpec(
+            "log_alpha",
+            "K",
+            doc="decay gates in log space (``<= 0``; ``-inf`` resets a channel), one per key channel",
+        ),
+        GateSpec("b", "K", doc="erase gates, already activated, one per key channel"),
+        GateSpec("w", "V", doc="write gates, already activated, one per value channel"),
+    ),
     step=erase_write_step,
     chunked=channel_chunked_rule,
     shares_qk=False,
 )
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
+@public_form(GDN2, "step")
 def gdn2_step(
     state: Float[Array, "V K"],
-    q: Float[Array, " K"],
-    k: Float[Array, " K"],
-    v: Float[Array, " V"],
-    log_alpha: Float[Array, " K"],
-    b: Float[Array, " K"],
-    w: Float[Array, " V"],
+    q,
+    k,
+    v,
+    log_alpha,
+    b,
+    w,
     *,
     scale: float | None = None,
 ) -> tuple[Float[Array, "V K"], Float[Array, " V"]]:
@@ -52,9 +58,7 @@ def gdn2_step(
 
     Args:
       state: memory ``[V, K]`` (flash-linear-attention stores the transpose, ``[K, V]``).
-      q, k: query and key ``[K]``; v: value ``[V]``; q, k and v share one dtype.
-      log_alpha: ``[K]`` decay gates in log space, ``<= 0``, one per key channel.
-      b: ``[K]`` erase gates, already activated; w: ``[V]`` write gates, already activated.
+    {args}
       scale: query scale; ``None`` means ``K ** -0.5``.
 
     Returns:
@@ -64,14 +68,14 @@ def gdn2_step(
     return checked_step("gdn2_step", GDN2, state, q, k, v, (log_alpha, b, w), scale=scale)
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
+@public_form(GDN2, "one_head")
 def gdn2_recurrent(
-    q: Float[Array, "T K"],
-    k: Float[Array, "T K"],
-    v: Float[Array, "T V"],
-    log_alpha: Float[Array, "T K"],
-    b: Float[Array, "T K"],
-    w: Float[Array, "T V"],
+    q,
+    k,
+    v,
+    log_alpha,
+    b,
+    w,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "V K"] | None = None,
@@ -79,9 +83,7 @@ def gdn2_recurrent(
     """Gated DeltaNet-2 for one head and one sequence, one token at a time.
 
     Args:
-      q, k: ``[T, K]``; v: ``[T, V]``; all three in one floating dtype.
-      log_alpha: ``[T, K]`` decay gates in log space (``<= 0``), one per key channel.
-      b: ``[T, K]`` erase gates; w: ``[T, V]`` write gates; both already activated.
+    {args}
       scale: query scale; ``None`` means ``K ** -0.5``.
       initial_state: ``[V, K]`` or ``None``.
 
@@ -93,14 +95,14 @@ def gdn2_recurrent(
     return recurrent_single_head("gdn2_recurrent", GDN2, q, k, v, gates, initial_state, scale=scale)
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
+@public_form(GDN2, "one_head")
 def gdn2_chunked(
-    q: Float[Array, "T K"],
-    k: Float[Array, "T K"],
-    v: Float[Array, "T V"],
-    log_alpha: Float[Array, "T K"],
-    b: Float[Array, "T K"],
-    w: Float[Array, "T V"],
+    q,
+    k,
+    v,
+    log_alpha,
+    b,
+    w,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "V K"] | None = None,
@@ -119,14 +121,14 @@ def gdn2_chunked(
     )  # fmt: skip
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
+@public_form(GDN2, "batched")
 def gdn2(
-    q: Float[Array, "B T H K"],
-    k: Float[Array, "B T H K"],
-    v: Float[Array, "B T HV V"],
-    log_alpha: Float[Array, "B T HV K"],
-    b: Float[Array, "B T HV K"],
-    w: Float[Array, "B T HV V"],
+    q,
+    k,
+    v,
+    log_alpha,
+    b,
+    w,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "B HV V K"] | None = None,
@@ -140,10 +142,7 @@ def gdn2(
     ``gdn2_chunked`` (or ``gdn2_recurrent``).
 
     Args:
-      q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; one floating dtype for all three.
-        ``HV`` is a multiple of ``H``: value head ``i`` reads query/key head ``i // (HV // H)``.
-      log_alpha: ``[B, T, HV, K]`` log-space decays (``<= 0``; ``-inf`` resets a channel).
-      b: ``[B, T, HV, K]`` erase gates; w: ``[B, T, HV, V]`` write gates; both activated.
+    {args}
       scale, initial_state, use_qk_l2norm, cu_seqlens, impl, chunk_size, schedule: as in
         ``gated_delta_rule``.
 
@@ -158,14 +157,14 @@ def gdn2(
     )  # fmt: skip
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
+@public_form(GDN2, "batched")
 def gdn2_seq_parallel(
-    q: Float[Array, "B T H K"],
-    k: Float[Array, "B T H K"],
-    v: Float[Array, "B T HV V"],
-    log_alpha: Float[Array, "B T HV K"],
-    b: Float[Array, "B T HV K"],
-    w: Float[Array, "B T HV V"],
+    q,
+    k,
+    v,
+    log_alpha,
+    b,
+    w,
     *,
     mesh: Mesh | AbstractMesh,
     axis_name: str = "seq",

@@ -11,36 +11,41 @@ those gates.
 
 from __future__ import annotations
 
-from typing import no_type_check
-
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.api import batched
 from gdn_jax.ops.channel_chunked import channel_chunked_rule
-from gdn_jax.ops.rule import GateSpec, Rule
+from gdn_jax.ops.rule import GateSpec, Rule, public_form
 from gdn_jax.ops.sequence_parallel import seq_parallel
 from gdn_jax.ops.single_head import chunked_single_head, recurrent_single_head
 from gdn_jax.ops.step import checked_step, delta_step
 
 KDA = Rule(
     name="kda",
-    gates=(GateSpec("log_alpha", "K"), GateSpec("beta")),
+    gates=(
+        GateSpec(
+            "log_alpha",
+            "K",
+            doc="decay gates in log space (``<= 0``; ``-inf`` resets a channel), one per key channel",
+        ),
+        GateSpec("beta", doc="writing strengths, already activated"),
+    ),
     step=delta_step,  # its decay broadcasts a [K] gate along the state's rows
     chunked=channel_chunked_rule,  # with beta as both the erase and the write gate
     shares_qk=False,
 )
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
+@public_form(KDA, "step")
 def kda_step(
     state: Float[Array, "V K"],
-    q: Float[Array, " K"],
-    k: Float[Array, " K"],
-    v: Float[Array, " V"],
-    log_alpha: Float[Array, " K"],
-    beta: Float[Array, ""],
+    q,
+    k,
+    v,
+    log_alpha,
+    beta,
     *,
     scale: float | None = None,
 ) -> tuple[Float[Array, "V K"], Float[Array, " V"]]:
@@ -48,10 +53,7 @@ def kda_step(
 
     Args:
       state: memory ``[V, K]`` (flash-linear-attention stores the transpose, ``[K, V]``).
-      q, k: query and key ``[K]``.
-      v: value ``[V]``; q, k and v share one dtype.
-      log_alpha: ``[K]`` decay gates in log space, ``<= 0``, one per key channel.
-      beta: scalar writing strength, already activated, as an array or a Python number.
+    {args}
       scale: query scale; ``None`` means ``K ** -0.5``.
 
     Returns:
@@ -61,13 +63,13 @@ def kda_step(
     return checked_step("kda_step", KDA, state, q, k, v, (log_alpha, beta), scale=scale)
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
+@public_form(KDA, "one_head")
 def kda_recurrent(
-    q: Float[Array, "T K"],
-    k: Float[Array, "T K"],
-    v: Float[Array, "T V"],
-    log_alpha: Float[Array, "T K"],
-    beta: Float[Array, " T"],
+    q,
+    k,
+    v,
+    log_alpha,
+    beta,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "V K"] | None = None,
@@ -75,9 +77,7 @@ def kda_recurrent(
     """Kimi Delta Attention for one head and one sequence, one token at a time.
 
     Args:
-      q, k: ``[T, K]``; v: ``[T, V]``; all three in one floating dtype.
-      log_alpha: ``[T, K]`` decay gates in log space (``<= 0``), one per key channel.
-      beta: ``[T]`` writing strengths, already activated.
+    {args}
       scale: query scale; ``None`` means ``K ** -0.5``.
       initial_state: ``[V, K]`` or ``None``.
 
@@ -89,13 +89,13 @@ def kda_recurrent(
     return recurrent_single_head("kda_recurrent", KDA, q, k, v, gates, initial_state, scale=scale)
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
+@public_form(KDA, "one_head")
 def kda_chunked(
-    q: Float[Array, "T K"],
-    k: Float[Array, "T K"],
-    v: Float[Array, "T V"],
-    log_alpha: Float[Array, "T K"],
-    beta: Float[Array, " T"],
+    q,
+    k,
+    v,
+    log_alpha,
+    beta,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "V K"] | None = None,
@@ -110,9 +110,7 @@ def kda_chunked(
     ``[V, K]`` state per chunk (``channel_chunked.py``).
 
     Args:
-      q, k: ``[T, K]``; v: ``[T, V]``; all three in one floating dtype.
-      log_alpha: ``[T, K]`` decay gates in log space (``<= 0``; ``-inf`` resets a channel).
-      beta: ``[T]`` writing strengths, already activated.
+    {args}
       scale: query scale; ``None`` means ``K ** -0.5``.
       initial_state: ``[V, K]`` or ``None`` (zeros).
       chunk_size: ``C``, one of 16, 32, 64, 128.
@@ -128,13 +126,13 @@ def kda_chunked(
     )  # fmt: skip
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
+@public_form(KDA, "batched")
 def kda(
-    q: Float[Array, "B T H K"],
-    k: Float[Array, "B T H K"],
-    v: Float[Array, "B T HV V"],
-    log_alpha: Float[Array, "B T HV K"],
-    beta: Float[Array, "B T HV"],
+    q,
+    k,
+    v,
+    log_alpha,
+    beta,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "B HV V K"] | None = None,
@@ -149,10 +147,7 @@ def kda(
     ``gated_delta_rule`` but for ``log_alpha``.
 
     Args:
-      q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; one floating dtype for all three.
-        ``HV`` is a multiple of ``H``: value head ``i`` reads query/key head ``i // (HV // H)``.
-      log_alpha: ``[B, T, HV, K]`` log-space decays (``<= 0``; ``-inf`` resets a channel).
-      beta: ``[B, T, HV]`` activated writing strengths.
+    {args}
       scale, initial_state, use_qk_l2norm, cu_seqlens, impl, chunk_size, schedule: as in
         ``gated_delta_rule``.
 
@@ -167,13 +162,13 @@ def kda(
     )  # fmt: skip
 
 
-@no_type_check  # a public entry point: checks.py names its bad arguments
+@public_form(KDA, "batched")
 def kda_seq_parallel(
-    q: Float[Array, "B T H K"],
-    k: Float[Array, "B T H K"],
-    v: Float[Array, "B T HV V"],
-    log_alpha: Float[Array, "B T HV K"],
-    beta: Float[Array, "B T HV"],
+    q,
+    k,
+    v,
+    log_alpha,
+    beta,
     *,
     mesh: Mesh | AbstractMesh,
     axis_name: str = "seq",
