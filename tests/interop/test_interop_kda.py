@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from support.cpu_schedule import SCHEDULE
+from support.layer_forms import parameter_count
 from support.tolerance import assert_relative_rms
 from test_interop import (
     Lazy,
@@ -28,6 +29,13 @@ from test_interop_families import LENGTHS, modeling, packed
 
 from gdn_jax import KimiDeltaAttention
 from gdn_jax.interop import FAMILIES, layer_prefixes, load_layer
+
+KimiLinearDeltaAttention = Lazy(
+    "transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention"
+)
+BailingHybridDeltaAttention = Lazy(
+    "transformers.models.bailing_hybrid.modeling_bailing_hybrid", "BailingHybridDeltaAttention"
+)
 
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
@@ -385,3 +393,27 @@ def test_layers_a_family_cannot_hold_are_refused():
         from gdn_jax import GatedDeltaNet
 
         FAMILIES["glm5_next"].export(GatedDeltaNet(32, 2, 8, rngs=nnx.Rngs(0)))
+
+
+def test_parameter_count_matches_the_transformers_layers():
+    """Kimi-Linear's layer is fla's (tests/layers/test_kda_layer.py counts fla's) without the
+    output gate's bias; Bailing-hybrid's has full-rank gates."""
+    common = dict(hidden_size=64, num_hidden_layers=1, layer_types=["linear_attention"])
+    common.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    kimi = KimiLinearDeltaAttention(
+        transformers.KimiLinearConfig(**common, linear_num_heads=4, linear_head_dim=16), 0
+    )
+    bailing = BailingHybridDeltaAttention(
+        transformers.BailingHybridConfig(**common, num_attention_heads=4, head_dim=16), 0
+    )
+
+    def torch_count(module):
+        return sum(p.numel() for p in module.parameters())
+
+    def ours(**kw):
+        return parameter_count(
+            nnx.eval_shape(lambda: KimiDeltaAttention(64, 4, 16, rngs=nnx.Rngs(0), **kw))
+        )
+
+    assert ours(output_gate_bias=False) == torch_count(kimi) == ours() - 4 * 16
+    assert ours(low_rank_gates=False, output_gate_bias=False) == torch_count(bailing)

@@ -1,6 +1,7 @@
 """The Kimi Delta Attention layer: wiring against a NumPy reference, chunked == recurrent with
-gradients, flash-linear-attention's parameter count, initialisation, bad arguments. Padding,
-packing and decoding are test_layers.py's, with the other mixers."""
+gradients, initialisation, bad arguments (the parameter counts of fla and transformers are
+tests/interop/test_interop_kda.py's). Padding, packing and decoding are test_layers.py's, with
+the other mixers."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +14,6 @@ from support.layer_forms import (
     parameter_count,
     sigmoid,
 )
-from support.lazy import Lazy
 from support.reference import grouped_heads_reference
 from support.tolerance import assert_close
 from test_layers import HIDDEN, forward, inputs
@@ -21,13 +21,6 @@ from test_layers import HIDDEN, forward, inputs
 from gdn_jax.layers import KimiDeltaAttention, NoWeightDecay
 
 GVA = dict(num_heads=2, head_dim=4, num_v_heads=4, expand_v=2.0, chunk_size=16, schedule=SCHEDULE)
-transformers = Lazy("transformers")
-KimiLinearDeltaAttention = Lazy(
-    "transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention"
-)
-BailingHybridDeltaAttention = Lazy(
-    "transformers.models.bailing_hybrid.modeling_bailing_hybrid", "BailingHybridDeltaAttention"
-)
 # The forms of the transformers families: full-rank gates, a bounded gate, no gate bias.
 BAILING_FORM = dict(low_rank_gates=False, output_gate_bias=False, gate_lower_bound=-3.0)
 
@@ -135,31 +128,6 @@ def test_parameter_count_matches_flash_linear_attention(config):
         config.get("conv_size", 4),
         config.get("conv_bias", False),
     )
-
-
-def test_parameter_count_matches_the_transformers_layers():
-    """Kimi-Linear's layer is fla's without the output gate's bias; Bailing-hybrid's has
-    full-rank gates."""
-    common = dict(hidden_size=64, num_hidden_layers=1, layer_types=["linear_attention"])
-    common.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    kimi = KimiLinearDeltaAttention(
-        transformers.KimiLinearConfig(**common, linear_num_heads=4, linear_head_dim=16), 0
-    )
-    bailing = BailingHybridDeltaAttention(
-        transformers.BailingHybridConfig(**common, num_attention_heads=4, head_dim=16), 0
-    )
-
-    def torch_count(module):
-        return sum(p.numel() for p in module.parameters())
-
-    def ours(**kw):
-        return parameter_count(
-            nnx.eval_shape(lambda: KimiDeltaAttention(64, 4, 16, rngs=nnx.Rngs(0), **kw))
-        )
-
-    assert ours() == fla_parameter_count(64, 4, 16, 1.0, 4, 4, False)
-    assert ours(output_gate_bias=False) == torch_count(kimi) == ours() - 4 * 16
-    assert ours(low_rank_gates=False, output_gate_bias=False) == torch_count(bailing)
 
 
 def test_gate_parameters_are_initialised_and_excluded_from_decay():
