@@ -258,7 +258,8 @@ def check_inputs(fn: str, rule: Rule, form: Form, arrays: dict) -> None:
 def check_step(fn: str, rule: Rule, state, q, k, v, gates: dict, steps: int = 1) -> dict:
     """Shapes of the one-token contract: state [V, K], q [K], k [K] and v [V] (``[n, K]`` and
     ``[n, V]`` with ``n`` steps a token), and each gate a scalar (an array or a Python
-    number), or one per key or value channel, or per step, as its spec says."""
+    number), or one per key or value channel, or per step, as its spec says. Returns the
+    sizes of the legend's letters, for ``Rule.with_defaults``."""
     check_inputs(fn, rule, "step", dict(state=state, q=q, k=k, v=v, **gates))
     check_qv(fn, rule, "step", q, v, steps)
     sizes = {"K": q.shape[-1], "V": v.shape[-1], STEPS: steps}
@@ -269,7 +270,8 @@ def check_step(fn: str, rule: Rule, state, q, k, v, gates: dict, steps: int = 1)
 
 def check_single_head(fn: str, rule: Rule, q, k, v, gates: dict, initial_state, steps=1) -> dict:
     """Shapes of the one-head, one-sequence contract: q [T, K], k [T, K], v [T, V] and each
-    gate [T], or [T, K] or [T, V] where its spec says so (``T n`` long where it is per step)."""
+    gate [T], or [T, K] or [T, V] where its spec says so (``T n`` long where it is per step).
+    Returns the sizes of the legend's letters."""
     check_inputs(fn, rule, "one_head", dict(q=q, k=k, v=v, **gates, initial_state=initial_state))
     check_qv(fn, rule, "one_head", q, v, steps)
     (seq_len, key_dim), value_dim = q.shape, v.shape[-1]
@@ -309,7 +311,8 @@ def check_batched(
     """The batched, multi-head contract: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` with HV a
     multiple of H, each gate ``[B, T, HV]`` (``[B, T, HV, K]`` or ``[B, T, HV, V]`` where its
     spec says so; ``T n`` long for what is per step), ``initial_state [B, HV, V, K]``
-    (``[N, HV, V, K]`` with packed ``cu_seqlens``, which need ``B == 1``)."""
+    (``[N, HV, V, K]`` with packed ``cu_seqlens``, which need ``B == 1``). Returns the sizes
+    of the legend's letters."""
     arrays = dict(q=q, k=k, v=v, **gates, initial_state=initial_state)
     check_inputs(fn, rule, "batched", arrays)
     check_qv(fn, rule, "batched", q, v, steps)
