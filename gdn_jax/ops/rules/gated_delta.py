@@ -10,6 +10,7 @@ with one decay per token, is ``chunked.py``'s.
 from __future__ import annotations
 
 from jax.sharding import AbstractMesh, Mesh
+from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
@@ -37,11 +38,11 @@ GATED_DELTA = Rule(
 @public_form(GATED_DELTA, "step")
 def gated_delta_step(
     state: Float[Array, "V K"],
-    q,
-    k,
-    v,
-    log_alpha,
-    beta,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike,
+    beta: ArrayLike,
     *,
     scale: float | None = None,
 ) -> tuple[Float[Array, "V K"], Float[Array, " V"]]:
@@ -63,11 +64,11 @@ def gated_delta_step(
 
 @public_form(GATED_DELTA, "one_head")
 def gated_delta_rule_recurrent(
-    q,
-    k,
-    v,
-    log_alpha,
-    beta,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike,
+    beta: ArrayLike,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "V K"] | None = None,
@@ -90,11 +91,11 @@ def gated_delta_rule_recurrent(
 
 @public_form(GATED_DELTA, "one_head")
 def gated_delta_rule_chunked(
-    q,
-    k,
-    v,
-    log_alpha,
-    beta,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike,
+    beta: ArrayLike,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "V K"] | None = None,
@@ -133,11 +134,11 @@ def gated_delta_rule_chunked(
 
 @public_form(GATED_DELTA, "batched")
 def gated_delta_rule(
-    q,
-    k,
-    v,
-    log_alpha,
-    beta,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike,
+    beta: ArrayLike,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "B HV V K"] | None = None,
@@ -178,11 +179,11 @@ def gated_delta_rule(
 
 @public_form(GATED_DELTA, "batched")
 def gated_delta_rule_seq_parallel(
-    q,
-    k,
-    v,
-    log_alpha,
-    beta,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike,
+    beta: ArrayLike,
     *,
     mesh: Mesh | AbstractMesh,
     axis_name: str = "seq",
@@ -199,9 +200,12 @@ def gated_delta_rule_seq_parallel(
 
     Args:
     {args}
-      scale, initial_state, chunk_size, schedule, use_qk_l2norm: as in ``gated_delta_rule``.
-        ``T`` must be divisible by the size ``n`` of the axis; ``T / n`` need not be a
-        multiple of ``chunk_size``.
+      scale: as in ``gated_delta_rule``.
+      initial_state: as in ``gated_delta_rule``.
+      chunk_size: as in ``gated_delta_rule``; ``T`` must be divisible by the size ``n`` of
+        the axis, ``T / n`` need not be a multiple of ``chunk_size``.
+      schedule: as in ``gated_delta_rule``.
+      use_qk_l2norm: as in ``gated_delta_rule``.
       mesh: a ``jax.sharding.Mesh`` with an axis ``axis_name``.
       axis_name: the mesh axis that splits ``T``.
       cu_seqlens: ``[N+1]`` global offsets of packed sequences (``B == 1``); a sequence may

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
+from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
@@ -88,8 +89,16 @@ RULE = GATED_DELTA_PRODUCT
 
 @public_form(RULE, "step")
 def gated_delta_product_step(
-    state, q, k, v, log_alpha, beta, *, num_householder: int, scale: float | None = None
-):
+    state: Float[Array, "V K"],
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike | None,
+    beta: ArrayLike,
+    *,
+    num_householder: int,
+    scale: float | None = None,
+) -> tuple[Float[Array, "V K"], Float[Array, " V"]]:
     """Advance one head's Gated DeltaProduct memory by one token (its ``n`` steps) and read
     it: what a decoder calls per token.
 
@@ -110,14 +119,22 @@ def gated_delta_product_step(
 
 @public_form(RULE, "one_head")
 def gated_delta_product_recurrent(
-    q, k, v, log_alpha, beta, *, num_householder: int, scale: float | None = None,
-    initial_state=None,
-):  # fmt: skip
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike | None,
+    beta: ArrayLike,
+    *,
+    num_householder: int,
+    scale: float | None = None,
+    initial_state: Float[Array, "V K"] | None = None,
+) -> tuple[Float[Array, "T V"], Float[Array, "V K"]]:
     """Gated DeltaProduct for one head and one sequence, one token (``n`` steps) at a time.
 
     Args:
     {args}
-      scale, initial_state: as in ``gated_delta_rule_recurrent``.
+      scale: as in ``gated_delta_rule_recurrent``.
+      initial_state: as in ``gated_delta_rule_recurrent``.
 
     Returns:
       ``(y [T, V], final_state [V, K])`` as ``gated_delta_rule_recurrent``'s.
@@ -130,15 +147,26 @@ def gated_delta_product_recurrent(
 
 @public_form(RULE, "one_head")
 def gated_delta_product_chunked(
-    q, k, v, log_alpha, beta, *, num_householder: int, scale: float | None = None,
-    initial_state=None, chunk_size: int = 64, schedule: checks.Schedule = "auto",
-):  # fmt: skip
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike | None,
+    beta: ArrayLike,
+    *,
+    num_householder: int,
+    scale: float | None = None,
+    initial_state: Float[Array, "V K"] | None = None,
+    chunk_size: int = 64,
+    schedule: checks.Schedule = "auto",
+) -> tuple[Float[Array, "T V"], Float[Array, "V K"]]:
     """Gated DeltaProduct for one head and one sequence, chunkwise over the steps: the
     contract of ``gated_delta_product_recurrent``.
 
     Args:
     {args}
-      scale, initial_state, schedule: as in ``gated_delta_rule_chunked``.
+      scale: as in ``gated_delta_rule_chunked``.
+      initial_state: as in ``gated_delta_rule_chunked``.
+      schedule: as in ``gated_delta_rule_chunked``.
       chunk_size: ``C`` in steps, one of 16, 32, 64, 128.
     """
     return chunked_single_head(
@@ -150,18 +178,33 @@ def gated_delta_product_chunked(
 
 @public_form(RULE, "batched")
 def gated_delta_product(
-    q, k, v, log_alpha, beta, *, num_householder: int, scale: float | None = None,
-    initial_state=None, use_qk_l2norm: bool = False, cu_seqlens=None,
-    impl: checks.Impl = "chunked", chunk_size: int = 64, schedule: checks.Schedule = "auto",
-):  # fmt: skip
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike | None,
+    beta: ArrayLike,
+    *,
+    num_householder: int,
+    scale: float | None = None,
+    initial_state: Float[Array, "B HV V K"] | None = None,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: Int[Array, " N+1"] | None = None,
+    impl: checks.Impl = "chunked",
+    chunk_size: int = 64,
+    schedule: checks.Schedule = "auto",
+) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV V K"]]:
     """Gated DeltaProduct over a batch of sequences and heads, in flash-linear-attention's
     layout: per value head and sequence ``gated_delta_product_chunked`` (or ``_recurrent``).
 
     Args:
     {args}
       cu_seqlens: optional ``[N+1]`` offsets of packed sequences, in tokens (``B == 1``).
-      scale, initial_state, use_qk_l2norm, impl, chunk_size (in steps), schedule: as in
-        ``gated_delta_rule``.
+      scale: as in ``gated_delta_rule``.
+      initial_state: as in ``gated_delta_rule``.
+      use_qk_l2norm: as in ``gated_delta_rule``.
+      impl: as in ``gated_delta_rule``.
+      chunk_size: in steps, as in ``gated_delta_rule``.
+      schedule: as in ``gated_delta_rule``.
 
     Returns:
       ``(o [B, T, HV, V], final_state)`` as ``gated_delta_rule``'s.
@@ -175,19 +218,35 @@ def gated_delta_product(
 
 @public_form(RULE, "batched")
 def gated_delta_product_seq_parallel(
-    q, k, v, log_alpha, beta, *, num_householder: int, mesh: Mesh | AbstractMesh,
-    axis_name: str = "seq", scale: float | None = None, initial_state=None,
-    chunk_size: int = 64, schedule: checks.Schedule = "auto", cu_seqlens=None,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike | None,
+    beta: ArrayLike,
+    *,
+    num_householder: int,
+    mesh: Mesh | AbstractMesh,
+    axis_name: str = "seq",
+    scale: float | None = None,
+    initial_state: Float[Array, "_ HV V K"] | None = None,
+    chunk_size: int = 64,
+    schedule: checks.Schedule = "auto",
+    cu_seqlens: Int[Array, " _"] | None = None,
     use_qk_l2norm: bool = False,
-):  # fmt: skip
+) -> tuple[Float[Array, "B T HV V"], Float[Array, "_ HV V K"]]:
     """``gated_delta_product`` with ``T`` split over the mesh axis ``axis_name``: each
     token's steps stay on its shard.
 
     Args:
     {args}
-      mesh, axis_name, scale, initial_state, chunk_size, schedule, cu_seqlens,
-        use_qk_l2norm: as in ``gated_delta_rule_seq_parallel`` (``chunk_size`` in steps,
-        ``cu_seqlens`` in tokens).
+      mesh: as in ``gated_delta_rule_seq_parallel``.
+      axis_name: as in ``gated_delta_rule_seq_parallel``.
+      scale: as in ``gated_delta_rule_seq_parallel``.
+      initial_state: as in ``gated_delta_rule_seq_parallel``.
+      chunk_size: in steps, as in ``gated_delta_rule_seq_parallel``.
+      schedule: as in ``gated_delta_rule_seq_parallel``.
+      cu_seqlens: in tokens, as in ``gated_delta_rule_seq_parallel``.
+      use_qk_l2norm: as in ``gated_delta_rule_seq_parallel``.
 
     Returns:
       ``(o [B, T, HV, V], final_state)`` as ``gated_delta_rule_seq_parallel``'s.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 from jax.sharding import AbstractMesh, Mesh
+from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
@@ -38,11 +39,11 @@ GATED_LINEAR = Rule(
 @public_form(GATED_LINEAR, "step")
 def gated_linear_attention_step(
     state: Float[Array, "V K"],
-    q,
-    k,
-    v,
-    log_alpha,
-    beta,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike,
+    beta: ArrayLike,
     *,
     scale: float | None = None,
 ) -> tuple[Float[Array, "V K"], Float[Array, " V"]]:
@@ -55,11 +56,11 @@ def gated_linear_attention_step(
 
 @public_form(GATED_LINEAR, "one_head")
 def gated_linear_attention_recurrent(
-    q,
-    k,
-    v,
-    log_alpha,
-    beta,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike,
+    beta: ArrayLike,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "V K"] | None = None,
@@ -73,11 +74,11 @@ def gated_linear_attention_recurrent(
 
 @public_form(GATED_LINEAR, "one_head")
 def gated_linear_attention_chunked(
-    q,
-    k,
-    v,
-    log_alpha,
-    beta,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike,
+    beta: ArrayLike,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "V K"] | None = None,
@@ -96,11 +97,11 @@ def gated_linear_attention_chunked(
 
 @public_form(GATED_LINEAR, "batched")
 def gated_linear_attention(
-    q,
-    k,
-    v,
-    log_alpha,
-    beta,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike,
+    beta: ArrayLike,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "B HV V K"] | None = None,
@@ -121,11 +122,11 @@ def gated_linear_attention(
 
 @public_form(GATED_LINEAR, "batched")
 def gated_linear_attention_seq_parallel(
-    q,
-    k,
-    v,
-    log_alpha,
-    beta,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike,
+    beta: ArrayLike,
     *,
     mesh: Mesh | AbstractMesh,
     axis_name: str = "seq",

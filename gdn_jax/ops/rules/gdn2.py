@@ -15,6 +15,7 @@ is ``channel_chunked.py``'s.
 from __future__ import annotations
 
 from jax.sharding import AbstractMesh, Mesh
+from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
@@ -45,12 +46,12 @@ GDN2 = Rule(
 @public_form(GDN2, "step")
 def gdn2_step(
     state: Float[Array, "V K"],
-    q,
-    k,
-    v,
-    log_alpha,
-    b,
-    w,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike,
+    b: ArrayLike,
+    w: ArrayLike,
     *,
     scale: float | None = None,
 ) -> tuple[Float[Array, "V K"], Float[Array, " V"]]:
@@ -70,12 +71,12 @@ def gdn2_step(
 
 @public_form(GDN2, "one_head")
 def gdn2_recurrent(
-    q,
-    k,
-    v,
-    log_alpha,
-    b,
-    w,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike,
+    b: ArrayLike,
+    w: ArrayLike,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "V K"] | None = None,
@@ -97,12 +98,12 @@ def gdn2_recurrent(
 
 @public_form(GDN2, "one_head")
 def gdn2_chunked(
-    q,
-    k,
-    v,
-    log_alpha,
-    b,
-    w,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike,
+    b: ArrayLike,
+    w: ArrayLike,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "V K"] | None = None,
@@ -123,12 +124,12 @@ def gdn2_chunked(
 
 @public_form(GDN2, "batched")
 def gdn2(
-    q,
-    k,
-    v,
-    log_alpha,
-    b,
-    w,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike,
+    b: ArrayLike,
+    w: ArrayLike,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "B HV V K"] | None = None,
@@ -143,8 +144,13 @@ def gdn2(
 
     Args:
     {args}
-      scale, initial_state, use_qk_l2norm, cu_seqlens, impl, chunk_size, schedule: as in
-        ``gated_delta_rule``.
+      scale: as in ``gated_delta_rule``.
+      initial_state: as in ``gated_delta_rule``.
+      use_qk_l2norm: as in ``gated_delta_rule``.
+      cu_seqlens: as in ``gated_delta_rule``.
+      impl: as in ``gated_delta_rule``.
+      chunk_size: as in ``gated_delta_rule``.
+      schedule: as in ``gated_delta_rule``.
 
     Returns:
       ``(o [B, T, HV, V], final_state)``: ``o`` in the input dtype; ``final_state`` float32
@@ -159,12 +165,12 @@ def gdn2(
 
 @public_form(GDN2, "batched")
 def gdn2_seq_parallel(
-    q,
-    k,
-    v,
-    log_alpha,
-    b,
-    w,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike,
+    b: ArrayLike,
+    w: ArrayLike,
     *,
     mesh: Mesh | AbstractMesh,
     axis_name: str = "seq",

@@ -12,6 +12,7 @@ those gates.
 from __future__ import annotations
 
 from jax.sharding import AbstractMesh, Mesh
+from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
@@ -41,11 +42,11 @@ KDA = Rule(
 @public_form(KDA, "step")
 def kda_step(
     state: Float[Array, "V K"],
-    q,
-    k,
-    v,
-    log_alpha,
-    beta,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike,
+    beta: ArrayLike,
     *,
     scale: float | None = None,
 ) -> tuple[Float[Array, "V K"], Float[Array, " V"]]:
@@ -65,11 +66,11 @@ def kda_step(
 
 @public_form(KDA, "one_head")
 def kda_recurrent(
-    q,
-    k,
-    v,
-    log_alpha,
-    beta,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike,
+    beta: ArrayLike,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "V K"] | None = None,
@@ -91,11 +92,11 @@ def kda_recurrent(
 
 @public_form(KDA, "one_head")
 def kda_chunked(
-    q,
-    k,
-    v,
-    log_alpha,
-    beta,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike,
+    beta: ArrayLike,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "V K"] | None = None,
@@ -128,11 +129,11 @@ def kda_chunked(
 
 @public_form(KDA, "batched")
 def kda(
-    q,
-    k,
-    v,
-    log_alpha,
-    beta,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike,
+    beta: ArrayLike,
     *,
     scale: float | None = None,
     initial_state: Float[Array, "B HV V K"] | None = None,
@@ -148,8 +149,13 @@ def kda(
 
     Args:
     {args}
-      scale, initial_state, use_qk_l2norm, cu_seqlens, impl, chunk_size, schedule: as in
-        ``gated_delta_rule``.
+      scale: as in ``gated_delta_rule``.
+      initial_state: as in ``gated_delta_rule``.
+      use_qk_l2norm: as in ``gated_delta_rule``.
+      cu_seqlens: as in ``gated_delta_rule``.
+      impl: as in ``gated_delta_rule``.
+      chunk_size: as in ``gated_delta_rule``.
+      schedule: as in ``gated_delta_rule``.
 
     Returns:
       ``(o [B, T, HV, V], final_state)``: ``o`` in the input dtype; ``final_state`` float32
@@ -164,11 +170,11 @@ def kda(
 
 @public_form(KDA, "batched")
 def kda_seq_parallel(
-    q,
-    k,
-    v,
-    log_alpha,
-    beta,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_alpha: ArrayLike,
+    beta: ArrayLike,
     *,
     mesh: Mesh | AbstractMesh,
     axis_name: str = "seq",
