@@ -14,16 +14,11 @@ forward and 8 and 12 in forward+backward, where the in-scan schedule's bodies la
 memory (1264 MiB measured with libtpu 0.0.52; MaxText's pure-JAX chunked rule takes 2101 MiB
 at this size, docs/benchmarks.md).
 
-GDN-2, with a decay a key channel and erase and write gates, has the same two state passes and
-one loop more: its hoisted backward forms the chunks' gradients ``GRADS_GROUP`` chunks at a
-time (``ops/channel_chunked.py``), whose body holds the ``[C, C]`` work the state passes do
-not. Its forward+backward temp is at most 1.2x Gated DeltaNet's in the same compiler
-(measured 1353 MiB against 1264, 1.07x, with libtpu 0.0.52; 1673 MiB, 1.32x, when the groups
-were stacked before their loop). KDA runs the same engine without the write
-gate (1350 MiB); its program at this size is not compiled here, since each of these two
-compiles costs 70-90 s of CPU (the suite's budget is 6 minutes on 2 cores), and GDN-2's holds
-every stage KDA's does. Both ops' loops are also read at a small size in
-``test_tpu_compile.py``.
+GDN-2 and KDA run the same two state passes, and GDN-2's hoisted backward one loop more
+(the chunks' gradients in groups, ``ops/channel_chunked.py``); their loops are read at a
+small size in ``test_tpu_compile.py``. Their temp memory at this size is a figure of
+``benchmarks/bench_tpu_op.py --ops gdn kda gdn2`` in docs/benchmarks.md, not a test here:
+compiling GDN-2's program at this size costs more CPU than the rest of this module.
 """
 
 import re
@@ -63,19 +58,3 @@ def test_hoisted_schedule_is_lean_on_tpu_v5e():
         assert not has_square(body, CHUNK)
     fusions = fusions_per_body(both.hlo)
     assert all(1 <= n <= MAX_FUSIONS for n in fusions), fusions
-
-
-@pytest.mark.costly(60)
-def test_gdn2_is_lean_on_tpu_v5e():
-    both = program("gdn2")
-    temp, gdn_temp = (p.memory.temp_size_in_bytes for p in (both, program("gated_delta_rule")))
-    assert temp <= 1.2 * gdn_temp, (temp / 2**20, gdn_temp / 2**20)
-    assert both.whiles == 3  # the two state passes and the grouped chunks' gradients
-    passes = [
-        (body, n)
-        for body, n in zip(both.bodies, fusions_per_body(both.hlo), strict=True)
-        if not has_square(body, CHUNK)
-    ]
-    # The state passes, forward and reverse, as Gated DeltaNet's: two and four products.
-    assert sorted(len(dots(body)) for body, _ in passes) == [2, 4], [dots(b) for b, _ in passes]
-    assert all(1 <= n <= MAX_FUSIONS for _, n in passes), [n for _, n in passes]
