@@ -42,7 +42,7 @@ _LAZY = {
 
 __all__ = ["__version__", *sorted(_LAZY), *(name for name in ops.__all__ if name != "RULES")]
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # what type checkers see of the lazy names
     from gdn_jax.layers import (
         DeltaNet,
         GatedDeltaNet,
@@ -56,7 +56,6 @@ if TYPE_CHECKING:
         SoftmaxAttention,
     )
     from gdn_jax.models import LanguageModel, ModelConfig, generate
-
 
 def __getattr__(name: str):
     if name not in _LAZY:
