@@ -57,6 +57,7 @@ if TYPE_CHECKING:  # what type checkers see of the lazy names
     )
     from gdn_jax.models import LanguageModel, ModelConfig, generate
 
+
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'gdn_jax' has no attribute {name!r}")
