@@ -318,7 +318,8 @@ def check_batched(
     check_qv(fn, rule, "batched", q, v, steps)
     batch, seq_len, heads, key_dim = q.shape
     v_heads, value_dim = v.shape[2], v.shape[3]
-    sizes = dict(B=batch, T=seq_len, H=heads, HV=v_heads, K=key_dim, V=value_dim, n=steps)
+    sizes = dict(B=batch, T=seq_len, H=heads, HV=v_heads, K=key_dim, V=value_dim)
+    sizes[STEPS] = steps  # the letter of Rule.layout, as check_step and check_single_head key it
     check_layouts(fn, rule, "batched", dict(q=q, k=k, v=v, **gates), sizes)
     require(
         fn,
