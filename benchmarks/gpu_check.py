@@ -1,0 +1,567 @@
+"""The GPU check: gdn_jax's chunked ops against flash-linear-attention's Triton kernels and
+jax-linear-attention's Mosaic GPU kernels on the same inputs, then the MQAR training step and
+``python train.py`` to its stop.
+
+    python benchmarks/gpu_check.py --out DIR            # on a GPU host (benchmarks/gpu_run.sh)
+    python benchmarks/gpu_check.py --out DIR --smoke    # tiny shapes, anywhere: a check that it runs
+
+For Gated DeltaNet, KDA and GDN-2 at each shape (B=4, T=4096 and B=1, T=32768; H=16, K=V=128;
+bf16 q, k, v; float32 gates and state; the L2 norm of q and k inside the op):
+
+- **agreement**: gdn_jax's output, final state and the gradient of every input against each
+  peer's, with the bf16 row of the tests' tolerance table (``tests/support/tolerance.py``);
+- **time**: forward, and forward+backward (the gradient of ``sum(o * do)`` with respect to
+  every input, ``do`` fixed), median of ``--repeats`` synchronised runs after two warm-ups,
+  for gdn_jax in each schedule, fla (torch autograd) and jax-linear-attention;
+- **memory**: the peak device memory of each program: for JAX its compiled arguments, outputs
+  and temporaries (``memory_analysis``), for torch ``max_memory_allocated`` over the call with
+  the inputs resident.
+
+A peer that is not installed, or that refuses the call, is recorded as skipped with the
+reason. Results go to ``DIR/gpu_check.json`` and ``DIR/gpu_check.md`` after every item, so
+a run cut short keeps what it measured. ``--budget`` seconds bound the op measurements: an item
+that would start after it is recorded as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+# (B, T) at H heads of K = V = DIM: the issue's shapes, and tiny ones for --smoke.
+FULL = dict(shapes=[(4, 4096), (1, 32768)], heads=16, dim=128, chunk=64)
+SMOKE = dict(shapes=[(1, 96)], heads=2, dim=16, chunk=32)
+SCHEDULES = ("hoisted", "in_scan")
+IMPLS = ("fla", "jla", *SCHEDULES)
+WARMUPS = 2
+# jax-linear-attention's implementation measured: its Hopper kernels ("chunked" is its XLA form).
+JLA_IMPL = "mosaic_gpu"
+SMOKE_RUN = [
+    "model.vocab_size=128", "data.vocab_size=128", "model.d_model=32", "model.mixers=[gdn]",
+    "data.seq_len=64", "data.num_kv_pairs=4", "train.batch_size=4", "train.steps=4",
+    "train.warmup_steps=2", "train.eval_every=2", "train.eval_examples=8",
+    "train.checkpoint_every=4",
+]  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One rule as each implementation names it and the gates it takes.
+
+    ``gates`` maps a gate's name (gdn_jax's) to ``(trailing shape letters, kind)``: a
+    ``"decay"`` is a log-decay (``<= 0``), a ``"gate"`` an activated strength in (0, 1).
+    ``fla_gates`` and ``jla_gates`` are the same gates' keyword names in each peer."""
+
+    key: str
+    name: str
+    gdn_jax: str
+    gates: dict[str, tuple[str, str]]
+    fla: tuple[str, str]  # (module, function)
+    jla: str
+    fla_gates: tuple[str, ...]
+    jla_gates: tuple[str, ...]
+
+
+OPS = (
+    Op("gdn", "Gated DeltaNet", "gated_delta_rule", {"log_alpha": ("", "decay"), "beta": ("", "gate")},
+       ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"), "gated_deltanet",
+       ("g", "beta"), ("g", "beta")),
+    Op("kda", "KDA", "kda", {"log_alpha": ("K", "decay"), "beta": ("", "gate")},
+       ("fla.ops.kda", "chunk_kda"), "kda", ("g", "beta"), ("g", "beta")),
+    Op("gdn2", "GDN-2", "gdn2", {"log_alpha": ("K", "decay"), "b": ("K", "gate"), "w": ("V", "gate")},
+       ("fla.ops.gdn2", "chunk_gdn2"), "gdn2", ("g", "b", "w"), ("g", "b", "w")),
+)  # fmt: skip
+
+
+def make_inputs(op: Op, batch, seq_len, heads, dim, seed=0) -> dict[str, np.ndarray]:
+    """float32 inputs, rounded to bf16 where the op takes bf16, and the output cotangent.
+
+    Decays are ``log_sigmoid(x) / 8`` (a token keeps about 0.92 on average), so a 64-token
+    chunk's decay stays well inside every implementation's range."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    bf16 = ml_dtypes.bfloat16
+    token = (batch, seq_len, heads)
+    arrays = {
+        name: rng.standard_normal((*token, dim), np.float32).astype(bf16).astype(np.float32)
+        for name in ("q", "k", "v")
+    }
+    for name, (letters, kind) in op.gates.items():
+        x = rng.standard_normal(token + (dim,) * len(letters), np.float32)
+        arrays[name] = -np.logaddexp(0.0, -x) / 8 if kind == "decay" else 1 / (1 + np.exp(-x))
+    arrays["do"] = rng.standard_normal((*token, dim), np.float32)
+    return arrays
+
+
+# --- timing -------------------------------------------------------------------------------
+
+
+def median_ms(call: Callable[[], object], sync: Callable[[object], object], repeats: int):
+    for _ in range(WARMUPS):
+        sync(call())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sync(call())
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def jax_program(fn, args, repeats):
+    """``(result, median ms, compile s, peak bytes)`` of ``jax.jit(fn)`` on ``args``."""
+    import jax
+
+    start = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    compile_s = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    peak = None
+    if memory is not None:
+        peak = (
+            memory.argument_size_in_bytes
+            + memory.output_size_in_bytes
+            + memory.temp_size_in_bytes
+            - memory.alias_size_in_bytes
+        )
+    ms = median_ms(lambda: compiled(*args), jax.block_until_ready, repeats)
+    return compiled(*args), ms, compile_s, peak
+
+
+# --- the three implementations -------------------------------------------------------------
+
+
+def gdn_jax_runs(op: Op, arrays, schedule, chunk, repeats):
+    """gdn_jax's forward and forward+backward: ``{"fwd": ..., "fwd+bwd": ...}`` with each
+    program's time and memory, and the values to compare (state as ``[B, H, K, V]``)."""
+    import jax
+    import jax.numpy as jnp
+
+    import gdn_jax
+
+    fn = getattr(gdn_jax, op.gdn_jax)
+    names = ["q", "k", "v", *op.gates]
+    args = [jnp.asarray(arrays[n], jnp.bfloat16 if n in "qkv" else jnp.float32) for n in names]
+    do = jnp.asarray(arrays["do"])
+
+    def forward(*args):
+        return fn(*args, chunk_size=chunk, schedule=schedule, use_qk_l2norm=True)
+
+    def loss(*args_and_do):
+        *args, do = args_and_do
+        return jnp.sum(forward(*args)[0].astype(jnp.float32) * do)
+
+    grad = jax.grad(loss, argnums=tuple(range(len(names))))
+    (y, state), fwd_ms, fwd_compile, fwd_peak = jax_program(forward, args, repeats)
+    grads, bwd_ms, bwd_compile, bwd_peak = jax_program(grad, [*args, do], repeats)
+    values = {"o": y, "final_state": jnp.swapaxes(state, -1, -2)}
+    values.update({f"d{n}": g for n, g in zip(names, grads, strict=True)})
+    return _timings(fwd_ms, bwd_ms, fwd_peak, bwd_peak, fwd_compile, bwd_compile), values
+
+
+def jla_runs(op: Op, arrays, repeats):
+    import jax
+    import jax.numpy as jnp
+    from jla import ops as jla_ops
+
+    names = ["q", "k", "v", *op.gates]
+    args = [jnp.asarray(arrays[n], jnp.bfloat16 if n in "qkv" else jnp.float32) for n in names]
+    do = jnp.asarray(arrays["do"])
+
+    def forward(q, k, v, *gates):
+        kwargs = dict(zip(op.jla_gates, gates, strict=True))
+        return jla_ops.linear_attention(
+            op.jla, q, k, v, impl=JLA_IMPL, use_qk_l2norm=True, output_final_state=True,
+            **kwargs,
+        )  # fmt: skip
+
+    def loss(*args_and_do):
+        *args, do = args_and_do
+        return jnp.sum(forward(*args)[0].astype(jnp.float32) * do)
+
+    grad = jax.grad(loss, argnums=tuple(range(len(names))))
+    (y, state), fwd_ms, fwd_compile, fwd_peak = jax_program(forward, args, repeats)
+    grads, bwd_ms, bwd_compile, bwd_peak = jax_program(grad, [*args, do], repeats)
+    values = {"o": y, "final_state": state}
+    values.update({f"d{n}": g for n, g in zip(names, grads, strict=True)})
+    return _timings(fwd_ms, bwd_ms, fwd_peak, bwd_peak, fwd_compile, bwd_compile), values
+
+
+def fla_runs(op: Op, arrays, repeats):
+    import importlib
+
+    import torch
+
+    fn = getattr(importlib.import_module(op.fla[0]), op.fla[1])
+    names = ["q", "k", "v", *op.gates]
+    device = torch.device("cuda")
+
+    def tensor(name):
+        dtype = torch.bfloat16 if name in "qkv" else torch.float32
+        return torch.from_numpy(arrays[name]).to(device=device, dtype=dtype)
+
+    inputs = [tensor(n).requires_grad_() for n in names]
+    do = torch.from_numpy(arrays["do"]).to(device)
+
+    def forward(*inputs):
+        q, k, v, *gates = inputs
+        kwargs = dict(zip(op.fla_gates, gates, strict=True))
+        return fn(q, k, v, **kwargs, use_qk_l2norm_in_kernel=True, output_final_state=True)
+
+    def fwd():
+        with torch.no_grad():
+            return forward(*inputs)
+
+    def fwd_bwd():
+        y, _ = forward(*inputs)
+        return torch.autograd.grad((y.float() * do).sum(), inputs)
+
+    def sync(_):
+        torch.cuda.synchronize()
+
+    def peak_bytes(call):
+        sync(None)
+        torch.cuda.reset_peak_memory_stats()
+        result = call()
+        sync(None)
+        return torch.cuda.max_memory_allocated(), result
+
+    fwd_ms = median_ms(fwd, sync, repeats)
+    fwd_peak, (y, state) = peak_bytes(fwd)
+    values = {"o": y, "final_state": state}
+    try:
+        bwd_ms = median_ms(fwd_bwd, sync, repeats)
+        bwd_peak, grads = peak_bytes(fwd_bwd)
+        values.update({f"d{n}": g for n, g in zip(names, grads, strict=True)})
+    except RuntimeError as error:  # fla refuses some backwards on some Triton versions
+        print(f"fla {op.name}: no backward: {error}", flush=True)
+        bwd_ms = bwd_peak = None
+    values = {n: x.float().cpu().numpy() for n, x in values.items()}
+    return _timings(fwd_ms, bwd_ms, fwd_peak, bwd_peak, None, None), values
+
+
+def _timings(fwd_ms, bwd_ms, fwd_peak, bwd_peak, fwd_compile, bwd_compile):
+    return {
+        "fwd": dict(ms=fwd_ms, peak_bytes=fwd_peak, compile_s=fwd_compile),
+        "fwd+bwd": dict(ms=bwd_ms, peak_bytes=bwd_peak, compile_s=bwd_compile),
+    }
+
+
+def agreement(actual: dict, expected: dict) -> dict[str, float]:
+    """Per quantity, the largest error as a fraction of the bf16 tolerance (``<= 1`` passes):
+    ``|a - e| <= atol * max(1, max|e|) + rtol * |e|``, as ``support.tolerance.assert_close``."""
+    import jax.numpy as jnp
+    from support.tolerance import TOLERANCE
+
+    rtol, atol = TOLERANCE[jnp.dtype(jnp.bfloat16)]
+    fractions = {}
+    for name, e in expected.items():
+        if name not in actual:
+            continue
+        a = np.asarray(actual[name], np.float64)
+        e = np.asarray(e, np.float64)
+        if a.shape != e.shape:
+            raise ValueError(f"{name}: shape {a.shape} against {e.shape}")
+        bound = atol * max(1.0, float(np.max(np.abs(e), initial=0.0))) + rtol * np.abs(e)
+        fractions[name] = float(np.max(np.abs(a - e) / bound, initial=0.0))
+    return fractions
+
+
+# --- the whole check ----------------------------------------------------------------------
+
+
+class Report:
+    """What the check measured, written to ``out`` (JSON and markdown) after every item."""
+
+    def __init__(self, out: Path, environment: dict):
+        self.out = out
+        self.data = dict(environment=environment, ops=[], training={}, skipped=[])
+
+    def add_op(self, row):
+        self.data["ops"].append(row)
+        self.write()
+
+    def skip(self, what, why):
+        print(f"skipped {what}: {why}", flush=True)
+        self.data["skipped"].append(dict(what=what, why=why))
+        self.write()
+
+    def write(self):
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "gpu_check.json").write_text(json.dumps(self.data, indent=1) + "\n")
+        (self.out / "gpu_check.md").write_text(markdown(self.data))
+
+
+def markdown(data) -> str:
+    env = data["environment"]
+    lines = [
+        "| " + " · ".join(f"{k} {v}" for k, v in env.items()) + " |",
+        "|---|",
+        "",
+        "| op | B×T | implementation | fwd ms | fwd+bwd ms | fwd / fla | fwd+bwd / fla "
+        "| fwd / jla | fwd+bwd / jla | peak fwd MiB | peak fwd+bwd MiB "
+        "| worst error / bf16 tolerance |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+
+    def number(value, form):
+        return "-" if value is None else format(value, form)
+
+    def ratio(row, peer, part):
+        other = next(
+            (r for r in data["ops"]
+             if (r["op"], r["shape"], r["impl"]) == (row["op"], row["shape"], peer)), None,
+        )  # fmt: skip
+        if other is None or row is other or None in (row[part]["ms"], other[part]["ms"]):
+            return "-"
+        return f"{row[part]['ms'] / other[part]['ms']:.2f}"
+
+    for row in data["ops"]:
+        errors = row.get("agreement", {})
+        worst = "; ".join(
+            f"vs {peer}: {max(f.values()):.2f} ({max(f, key=f.get)})" for peer, f in errors.items()
+        )
+        cells = [
+            row["op"], row["shape"], row["impl"],
+            number(row["fwd"]["ms"], ".2f"), number(row["fwd+bwd"]["ms"], ".2f"),
+            ratio(row, "fla", "fwd"), ratio(row, "fla", "fwd+bwd"),
+            ratio(row, "jla", "fwd"), ratio(row, "jla", "fwd+bwd"),
+            *(number(row[p]["peak_bytes"] and row[p]["peak_bytes"] / 2**20, ".1f")
+              for p in ("fwd", "fwd+bwd")),
+            worst or "-",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    training = data["training"]
+    if "step_ms" in training:
+        lines += ["", f"MQAR training step ({training['step_shape']}): {training['step_ms']:.2f} ms "
+                  f"(median of {training['repeats']}; first call {training['first_call_s']:.1f} s)"]  # fmt: skip
+    if "train_py" in training:
+        run = training["train_py"]
+        lines += ["", f"`python train.py`: {run['wall_s']:.1f} s wall, stopped at step "
+                  f"{run['final_step']} ({run['reason']}), held-out accuracy {run['eval_accuracy']}"]  # fmt: skip
+    if data["skipped"]:
+        lines += ["", "Skipped:", *(f"- {s['what']}: {s['why']}" for s in data["skipped"])]
+    return "\n".join(lines) + "\n"
+
+
+def environment() -> dict:
+    import jax
+    import jaxlib
+
+    env = dict(
+        device=f"{len(jax.devices())} x {jax.devices()[0].device_kind}",
+        jax=jax.__version__,
+        jaxlib=jaxlib.__version__,
+        python=platform.python_version(),
+    )
+    for package in ("torch", "triton", "fla", "jla", "flax"):
+        if importlib.util.find_spec(package) is not None:
+            try:
+                env[package] = __import__(package).__version__
+            except Exception as error:  # a broken install is reported, not fatal
+                env[package] = f"unimportable: {type(error).__name__}: {error}"
+    try:
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, check=True, timeout=20,
+        ).stdout.strip()  # fmt: skip
+        env["driver"] = driver
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return env
+
+
+def peers_available() -> dict[str, str | None]:
+    """Each peer: ``None`` if it can run here, else why not."""
+    import jax
+
+    gpu = jax.default_backend() == "gpu"
+    reasons = {}
+    torch_cuda = False
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        torch_cuda = torch.cuda.is_available()
+    if importlib.util.find_spec("fla") is None:
+        reasons["fla"] = "fla-core is not installed"
+    elif not torch_cuda:
+        reasons["fla"] = "torch sees no CUDA device"
+    else:
+        reasons["fla"] = None
+    if importlib.util.find_spec("jla") is None:
+        reasons["jla"] = "jax-linear-attention is not installed"
+    elif not gpu:
+        reasons["jla"] = "its kernels need a GPU backend"
+    else:
+        reasons["jla"] = None
+    return reasons
+
+
+def parse_items(specs: list[str], sizes) -> list[tuple]:
+    """``OP@BxT:IMPL,IMPL`` (each part optional: ``kda``, ``gdn@1x32768``, ``gdn2:jla,hoisted``)
+    to ``[(op, (B, T), impls)]``; no specs is every op at every shape with every implementation.
+    """
+    ops = {op.key: op for op in OPS}
+    shapes = {f"{b}x{t}": (b, t) for b, t in sizes["shapes"]}
+    if not specs:
+        return [(op, shape, IMPLS) for shape in shapes.values() for op in OPS]
+    items = []
+    for spec in specs:
+        head, _, impls = spec.partition(":")
+        key, _, shape = head.partition("@")
+        impls = tuple(impls.split(",")) if impls else IMPLS
+        bad = [f"op {key!r} (one of {sorted(ops)})" for _ in [0] if key not in ops] + [
+            f"shape {shape!r} (one of {sorted(shapes)})"
+            for _ in [0]
+            if shape and shape not in shapes
+        ]
+        bad += [f"implementation {i!r} (one of {list(IMPLS)})" for i in impls if i not in IMPLS]
+        if bad:
+            raise ValueError(f"--item {spec!r}: unknown {', '.join(bad)}")
+        for s in [shapes[shape]] if shape else shapes.values():
+            items.append((ops[key], s, impls))
+    return items
+
+
+def check_ops(report: Report, sizes, items, repeats, deadline):
+    heads, dim, chunk = sizes["heads"], sizes["dim"], sizes["chunk"]
+    peers = peers_available()
+    for peer, why in peers.items():
+        if why is not None:
+            report.skip(peer, why)
+    for op, (batch, seq_len), impls in items:
+        shape = f"{batch}×{seq_len}"
+        label = f"{op.name} {shape}"
+        if time.perf_counter() > deadline:
+            report.skip(label, "the --budget ran out")
+            continue
+        arrays = make_inputs(op, batch, seq_len, heads, dim)
+        peer_values = {}  # the values each implementation computed, by its name
+        for peer, runner in (("fla", fla_runs), ("jla", jla_runs)):
+            if peer not in impls or peers[peer] is not None:
+                continue
+            try:
+                timings, values = runner(op, arrays, repeats)
+            except Exception as error:  # a peer that refuses is recorded, not fatal
+                report.skip(f"{peer} {label}", f"{type(error).__name__}: {error}"[:400])
+                continue
+            peer_values[peer] = values
+            report.add_op(dict(op=op.name, shape=shape, impl=peer, **timings))
+            print(f"{label} {peer}: {_summary(timings)}", flush=True)
+        for schedule in (s for s in SCHEDULES if s in impls):
+            timings, values = gdn_jax_runs(op, arrays, schedule, chunk, repeats)
+            fractions = {peer: agreement(values, pv) for peer, pv in peer_values.items()}
+            row = dict(op=op.name, shape=shape, impl=f"gdn_jax {schedule}", **timings)
+            report.add_op(dict(row, agreement=fractions))
+            print(f"{label} gdn_jax {schedule}: {_summary(timings)} {fractions}", flush=True)
+            # The other schedule is checked against this one too (on a host without the
+            # peers, the only comparison there is).
+            peer_values[f"gdn_jax {schedule}"] = values
+
+
+def _summary(timings):
+    def one(name, t):
+        ms = "-" if t["ms"] is None else f"{t['ms']:.2f}"
+        compile_s = "" if t["compile_s"] is None else f" (compile {t['compile_s']:.1f} s)"
+        return f"{name} {ms} ms{compile_s}"
+
+    return " ".join(one(name, t) for name, t in timings.items())
+
+
+def check_training(report: Report, smoke, repeats):
+    import jax
+
+    from gdn_jax.data.mqar import make_batch, make_mqar
+    from gdn_jax.training import mesh as mesh_lib
+    from gdn_jax.training.config import load_config
+    from gdn_jax.training.state import train_setup
+
+    overrides = SMOKE_RUN if smoke else []
+    config = load_config(REPO / "gdn_jax" / "configs" / "mqar_gdn.yaml", overrides)
+    mesh = mesh_lib.check_mesh(config, jax.devices())
+    steps, state = train_setup(config, mesh)
+    examples = make_mqar(config.data, num_examples=config.train.batch_size, seed=0)
+    batch = mesh_lib.place(make_batch(*examples), steps.batch_shardings)
+    holder = [state]
+
+    def step():
+        holder[0], metrics = steps.train_step(holder[0], batch)
+        return metrics
+
+    with jax.set_mesh(mesh):
+        start = time.perf_counter()
+        jax.block_until_ready(step())
+        first_s = time.perf_counter() - start
+        step_ms = median_ms(step, jax.block_until_ready, repeats)
+    report.data["training"].update(
+        step_ms=step_ms, first_call_s=first_s, repeats=repeats,
+        step_shape=f"{config.train.batch_size} x {config.data.seq_len} tokens",
+    )  # fmt: skip
+    report.write()
+    print(f"MQAR train step: {step_ms:.2f} ms (first call {first_s:.1f} s)", flush=True)
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        command = [sys.executable, str(REPO / "train.py"), "--set", f"train.out_dir={out_dir}"]
+        command += [arg for o in overrides for arg in ("--set", o)]
+        start = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        wall_s = time.perf_counter() - start
+        if done.returncode != 0:
+            report.skip("python train.py", f"exit {done.returncode}: {done.stderr[-600:]}")
+            return
+        summary = json.loads((Path(out_dir) / "summary.json").read_text())
+    report.data["training"]["train_py"] = dict(
+        wall_s=wall_s, final_step=summary["final_step"], reason=summary["reason"],
+        eval_accuracy=summary["eval_accuracy"],
+    )  # fmt: skip
+    report.write()
+    print(f"python train.py: {wall_s:.1f} s, {summary}", flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON and table")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes: a check that it runs")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs (default 10)")
+    parser.add_argument("--budget", type=float, default=330.0, help="seconds for the op items")
+    parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument(
+        "--item", action="append", default=[], metavar="OP@BxT:IMPL,..",
+        help=f"measure only this (repeatable; default everything): OP in {[o.key for o in OPS]}, "
+        f"IMPL in {list(IMPLS)}, e.g. kda@4x4096:jla,hoisted",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    sizes = SMOKE if args.smoke else FULL
+    try:
+        items = parse_items(args.item, sizes)
+    except ValueError as error:
+        parser.error(str(error))
+    began = time.perf_counter()
+    report = Report(args.out, environment())
+    print(report.data["environment"], flush=True)
+    check_ops(report, sizes, items, args.repeats, began + args.budget)
+    if not args.skip_training:
+        check_training(report, args.smoke, args.repeats)
+    print(f"done in {time.perf_counter() - began:.0f} s; {args.out / 'gpu_check.md'}")
+
+
+if __name__ == "__main__":
+    main()

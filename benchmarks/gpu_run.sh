@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# On a GPU host without network (the H200 image: Python 3.12, jax 0.11.2 with CUDA, torch,
+# triton): installs the wheels that benchmarks/gpu_wheels.sh downloaded into .whl/ beside the
+# image's packages (never over its jax, torch or triton), runs benchmarks/gpu_check.py, then the
+# op, layer and model tests on the GPU. Everything it writes goes to OUT.
+#
+#     bash benchmarks/gpu_run.sh OUT [check budget s, default 300] [test limit s, default 180]
+#
+# TRAIN_LIMIT (seconds after the budget for the training items, default 150), CHECK_ARGS (more arguments for gpu_check.py, such as --item) and TESTS (the test paths,
+# default the op, layer and model tests) narrow a run.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:?usage: gpu_run.sh OUT [check budget s] [test limit s]}"
+budget="${2:-300}"
+test_limit="${3:-180}"
+mkdir -p "$out"
+site=/tmp/gdn_jax_site
+wheels=(.whl/fla_core-*.whl .whl/jax_linear_attention-*.whl .whl/beartype-*.whl)
+# The image's flax is used where it is at least gdn_jax's floor; otherwise the carried one.
+if ! python3 -c "import flax, sys; sys.exit(tuple(map(int, flax.__version__.split('.')[:3])) < (0, 12, 8))"; then
+    wheels+=(.whl/flax-*.whl)
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+    "${wheels[@]}" || exit 1
+export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1
+# JAX takes memory as it needs it, so that torch (fla) has the rest of the card.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1
+began=$SECONDS
+timeout -k 10 $((budget + ${TRAIN_LIMIT:-150})) python3 benchmarks/gpu_check.py --out "$out" --budget "$budget" \
+    ${CHECK_ARGS:-} 2>&1 | tee "$out/gpu_check.log"
+echo "gpu_check: exit ${PIPESTATUS[0]} after $((SECONDS - began)) s"
+began=$SECONDS
+GDN_TEST_PLATFORMS=cuda timeout -s INT -k 20 "$test_limit" python3 -m pytest -n 12 -rfE \
+    --tb=short -p no:cacheprovider --junitxml="$out/pytest_gpu.xml" \
+    ${TESTS:-tests/ops tests/layers tests/models} \
+    > "$out/pytest_gpu.log" 2>&1
+echo "pytest on the GPU: exit $? after $((SECONDS - began)) s"
+tail -n 40 "$out/pytest_gpu.log"

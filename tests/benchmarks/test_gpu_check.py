@@ -1,0 +1,65 @@
+"""``benchmarks/gpu_check.py --smoke`` on this CPU: every part of the GPU check runs at tiny
+shapes, the peers that cannot run here are recorded as skipped with the reason, and what it
+writes is a table a reader can use."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks/gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.costly(20)
+def test_smoke_run_writes_every_measurement(tmp_path):
+    check = load_check()
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes float and int32 in Adam
+        check.main(
+            ["--smoke", "--out", str(tmp_path), "--repeats", "1", "--item", "gdn:hoisted,in_scan"]
+        )
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    rows = {row["impl"]: row for row in data["ops"]}
+    assert sorted(rows) == ["gdn_jax hoisted", "gdn_jax in_scan"]
+    for row in rows.values():
+        for part in ("fwd", "fwd+bwd"):
+            assert row[part]["ms"] > 0 and row[part]["peak_bytes"] > 0, row
+    # The two schedules agree on the output, the final state and every input's gradient.
+    fractions = rows["gdn_jax in_scan"]["agreement"]["gdn_jax hoisted"]
+    assert sorted(fractions) == ["dbeta", "dk", "dlog_alpha", "dq", "dv", "final_state", "o"]
+    assert max(fractions.values()) <= 1.0, fractions
+    skipped = {entry["what"]: entry["why"] for entry in data["skipped"]}
+    assert skipped["jla"] in (
+        "jax-linear-attention is not installed",
+        "its kernels need a GPU backend",
+    )
+    assert skipped["fla"] in ("fla-core is not installed", "torch sees no CUDA device")
+    training = data["training"]
+    assert training["step_ms"] > 0
+    assert training["train_py"]["final_step"] == 4 and training["train_py"]["reason"] == "steps"
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert "| Gated DeltaNet | 1×96 | gdn_jax in_scan |" in table
+    assert "`python train.py`" in table and "- fla: " in table
+
+
+def test_bad_item_is_one_error_naming_it(capsys):
+    check = load_check()
+    with pytest.raises(SystemExit) as exit_info:
+        check.main(["--smoke", "--out", "unused", "--item", "kdx@1x96:hoisted,bogus"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        "gpu_check.py: error: --item 'kdx@1x96:hoisted,bogus': unknown op 'kdx' (one of "
+        "['gdn', 'gdn2', 'kda']), implementation 'bogus' (one of ['fla', 'jla', 'hoisted', "
+        "'in_scan'])"
+    )
