@@ -47,7 +47,8 @@ os.environ.update(
     # time (test_tpu_compile.py, a topology needs no backend), would otherwise start a TPU
     # backend in every process: on a host without TPUs it fails after printing warnings on
     # stderr (which the one-line error tests read), and holds libtpu's host lock as it does.
-    JAX_PLATFORMS="cpu",
+    # GDN_TEST_PLATFORMS=cuda runs the tests on a GPU instead (benchmarks/gpu_run.sh).
+    JAX_PLATFORMS=os.environ.get("GDN_TEST_PLATFORMS", "cpu"),
     JAX_COMPILATION_CACHE_DIR=os.path.join(ROOT, "jax-compilation-cache"),
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
@@ -99,6 +100,10 @@ def _set_up_test_process():
     if child != "user_xla":  # a user's process keeps XLA:CPU's default library fusions
         add_cpu_flags()
     jax.config.update("jax_enable_x64", True)
+    if jax.default_backend() == "gpu":
+        # XLA multiplies float32 matrices in TF32 on a GPU by default (10 bits of mantissa);
+        # the tolerance table's float32 row is for float32 arithmetic.
+        jax.config.update("jax_default_matmul_precision", "highest")
     jax.config.update("jax_numpy_dtype_promotion", "strict")
     jax.config.update("jax_numpy_rank_promotion", "raise")
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])

@@ -44,6 +44,8 @@ def run(child: str, nodeids: list[str], env: dict, rootdir: Path) -> dict:
     outcomes, remaining = {}, list(nodeids)
     if child == "user_xla":
         env = user_environment(env)
+    else:  # N devices: the host's CPU devices, also where the suite runs on a GPU
+        env = dict(env, JAX_PLATFORMS="cpu")
     while remaining:
         with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
             path = f.name
