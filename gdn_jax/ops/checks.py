@@ -18,7 +18,7 @@ import numpy as np
 
 from gdn_jax.ops.rule import STEPS, Form, GateSpec, Rule, shape_of
 
-Impl = Literal["chunked", "recurrent"]
+Impl = Literal["chunked", "recurrent", "pallas"]
 Schedule = Literal["auto", "hoisted", "in_scan"]
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
