@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Literal, no_type_check
 
@@ -16,6 +17,8 @@ from gdn_jax.ops.checks import Impl, Schedule, is_real_number
 # The names of the registered mixers (models/mixers.py), in the registry's order.
 Mixer = Literal[tuple(MIXERS)]
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+GATE_INITS = ("head_gate_init", "channel_gate_init")
+GATE_INIT_FIELDS = {f.name for f in dataclasses.fields(GateInit)}
 
 
 @no_type_check  # data: validate() names bad fields
@@ -28,7 +31,8 @@ class ModelConfig:
     # Width D of the residual stream.
     d_model: int = 64
     # Token mixer of each layer, a name of models.mixers.MIXERS; the number of layers is
-    # len(mixers). A hybrid stack is a mixed list, e.g. ("gdn", "gdn", "attention").
+    # len(mixers). A hybrid stack is a mixed list, e.g. ("gdn", "gdn", "attention"); one
+    # name alone is a one-layer stack.
     mixers: tuple[Mixer, ...] = ("gdn", "gdn")
     # Query/key heads H of every mixer.
     num_heads: int = 2
@@ -78,12 +82,25 @@ class ModelConfig:
     # gated_deltaproduct) and one per key channel (kda, gdn2): A ~ U(a_min, a_max), dt
     # log-uniform in [dt_min, dt_max] floored at dt_floor. An unset field is the layer's
     # default, flash-linear-attention's (A from U(0, 16) a head, U(1, 16) a channel; dt in
-    # [1e-3, 0.1], floor 1e-4).
+    # [1e-3, 0.1], floor 1e-4). A mapping of these fields is taken as a GateInit.
     head_gate_init: GateInit = GateInit()
     channel_gate_init: GateInit = GateInit()
     # Activation and parameter dtypes.
     dtype: str = "float32"
     param_dtype: str = "float32"
+
+    def __post_init__(self):
+        # Written by hand as a YAML file reads: one mixer name is a one-layer stack (as YAML's
+        # "mixers: gdn" and the CLI's --set model.mixers=gdn are), a list a tuple, and a
+        # mapping of GateInit's fields that law. Anything else stays for validate() to name.
+        if isinstance(self.mixers, str):
+            object.__setattr__(self, "mixers", (self.mixers,))
+        elif isinstance(self.mixers, list):
+            object.__setattr__(self, "mixers", tuple(self.mixers))
+        for field in GATE_INITS:
+            value = getattr(self, field)
+            if isinstance(value, dict) and set(value) <= GATE_INIT_FIELDS:
+                object.__setattr__(self, field, GateInit(**value))
 
     def validate(self) -> ModelConfig:
         """Raise ``ValueError`` naming the first bad field; return ``self`` when all are fine.
@@ -121,8 +138,8 @@ class ModelConfig:
         ):
             if not isinstance(getattr(self, field), bool):
                 fail(field, "must be true or false")
-        if not self.mixers:
-            fail("mixers", f"needs at least one layer, each one of {tuple(MIXERS)}")
+        if not isinstance(self.mixers, tuple) or not self.mixers:
+            fail("mixers", f"needs a list of at least one layer, each one of {tuple(MIXERS)}")
         for name in self.mixers:
             if name not in MIXERS:
                 fail("mixers", f"unknown mixer {name!r}; allowed: {tuple(MIXERS)}")
@@ -138,11 +155,17 @@ class ModelConfig:
                     "float32): set JAX_ENABLE_X64=1",
                 )
         for field in ("norm_eps", "init_std"):
-            if not getattr(self, field) > 0:
-                fail(field, "must be positive")
+            if not (math.isfinite(getattr(self, field)) and getattr(self, field) > 0):
+                fail(field, "must be finite and positive")
         std = self.mixer_init_std
-        if std is not None and not (is_real_number(std) and std > 0):
-            fail("mixer_init_std", "must be a positive number or None")
+        if std is not None and not (is_real_number(std) and math.isfinite(std) and std > 0):
+            fail("mixer_init_std", "must be a finite positive number or None")
+        for field in GATE_INITS:
+            if not isinstance(getattr(self, field), GateInit):
+                fail(
+                    field,
+                    f"must be a GateInit or a mapping of its fields {sorted(GATE_INIT_FIELDS)}",
+                )
         return self
 
     @property

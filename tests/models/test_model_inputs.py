@@ -17,7 +17,8 @@ from support.tolerance import assert_close
 
 import gdn_jax
 from gdn_jax import GatedDeltaNet, KimiDeltaAttention, ModelConfig, generate
-from gdn_jax.layers import input_checks
+from gdn_jax.layers import GateInit, input_checks
+from gdn_jax.models.lm import check_buildable
 
 
 @pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -1.0])
@@ -115,12 +116,34 @@ def test_array_scalars_are_refused_as_not_a_python_number(model):
         ("expand_v", "2", "must be a number"),
         ("use_gate", 1, "must be true or false"),
         ("low_rank_gates", "no", "must be true or false"),
-        ("mixer_init_std", -1.0, r"must be a positive number or None"),
+        ("mixer_init_std", -1.0, r"must be a finite positive number or None"),
+        ("mixer_init_std", float("inf"), r"must be a finite positive number or None"),
+        ("init_std", float("inf"), r"must be finite and positive"),
+        ("init_std", float("nan"), r"must be finite and positive"),
+        ("mixers", 3, r"needs a list of at least one layer, each one of \('gdn'"),
+        ("mixers", "g", r"unknown mixer 'g'; allowed: \('gdn'"),
+        ("head_gate_init", 1e-4, r"must be a GateInit or a mapping of its fields \['a_max'"),
+        ("channel_gate_init", {"dtmin": 1e-4}, r"must be a GateInit or a mapping of its fields"),
     ],
 )
 def test_model_config_field_types(field, value, message):
-    with pytest.raises(ValueError, match=rf"ModelConfig.{field}={value!r}: {message}"):
+    shown = re.escape(repr((value,) if field == "mixers" and isinstance(value, str) else value))
+    with pytest.raises(ValueError, match=rf"ModelConfig.{field}={shown}: {message}"):
         ModelConfig(**{field: value}).validate()
+
+
+def test_model_config_takes_one_mixer_name_and_a_gate_law_as_a_mapping():
+    """As a YAML file and the CLI's --set read them: one name is a one-layer stack (it was
+    read letter by letter: "unknown mixer 'g'"), a mapping of GateInit's fields is that law
+    (it reached the layer raw: AttributeError: 'dict' object has no attribute 'over')."""
+    config = ModelConfig(
+        vocab_size=16, d_model=16, mixers="gdn", head_gate_init={"dt_min": 1e-4}
+    ).validate()
+    assert config.mixers == ("gdn",)
+    assert config.head_gate_init == GateInit(dt_min=1e-4)
+    assert ModelConfig(mixers=["gdn", "attention"]).mixers == ("gdn", "attention")
+    hash(config)  # the models and compiled steps are cached on it
+    check_buildable(config)
 
 
 def test_numpy_numbers_are_taken_wherever_python_numbers_are(model):
