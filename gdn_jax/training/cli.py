@@ -243,12 +243,19 @@ def host_devices():
     ``JAX_PLATFORMS`` that the host does not have, say) as one line."""
     import jax
 
+    platforms = os.environ.get("JAX_PLATFORMS")
     try:
         return jax.devices()
     except RuntimeError as error:
         reason = str(error).split(" (set JAX_PLATFORMS=")[0]
-        platforms = os.environ.get("JAX_PLATFORMS")
         return f"JAX_PLATFORMS={platforms}: {reason}" if platforms else reason
+    except AssertionError:
+        # JAX skips "cuda" on a host without a visible NVIDIA GPU rather than raising, then
+        # asserts that some backend started: the user named only platforms this host lacks.
+        return (
+            f"JAX_PLATFORMS={platforms}: no backend of these platforms can start on this host "
+            "(JAX skips cuda where it sees no NVIDIA GPU)"
+        )
 
 
 def _mesh_text(config, devices) -> str:

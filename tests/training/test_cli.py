@@ -613,6 +613,39 @@ def test_compile_only_with_a_tpu_platform_this_host_lacks_is_one_line(
         assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    ("platform", "error", "reason"),
+    [
+        # JAX skips cuda on a host without a visible NVIDIA GPU, then asserts that some
+        # backend started: a bare AssertionError, after a 25-line traceback.
+        ("cuda", AssertionError(), r"no backend of these platforms can start on this host"),
+        (
+            "rocm",
+            RuntimeError(
+                "Unable to initialize backend 'rocm': Backend 'rocm' is not in the list of "
+                "known backends: ['cpu', 'tpu']. (set JAX_PLATFORMS='' to automatically "
+                "choose an available backend)"
+            ),
+            r"Unable to initialize backend 'rocm': Backend 'rocm' is not in the list",
+        ),
+    ],
+)
+def test_a_gpu_platform_this_host_lacks_is_one_line(
+    tmp_path, monkeypatch, command, platform, error, reason
+):
+    import jax
+
+    def no_gpu(*args, **kwargs):
+        raise error
+
+    monkeypatch.setenv("JAX_PLATFORMS", platform)
+    monkeypatch.setattr(jax, "devices", no_gpu)
+    result = command(tmp_path / "run")
+    one_line_error(result, rf"^train.py: error: JAX_PLATFORMS={platform}: {reason}")
+    assert result.stdout == ""
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_users_training_run_on_a_cpu_host_prints_nothing_on_stderr(finished_run):
     """The shared finished run trained with JAX_PLATFORMS unset, libtpu installed (the test
     extra brings it) and no TPU here: JAX was kept off libtpu, whose warnings and
