@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from gdn_jax.ops import checks
-from gdn_jax.ops.dispatch import one_head_form
+from gdn_jax.ops.dispatch import batched_kernel, one_head_form
 from gdn_jax.ops.normalize import l2_normalize
 from gdn_jax.ops.rule import Rule
 from gdn_jax.ops.single_head import compute_dtype, scaled_outputs
@@ -136,16 +136,20 @@ def batched(
     sizes = checks.check_batched(fn, rule, q, k, v, named, initial_state, cu_seqlens, steps)
     checks.check_scale(fn, scale)
     checks.check_impl(fn, impl)
-    if impl == "chunked":
+    kernel = batched_kernel(rule) if impl == "pallas" else None
+    if impl in ("chunked", "pallas"):
         chunk_size = checks.check_chunk_size(fn, chunk_size)
         checks.check_schedule(fn, schedule)
-        if not rule.forward_mode:
+        if not rule.forward_mode or kernel is not None:
             arrays = dict(q=q, k=k, v=v, **named, initial_state=initial_state)
             checks.check_reverse_mode(fn, 'impl="recurrent"', **arrays)
     gates = rule.with_defaults(gates, "batched", sizes)
     inputs = prepare_batched(
         q, k, v, gates, initial_state, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens
     )
-    one_head = one_head_form(rule, impl, chunk_size=chunk_size, schedule=schedule)
-    out, final = over_batch_and_heads(one_head, *inputs, cu_seqlens, share_qk=rule.shares_qk)
+    if kernel is not None:
+        out, final = kernel(*inputs, cu_seqlens, chunk_size=chunk_size)
+    else:
+        one_head = one_head_form(rule, impl, chunk_size=chunk_size, schedule=schedule)
+        out, final = over_batch_and_heads(one_head, *inputs, cu_seqlens, share_qk=rule.shares_qk)
     return scaled_outputs(out, q.shape[-1], scale, v.dtype), final

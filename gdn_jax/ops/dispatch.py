@@ -4,6 +4,7 @@ chunked form does each chunk's own work (``schedule``)."""
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 
 import jax
@@ -21,13 +22,31 @@ AUTO_SCHEDULES = {"cpu": "in_scan", "default": "hoisted"}
 def one_head_form(rule: Rule, impl: checks.Impl, *, chunk_size: int, schedule: checks.Schedule):
     """``rule``'s form of one head, ``(q, k, v, gates, initial_states, *, cu_seqlens) -> (y,
     finals)``: its token step scanned (``"recurrent"``), or its chunked form with
-    ``chunk_size`` and ``schedule`` (``"chunked"``)."""
+    ``chunk_size`` and ``schedule`` (``"chunked"``). ``"pallas"`` runs over the whole batch
+    (``batched_kernel``)."""
     match impl:
         case "recurrent":
             return rule_recurrent(rule)
         case "chunked":
             return functools.partial(rule.chunked, chunk_size=chunk_size, schedule=schedule)
     raise ValueError(f"{rule.name}: impl={impl!r} must be one of {checks.SUPPORTED_IMPLS}")
+
+
+# The rules with a Pallas kernel (``impl="pallas"``) and where it is: the module is imported
+# when first asked for, so that ``import gdn_jax`` does not load Pallas.
+KERNELS = {"gated_delta_rule": ("gdn_jax.ops.chunked_pallas", "gated_delta_rule_pallas")}
+
+
+def batched_kernel(rule: Rule) -> Callable:
+    """``rule``'s kernel over the batch, ``(q, k, v, gates, initial_states, cu_seqlens, *,
+    chunk_size) -> (o, finals)`` on ``api.prepare_batched``'s inputs."""
+    if rule.name not in KERNELS:
+        raise ValueError(
+            f'{rule.name}: impl="pallas" has a kernel for {", ".join(KERNELS)} only; use '
+            'impl="chunked"'
+        )
+    module, name = KERNELS[rule.name]
+    return getattr(importlib.import_module(module), name)
 
 
 def run_schedule(schedules: dict[str, Callable], schedule: checks.Schedule, *args):

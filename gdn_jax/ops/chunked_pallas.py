@@ -1,0 +1,353 @@
+"""The chunked gated delta rule as one Pallas kernel over the batch's own layout
+(``impl="pallas"``), beside the XLA form it accelerates (``chunked.py``).
+
+Each program of the grid ``(B, HV, V / BLOCK_V)`` owns one sequence, one value head and a
+block of the value channels, and walks its sequence's chunks in order with the state block
+``S [BLOCK_V, K]`` held on chip from the first chunk to the last. It reads each chunk's
+tiles straight from ``q, k [B, T, H, K]``, ``v [B, T, HV, V]`` and the gates ``[B, T, HV]``
+(no transposed copies) and does the whole of ``chunked.py``'s three stages per chunk:
+
+1. the decays from the segment sums of the log-gates (``decays.py``), the intra-chunk
+   system ``I + strict`` with ``strict = tril(diag(beta) (K K^T * Gamma), -1)`` and its
+   inverse ``T`` by forward substitution, and the WY factors ``w = T diag(beta exp(g)) K``,
+   ``u = T diag(beta) V`` (``wy.py``);
+2. the state pass: ``U = u - w S^T``, ``S' = exp(g_C) S + U^T diag(exp(g_C - g)) K``;
+3. the outputs ``Y = diag(exp(g)) Q S^T + (Q K^T * Gamma) U``.
+
+It also writes each chunk's start state, the one residual the backward needs besides the
+inputs. The backward is ``chunked.py``'s hand-derived one (the hoisted schedule, per head
+under ``jax.vmap``), which takes exactly those residuals: the kernel replaces the forward
+program, the gradients are the XLA form's.
+
+On a GPU the kernel runs through Pallas's Triton backend, which also serves Ampere and
+emits Hopper's wgmma for its products. Anywhere else it runs in Pallas's interpret mode (a
+slow, faithful execution of the same kernel body in XLA), so a program written for
+``impl="pallas"`` runs on a host without a GPU. Products of float32 tiles are asked for at
+full float32 precision (Triton's IEEE mode, not TF32), matching the XLA form.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from gdn_jax.ops.chunked import _hoisted_backward, chunk_layout
+from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
+from gdn_jax.ops.varlen import pack_layout
+from gdn_jax.ops.wy import DELTA
+
+# The value channels of one program: its state block is [BLOCK_V, K] (32 KiB of float32
+# at K = 128, in registers), and B * HV * V / BLOCK_V programs fill the GPU. Not yet tuned
+# on a GPU.
+BLOCK_V = 64
+# Triton's launch options for the kernel: four warps per program, no software pipelining
+# of the chunk loop (each chunk's loads depend on nothing carried). Not yet tuned on a GPU.
+NUM_WARPS = 4
+NUM_STAGES = 1
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _mm(a, b):
+    """``a @ b`` at full precision, accumulated in ``a``'s dtype (the compute dtype)."""
+    return jnp.dot(a, b, precision=_HIGHEST, preferred_element_type=a.dtype)
+
+
+def _mm_t(a, b):
+    """``a @ b^T``."""
+    dims = (((1,), (1,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, precision=_HIGHEST, preferred_element_type=a.dtype)
+
+
+def _t_mm(a, b):
+    """``a^T @ b``."""
+    dims = (((0,), (0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, precision=_HIGHEST, preferred_element_type=a.dtype)
+
+
+def _pick(x, axis: int, index):
+    """``x``'s slice ``index`` along ``axis`` of a ``[C, C]`` tile or the entry of a ``[C]``
+    vector, as a masked sum: register tiles take no dynamic indexing."""
+    idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    return jnp.sum(jnp.where(idx == index, x, 0), axis=axis)
+
+
+def _chunk_decays(log_alpha):
+    """``(within [C, C], from_start [C], to_end [C], whole)`` of one chunk, each ``exp`` of a
+    sum of the gates over its own segment only (``decays.chunk_decays``: sums of a segment's
+    own terms, not differences of running sums, which a -1e4 reset would round away)."""
+    chunk = log_alpha.shape[0]
+    t = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    i = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    lower = jnp.where(t >= i, 1, 0).astype(log_alpha.dtype)
+    masked = jnp.where(t > i, log_alpha[:, None], 0)
+    seg = _mm(lower, masked)  # seg[t, i] = sum(log_alpha[i+1 : t+1]) for t >= i
+    from_start = _pick(seg, 1, 0) + _pick(log_alpha, 0, 0)
+    within = jnp.where(t >= i, jnp.exp(jnp.where(t >= i, seg, 0)), 0)
+    to_end = jnp.exp(_pick(seg, 0, chunk - 1))
+    whole = jnp.exp(_pick(from_start, 0, chunk - 1))
+    return within, jnp.exp(from_start), to_end, whole
+
+
+def _unit_lower_inverse(strict):
+    """``(I + strict)^{-1}`` by forward substitution, one row per step: row ``i`` of the
+    inverse is ``e_i - strict[i, :i] X[:i]``, from rows already final."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, strict.shape, 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, strict.shape, 1)
+    eye = jnp.where(rows == cols, 1, 0).astype(strict.dtype)
+
+    def row(i, inverse):
+        a = _pick(strict, 0, i)  # strict[i, :], zero from column i on
+        new = _pick(eye, 0, i) - jnp.sum(a[:, None] * inverse, 0)
+        return jnp.where(rows == i, new[None, :], inverse)
+
+    return jax.lax.fori_loop(1, strict.shape[0], row, eye)
+
+
+def _forward_kernel(
+    starts_seq_ref, ends_seq_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, _finals_in,
+    y_ref, finals_ref, chunk_starts_ref, *, chunk: int, num_chunks: int,
+):  # fmt: skip
+    """One program: one sequence, value head and value block over all its chunks.
+
+    Refs: ``starts_seq, ends_seq [NC]`` (the resets of ``blocks.scan_blocks``), ``q, k [Tc,
+    K]``, ``v [Tc, BLOCK_V]``, ``g, beta [Tc]``, ``h0 [N, BLOCK_V, K]``; out ``y [Tc,
+    BLOCK_V]``, ``finals [N, BLOCK_V, K]`` (aliased to ``h0``'s copy, so that a sequence with
+    no tokens keeps its initial state), ``chunk_starts [NC, BLOCK_V, K]``.
+    """
+    compute = h0_ref.dtype
+    rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+
+    def one_chunk(n, state):
+        first = starts_seq_ref[n]
+        state = jnp.where(first >= 0, h0_ref[jnp.maximum(first, 0)], state)
+        chunk_starts_ref[n] = state
+        tokens = pl.ds(n * chunk, chunk)
+        q = q_ref[tokens, :].astype(compute)
+        k = k_ref[tokens, :].astype(compute)
+        v = v_ref[tokens, :].astype(compute)
+        log_alpha = g_ref[tokens].astype(compute)
+        beta = beta_ref[tokens].astype(compute)
+        within, from_start, to_end, whole = _chunk_decays(log_alpha)
+        # Stage 1: the intra-chunk system and the WY factors.
+        strict = jnp.where(rows > cols, beta[:, None] * _mm_t(k, k) * within, 0)
+        inverse = _unit_lower_inverse(strict)
+        w = _mm(inverse, k * (beta * from_start)[:, None])
+        u = _mm(inverse, v * beta[:, None])
+        # Stage 2: the products with the state, then the state update.
+        corrections = u - _mm_t(w, state)
+        q_from_start = q * from_start[:, None]
+        y = _mm_t(q_from_start, state) + _mm(_mm_t(q, k) * within, corrections)
+        new_state = whole * state + _t_mm(corrections, k * to_end[:, None])
+        # Stage 3 done: the outputs, and the state where a sequence ends.
+        y_ref[tokens, :] = y.astype(y_ref.dtype)
+        last = ends_seq_ref[n]
+
+        @pl.when(last >= 0)
+        def _():
+            finals_ref[jnp.maximum(last, 0)] = new_state
+
+        return new_state
+
+    jax.lax.fori_loop(0, num_chunks, one_chunk, jnp.zeros(h0_ref.shape[1:], compute))
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def kernel_forward(q, k, v, log_alpha, beta, initial_states, resets, *, chunk_size: int):
+    """The kernel over the batch: q, k ``[B, Tc, H, K]``, v ``[B, Tc, HV, V]``, gates ``[B,
+    Tc, HV]`` with ``Tc`` a multiple of ``chunk_size`` (the chunk layout), ``initial_states
+    [N, HV, V, K]``, ``resets = (starts_seq, ends_seq) [B, NC]``. Returns ``(y [B, Tc, HV,
+    V], finals [N, HV, V, K], chunk_starts [B, NC, HV, V, K])``, ``y`` in v's dtype and the
+    states in the initial states' (the compute dtype)."""
+    batch, padded, heads, key_dim = q.shape
+    v_heads, value_dim = v.shape[2:]
+    num_states = initial_states.shape[0]
+    group = v_heads // heads
+    num_chunks = padded // chunk_size
+    block_v = min(BLOCK_V, value_dim)
+    if value_dim % block_v:
+        block_v = value_dim
+    grid = (batch, v_heads, value_dim // block_v)
+    squeezed = pl.squeezed
+    state_block = (num_states, squeezed, block_v, key_dim)
+    in_specs = [
+        pl.BlockSpec((squeezed, num_chunks), lambda b, h, j: (b, 0)),
+        pl.BlockSpec((squeezed, num_chunks), lambda b, h, j: (b, 0)),
+        pl.BlockSpec((squeezed, padded, squeezed, key_dim), lambda b, h, j: (b, 0, h // group, 0)),
+        pl.BlockSpec((squeezed, padded, squeezed, key_dim), lambda b, h, j: (b, 0, h // group, 0)),
+        pl.BlockSpec((squeezed, padded, squeezed, block_v), lambda b, h, j: (b, 0, h, j)),
+        pl.BlockSpec((squeezed, padded, squeezed), lambda b, h, j: (b, 0, h)),
+        pl.BlockSpec((squeezed, padded, squeezed), lambda b, h, j: (b, 0, h)),
+        pl.BlockSpec(state_block, lambda b, h, j: (0, h, j, 0)),
+        pl.BlockSpec(state_block, lambda b, h, j: (0, h, j, 0)),
+    ]
+    out_specs = [
+        pl.BlockSpec((squeezed, padded, squeezed, block_v), lambda b, h, j: (b, 0, h, j)),
+        pl.BlockSpec(state_block, lambda b, h, j: (0, h, j, 0)),
+        pl.BlockSpec(
+            (squeezed, num_chunks, squeezed, block_v, key_dim), lambda b, h, j: (b, 0, h, j, 0)
+        ),
+    ]
+    compute = initial_states.dtype
+    out_shape = [
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+        jax.ShapeDtypeStruct(initial_states.shape, compute),
+        jax.ShapeDtypeStruct((batch, num_chunks, v_heads, value_dim, key_dim), compute),
+    ]
+    kernel = functools.partial(_forward_kernel, chunk=chunk_size, num_chunks=num_chunks)
+    call = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases={8: 1},  # the finals start as the initial states
+        interpret=not _on_gpu(),
+        compiler_params=pl_triton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        name="gated_delta_rule_chunked_pallas",
+    )
+    starts_seq, ends_seq = resets
+    return call(starts_seq, ends_seq, q, k, v, log_alpha, beta, initial_states, initial_states)
+
+
+def _per_head_backward(inputs, chunk_starts, resets, d_y, d_finals, *, chunk_size, group):
+    """``chunked.py``'s hoisted backward for every sequence and value head, from the batch
+    layout: the inputs ``[B, Tc, ...]``, ``chunk_starts [B, NC, HV, V, K]``, the per-chunk
+    resets ``[B, NC]`` (None where each batch row is one sequence) and the cotangents
+    ``d_y [B, Tc, HV, V]``, ``d_finals [N, HV, V, K]``."""
+    q, k, v, log_alpha, beta = inputs
+    batch, padded = q.shape[:2]
+    num_chunks = padded // chunk_size
+
+    def chunks(x):
+        return x.reshape(num_chunks, chunk_size, *x.shape[1:])
+
+    def one_head(q, k, v, log_alpha, beta, starts, d_y, d_finals, resets):
+        per_chunk = tuple(chunks(x) for x in (q, k, v, log_alpha, beta))
+        return _hoisted_backward(DELTA, per_chunk, starts, resets, chunks(d_y), d_finals)
+
+    # Value head h reads key head h // group: its q and k are repeated per value head here,
+    # and their gradients summed back over the group below.
+    q, k = (jnp.repeat(x, group, axis=2) for x in (q, k))
+    if resets is None:  # one sequence per batch row: its own [1, V, K] final state
+        over_heads = jax.vmap(
+            lambda *a: one_head(*a[:6], a[6], a[7][None], None),
+            in_axes=(1, 1, 1, 1, 1, 1, 1, 0),
+        )
+        grads, d_initial = jax.vmap(over_heads)(
+            q, k, v, log_alpha, beta, chunk_starts, d_y, d_finals
+        )
+        d_initial = d_initial[:, :, 0]
+    else:  # B == 1, packed: every head carries the N sequences' states
+        over_heads = jax.vmap(one_head, in_axes=(1, 1, 1, 1, 1, 1, 1, 1, None))
+        row = (x[0] for x in (q, k, v, log_alpha, beta, chunk_starts, d_y))
+        grads, d_initial = over_heads(*row, d_finals, tuple(r[0] for r in resets))
+        grads = jax.tree.map(lambda x: x[None], grads)
+        d_initial = jnp.swapaxes(d_initial, 0, 1)
+    d_q, d_k, d_v, d_beta, d_log_alpha = (
+        x.reshape(batch, x.shape[1], padded, *x.shape[4:]).swapaxes(1, 2) for x in grads
+    )
+
+    def over_group(x):
+        return x.reshape(*x.shape[:2], -1, group, *x.shape[3:]).sum(3).astype(x.dtype)
+
+    return over_group(d_q), over_group(d_k), d_v, d_log_alpha, d_beta, d_initial
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _pallas_core(q, k, v, log_alpha, beta, initial_states, resets, chunk_size, packed):
+    y, finals, _ = kernel_forward(
+        q, k, v, log_alpha, beta, initial_states, resets, chunk_size=chunk_size
+    )
+    return y, finals
+
+
+def _pallas_core_fwd(q, k, v, log_alpha, beta, initial_states, resets, chunk_size, packed):
+    y, finals, chunk_starts = kernel_forward(
+        q, k, v, log_alpha, beta, initial_states, resets, chunk_size=chunk_size
+    )
+    return (y, finals), ((q, k, v, log_alpha, beta), chunk_starts, resets)
+
+
+def _pallas_core_bwd(chunk_size, packed, residuals, cotangents):
+    inputs, chunk_starts, resets = residuals
+    group = inputs[2].shape[2] // inputs[0].shape[2]
+    d_y, d_finals = cotangents
+    d_y = d_y.astype(chunk_starts.dtype)  # the kernel writes y in v's dtype
+    grads = _per_head_backward(
+        inputs,
+        chunk_starts,
+        resets if packed else None,
+        d_y,
+        d_finals,
+        chunk_size=chunk_size,
+        group=group,
+    )
+    *d_inputs, d_initial = grads
+    dtypes = [x.dtype for x in inputs]
+    d_inputs = [d.astype(t) for d, t in zip(d_inputs, dtypes, strict=True)]
+    return (*d_inputs, d_initial.astype(chunk_starts.dtype), None)
+
+
+_pallas_core.defvjp(_pallas_core_fwd, _pallas_core_bwd)
+
+
+def gated_delta_rule_pallas(q, k, v, gates, initial_states, cu_seqlens, *, chunk_size: int):
+    """The batched chunked gated delta rule by the kernel: the prepared inputs of
+    ``api.prepare_batched`` (q, k ``[B, T, H, K]`` unscaled, v ``[B, T, HV, V]``, ``gates =
+    (log_alpha, beta) [B, T, HV]``, ``initial_states [B or N, HV, V, K]`` in the compute
+    dtype). Returns ``(o [B, T, HV, V], finals)`` as ``api.over_batch_and_heads`` does."""
+    batch, seq_len = q.shape[:2]
+    key_dim, value_dim = q.shape[-1], v.shape[-1]
+    log_alpha, beta = (x.astype(initial_states.dtype) for x in gates)
+    log_alpha = jnp.maximum(log_alpha, LOG_ALPHA_FLOOR)
+    # Triton's tiles are powers of two, of at least 16 along a product's sides: K and V are
+    # padded with zero channels, which no product reads into the others.
+    k_pad, v_pad = (_tile(n) - n for n in (key_dim, value_dim))
+    q, k = (_pad_last(x, k_pad) for x in (q, k))
+    v = _pad_last(v, v_pad)
+    initial_states = jnp.pad(initial_states, [(0, 0), (0, 0), (0, v_pad), (0, k_pad)])
+    y, finals = _by_layout(q, k, v, log_alpha, beta, initial_states, cu_seqlens, chunk_size)
+    return y[..., :value_dim], finals[..., :value_dim, :key_dim]
+
+
+def _tile(size: int) -> int:
+    return max(16, 1 << (size - 1).bit_length())
+
+
+def _pad_last(x, pad: int):
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
+
+
+def _by_layout(q, k, v, log_alpha, beta, initial_states, cu_seqlens, chunk_size):
+    """The kernel on the chunk layout of the batch rows, or of the packed sequences."""
+    batch, seq_len = q.shape[:2]
+    arrays = (q, k, v, log_alpha, beta)
+    if cu_seqlens is None:
+        layout = chunk_layout(seq_len, chunk_size)
+        num_chunks = -(-seq_len // chunk_size)
+        padded = tuple(
+            jax.vmap(lambda x: layout.to_chunks(x).reshape(-1, *x.shape[1:]))(x) for x in arrays
+        )
+        # Each batch row is one sequence: it starts from state b and ends as final b.
+        ids = jnp.arange(batch, dtype=jnp.int32)[:, None]
+        chunk = jnp.arange(num_chunks, dtype=jnp.int32)[None, :]
+        resets = (
+            jnp.where(chunk == 0, ids, -1),
+            jnp.where(chunk == num_chunks - 1, ids, -1),
+        )
+        y, finals = _pallas_core(*padded, initial_states, resets, chunk_size, False)
+        return y[:, :seq_len], finals
+    layout = pack_layout(cu_seqlens, seq_len, chunk_size)
+    padded = tuple(layout.scatter(x[0])[None] for x in arrays)
+    resets = tuple(r[None] for r in layout.resets)
+    y, finals = _pallas_core(*padded, initial_states, resets, chunk_size, True)
+    return layout.gather(y[0])[None], finals
