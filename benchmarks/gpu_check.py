@@ -12,7 +12,8 @@ bf16 q, k, v; float32 gates and state; the L2 norm of q and k inside the op):
   peer's, with the bf16 row of the tests' tolerance table (``tests/support/tolerance.py``);
 - **time**: forward, and forward+backward (the gradient of ``sum(o * do)`` with respect to
   every input, ``do`` fixed), median of ``--repeats`` synchronised runs after two warm-ups,
-  for gdn_jax in each schedule, fla (torch autograd) and jax-linear-attention;
+  for gdn_jax in each schedule and its Pallas kernel (``impl="pallas"``, Gated DeltaNet only),
+  fla (torch autograd) and jax-linear-attention;
 - **memory**: the peak device memory of each program: for JAX its compiled arguments, outputs
   and temporaries (``memory_analysis``), for torch ``max_memory_allocated`` over the call with
   the inputs resident.
@@ -47,7 +48,9 @@ sys.path.insert(0, str(REPO / "tests"))
 # (B, T) at H heads of K = V = DIM: the issue's shapes, and tiny ones for --smoke.
 FULL = dict(shapes=[(4, 4096), (1, 32768)], heads=16, dim=128, chunk=64)
 SMOKE = dict(shapes=[(1, 96)], heads=2, dim=16, chunk=32)
-SCHEDULES = ("hoisted", "in_scan")
+# gdn_jax's forms measured: the XLA chunked form in each schedule, and the Pallas kernel
+# (impl="pallas", Gated DeltaNet only).
+SCHEDULES = ("hoisted", "in_scan", "pallas")
 IMPLS = ("fla", "jla", *SCHEDULES)
 WARMUPS = 2
 # jax-linear-attention's implementation measured: its Hopper kernels ("chunked" is its XLA form).
@@ -160,8 +163,10 @@ def gdn_jax_runs(op: Op, arrays, schedule, chunk, repeats):
     args = [jnp.asarray(arrays[n], jnp.bfloat16 if n in "qkv" else jnp.float32) for n in names]
     do = jnp.asarray(arrays["do"])
 
+    form = dict(impl="pallas") if schedule == "pallas" else dict(schedule=schedule)
+
     def forward(*args):
-        return fn(*args, chunk_size=chunk, schedule=schedule, use_qk_l2norm=True)
+        return fn(*args, chunk_size=chunk, use_qk_l2norm=True, **form)
 
     def loss(*args_and_do):
         *args, do = args_and_do
@@ -465,6 +470,9 @@ def check_ops(report: Report, sizes, items, repeats, deadline):
             report.add_op(dict(op=op.name, shape=shape, impl=peer, **timings))
             print(f"{label} {peer}: {_summary(timings)}", flush=True)
         for schedule in (s for s in SCHEDULES if s in impls):
+            if schedule == "pallas" and op.key != "gdn":
+                report.skip(f"pallas {label}", "the kernel is Gated DeltaNet's only")
+                continue
             timings, values = gdn_jax_runs(op, arrays, schedule, chunk, repeats)
             fractions = {peer: agreement(values, pv) for peer, pv in peer_values.items()}
             row = dict(op=op.name, shape=shape, impl=f"gdn_jax {schedule}", **timings)

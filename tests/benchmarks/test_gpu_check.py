@@ -21,23 +21,33 @@ def load_check():
     return module
 
 
-@pytest.mark.costly(20)
+@pytest.mark.costly(25)
 def test_smoke_run_writes_every_measurement(tmp_path):
     check = load_check()
     with jax.numpy_dtype_promotion("standard"):  # optax mixes float and int32 in Adam
         check.main(
-            ["--smoke", "--out", str(tmp_path), "--repeats", "1", "--item", "gdn:hoisted,in_scan"]
+            [
+                "--smoke",
+                "--out",
+                str(tmp_path),
+                "--repeats",
+                "1",
+                "--item",
+                "gdn:hoisted,in_scan,pallas",
+            ]
         )
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     rows = {row["impl"]: row for row in data["ops"]}
-    assert sorted(rows) == ["gdn_jax hoisted", "gdn_jax in_scan"]
+    assert sorted(rows) == ["gdn_jax hoisted", "gdn_jax in_scan", "gdn_jax pallas"]
     for row in rows.values():
         for part in ("fwd", "fwd+bwd"):
             assert row[part]["ms"] > 0 and row[part]["peak_bytes"] > 0, row
-    # The two schedules agree on the output, the final state and every input's gradient.
-    fractions = rows["gdn_jax in_scan"]["agreement"]["gdn_jax hoisted"]
-    assert sorted(fractions) == ["dbeta", "dk", "dlog_alpha", "dq", "dv", "final_state", "o"]
-    assert max(fractions.values()) <= 1.0, fractions
+    # The two schedules and the kernel agree on the output, the final state and every
+    # input's gradient.
+    for later in ("gdn_jax in_scan", "gdn_jax pallas"):
+        fractions = rows[later]["agreement"]["gdn_jax hoisted"]
+        assert sorted(fractions) == ["dbeta", "dk", "dlog_alpha", "dq", "dv", "final_state", "o"]
+        assert max(fractions.values()) <= 1.0, fractions
     skipped = {entry["what"]: entry["why"] for entry in data["skipped"]}
     assert skipped["jla"] in (
         "jax-linear-attention is not installed",
@@ -61,5 +71,5 @@ def test_bad_item_is_one_error_naming_it(capsys):
     assert err == (
         "gpu_check.py: error: --item 'kdx@1x96:hoisted,bogus': unknown op 'kdx' (one of "
         "['gdn', 'gdn2', 'kda']), implementation 'bogus' (one of ['fla', 'jla', 'hoisted', "
-        "'in_scan'])"
+        "'in_scan', 'pallas'])"
     )
