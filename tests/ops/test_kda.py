@@ -170,8 +170,9 @@ def test_map_groups_equals_mapping_every_entry(total):
     got = map_groups(fn, (a, None, b), 16)
     want = jax.vmap(fn)(a, None, b)
     assert got[1] is None
+    # Within float64's rounding, not to the bit: XLA:GPU sums a group in another order.
     for g, w in ((got[0], want[0]), (got[2], want[2])):
-        np.testing.assert_array_equal(g, w)
+        assert_close(g, w, jnp.float64)
 
 
 @pytest.mark.parametrize(("seq_len", "key_dim", "value_dim", "chunk", "schedule"), CHUNKED_CASES)

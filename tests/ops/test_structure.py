@@ -2,8 +2,10 @@
 
 On a GPU every op inside a loop body is a kernel launch per chunk and on a TPU small matmuls
 idle the MXU, so in the ``"hoisted"`` schedule (the default off CPU) the intra-chunk
-``[C, C]`` work must sit outside the scans. This reads the optimised HLO that XLA compiles
-here; no accelerator is needed to check the structure.
+``[C, C]`` work must sit outside the scans. This reads the optimised HLO that XLA:CPU
+compiles; no accelerator is needed to check the structure, and on a GPU host (the suite run
+with ``GDN_TEST_PLATFORMS=cuda``) the programs are compiled for its CPU all the same: XLA:GPU
+fuses and counts its loops' bodies differently.
 """
 
 import re
@@ -19,6 +21,12 @@ from gdn_jax.ops.channel_chunked import CPU_GRADS_GROUP
 
 # Distinct sizes, so that a [C, C] array cannot be mistaken for anything else.
 SEQ, CHUNK, KEY, VALUE = 96, 16, 24, 40
+
+
+@pytest.fixture(autouse=True)
+def compiled_for_the_cpu():
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 def has_chunk_square(lines):
