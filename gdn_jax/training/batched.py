@@ -97,6 +97,7 @@ def run(
     overwrite: bool = False,
     callbacks: Sequence[Callback] = (),
     devices=None,
+    on_start: Callable[[], None] | None = None,
 ) -> list[Outcome]:
     """Train ``configs`` as one program; returns each run's outcome, in order: its summary
     (as ``loop.run`` returns it), or the ``NonFiniteLossError`` or ``SaveError`` that ended
@@ -109,6 +110,8 @@ def run(
       callbacks: functions ``callback(step, metrics)`` called after every step with a list,
         one entry for each run being trained: its host metrics, or None where it took no step.
       devices: the runs share the first of them (of ``jax.devices()`` when None).
+      on_start: as ``loop.run``'s: called once every run is built or restored, before the
+        first step.
 
     Raises:
       RunError: the runs must not start (checked before anything is written).
@@ -128,7 +131,7 @@ def run(
         todo = [i for i, outcome in enumerate(outcomes) if outcome is None]
         chosen = [configs[i] for i in todo], [out_dirs[i] for i in todo]
         try:
-            trained = _train(*chosen, mesh, device, resume, callbacks)
+            trained = _train(*chosen, mesh, device, resume, callbacks, on_start)
         except Exception as error:
             if is_out_of_memory(error):
                 raise OutOfMemory(configs[0], error) from error
@@ -170,7 +173,7 @@ class _Member:
         loop.plot(self.run)
 
 
-def _train(configs, out_dirs, mesh, device, resume, callbacks) -> list[Outcome]:
+def _train(configs, out_dirs, mesh, device, resume, callbacks, on_start) -> list[Outcome]:
     """Build, restore or start every run, train them together; the plots whatever happens."""
     runs, members = [], []
     try:
@@ -184,6 +187,8 @@ def _train(configs, out_dirs, mesh, device, resume, callbacks) -> list[Outcome]:
             if start == config.train.steps:  # stopped after its last checkpoint
                 _final_evaluation(members[-1])
         lanes = [member for member in members if member.outcome is None]
+        if on_start is not None:
+            on_start()
         if lanes:
             with loop.stop_requests() as requests:
                 _Lockstep(lanes, device, callbacks, requests).run()

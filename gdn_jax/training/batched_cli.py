@@ -97,9 +97,15 @@ def _main(argv) -> int:
     devices = host_devices()
     if isinstance(devices, str):
         return _fail(devices)
-    print(f"{len(configs)} runs on {devices[0].device_kind}; data: {configs[0].data.describe()}")
+
+    def header():  # once every refusal has had its turn: then it is all the command prints
+        kind, data = devices[0].device_kind, configs[0].data.describe()
+        print(f"{len(configs)} runs on {kind}; data: {data}")
+
     try:
-        outcomes = batched.run(configs, resume=args.resume, overwrite=args.overwrite)
+        outcomes = batched.run(
+            configs, resume=args.resume, overwrite=args.overwrite, on_start=header
+        )
     except RunError as error:
         return _fail(error)
     except (OutOfMemory, OSError) as error:

@@ -155,13 +155,16 @@ def _main(argv) -> int:
     devices = host_devices()
     if isinstance(devices, str):
         return fail(devices)
-    print(f"devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()})")
-    print(
-        f"model: {config.model.mixers}, d_model={config.model.d_model}; data: "
-        f"{config.data.describe()}; out: {config.train.out_dir}"
-    )
+
+    def header():  # once every refusal has had its turn: then it is all the command prints
+        print(f"devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()})")
+        print(
+            f"model: {config.model.mixers}, d_model={config.model.d_model}; data: "
+            f"{config.data.describe()}; out: {config.train.out_dir}"
+        )
+
     try:
-        summary = run(config, resume=args.resume, overwrite=args.overwrite)
+        summary = run(config, resume=args.resume, overwrite=args.overwrite, on_start=header)
     except NothingToResume as error:
         fresh = [a for a in argv if a != "--resume"] + (["--overwrite"] if error.overwrite else [])
         return fail(f"{error}; start it afresh with: {command(fresh)}")

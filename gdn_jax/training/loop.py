@@ -240,6 +240,7 @@ def run(
     overwrite: bool = False,
     callbacks: Sequence[Callback] = (),
     devices=None,
+    on_start: Callable[[], None] | None = None,
 ) -> dict:
     """Train ``config`` and return a summary (final step, held-out accuracy, wall time).
 
@@ -252,6 +253,9 @@ def run(
       callbacks: functions ``callback(step, metrics)`` called after every step with the
         host-side metrics (a dict of floats), before the next step is dispatched.
       devices: the devices ``train.mesh`` arranges; all of them (``jax.devices()``) when None.
+      on_start: called once every check has passed and the state is built or restored, just
+        before the first step (the command prints its header there, so that a refusal is
+        the only thing it prints); not called for a run that has already ended.
 
     Raises:
       RunError: the run must not start (checked before anything is written).
@@ -273,7 +277,7 @@ def run(
         if finished is not None:
             return finished
         try:
-            return _train(config, mesh, out_dir, resume, callbacks)
+            return _train(config, mesh, out_dir, resume, callbacks, on_start)
         except Exception as error:
             if is_out_of_memory(error):
                 raise OutOfMemory(config, error) from error
@@ -283,13 +287,15 @@ def run(
             lock.release()
 
 
-def _train(config: Config, mesh: Mesh, out_dir: Path, resume: bool, callbacks) -> dict:
+def _train(config: Config, mesh: Mesh, out_dir: Path, resume: bool, callbacks, on_start) -> dict:
     """Build the state, restore or start, run the steps; the plot whatever happens."""
     run = build(config, mesh, out_dir)
     try:
         run.state, start = ckpt.restore_or_start(
             config, out_dir, run.checkpoints, run.log, run.state, resume
         )
+        if on_start is not None:
+            on_start()
         held_out = held_out_set(config, run.batch_shardings)
         with stop_requests() as requests:
             try:

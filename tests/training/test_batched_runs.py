@@ -276,6 +276,7 @@ def test_bad_arguments_are_one_line_before_anything_is_written(
     sets = [x for item in TINY for x in ("--set", item)]
     status, out, err = command(*sets, *args)
     assert status == 2, err
+    assert out == ""  # every refusal comes before the header line
     (line,) = err.strip().splitlines()
     assert line.startswith(f"{batched_cli.PROG}: error: ") and re.search(message, line), line
     assert sorted(os.listdir(tmp_path)) == ["earlier"]

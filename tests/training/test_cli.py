@@ -23,9 +23,12 @@ from support.runs import INTERRUPTED, REPO, TINY, command_args, logged, train
 
 
 def one_line_error(result, pattern, status=2):
-    """The command failed with ``status`` and exactly one line on stderr matching ``pattern``."""
+    """The command failed with ``status`` and exactly one line on stderr matching ``pattern``;
+    a refusal (status 2) prints nothing else, the header lines included."""
     assert result.returncode == status, result.stderr
     assert "Traceback" not in result.stderr
+    if status == 2:
+        assert result.stdout == "", result.stdout
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, lines
     assert lines[0].startswith("train.py: error: "), lines[0]
