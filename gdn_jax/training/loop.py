@@ -175,10 +175,11 @@ class _Steps:
         for callback in self.callbacks:
             callback(step, metrics)
         self.bar.update(1)
+        held_out = self.book.summary["eval_accuracy"]
         self.bar.set_postfix(
             loss=f"{metrics['loss']:.3f}",
             acc=f"{metrics['accuracy']:.3f}",
-            eval=f"{self.book.summary['eval_accuracy'] or 0:.3f}",
+            eval="-" if held_out is None else f"{held_out:.3f}",  # 0.000 would read as measured
             tok_s=f"{metrics['tokens_per_s']:.0f}",
         )
 

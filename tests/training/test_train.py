@@ -2,6 +2,7 @@
 test_mesh.py)."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -138,6 +139,20 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(np.isfinite(r["loss"]) for r in records)
     assert not steps or steps[-1] <= records[-1]["step"]
+
+
+def test_the_progress_bar_shows_no_held_out_accuracy_before_the_first_evaluation(tmp_path, capsys):
+    """It showed eval=0.000 until step 6's evaluation, which reads as a measured 0%."""
+    run(tiny(tmp_path, "train.progress=true"))
+    drawn = [
+        re.search(r"(\d+)/12 .*eval=([^,\]]+)", bar) for bar in capsys.readouterr().err.split("\r")
+    ]
+    shown = dict(bar.groups() for bar in drawn if bar)  # each step's bar as last drawn
+    assert list(shown) == [str(step) for step in range(1, 13)]
+    for step, held_out in shown.items():
+        # Step 6's bar is drawn when its metrics are read, before its evaluation.
+        assert (held_out == "-") == (int(step) <= 6), (step, held_out)
+        assert held_out == "-" or re.fullmatch(r"[01]\.\d{3}", held_out)
 
 
 def test_train_config_defaults_are_valid():
