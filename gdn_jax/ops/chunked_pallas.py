@@ -15,11 +15,15 @@ tiles straight from ``q, k [B, T, H, K]``, ``v [B, T, HV, V]`` and the gates ``[
 3. the outputs ``Y = diag(exp(g)) Q S^T + (Q K^T * Gamma) U``.
 
 It also writes each chunk's start state, the one residual the backward needs besides the
-inputs. The backward is ``chunked.py``'s hand-derived one (the hoisted schedule, per head
-under ``jax.vmap``), which takes exactly those residuals: the kernel replaces the forward
-program, the gradients are the XLA form's.
+inputs. The backward is a second kernel on the same grid but the value blocks (a program
+owns a whole value head: the gradients of q, k and the gates sum over all its value
+channels). It walks the chunks last to first carrying the state's cotangent ``dS [V, K]``
+on chip, and does per chunk what ``chunked.chunk_backward`` does: stage 1 again, the
+reverse state pass, then every input's gradient from the chunk's start state. Its sums and
+products are the XLA form's, term for term (``chunked.py``, ``wy.py``, ``decays.py`` give
+the derivations).
 
-On a GPU the kernel runs through Pallas's Triton backend, which also serves Ampere and
+On a GPU the kernels run through Pallas's Triton backend, which also serves Ampere and
 emits Hopper's wgmma for its products. Anywhere else it runs in Pallas's interpret mode (a
 slow, faithful execution of the same kernel body in XLA), so a program written for
 ``impl="pallas"`` runs on a host without a GPU. Products of float32 tiles are asked for at
@@ -35,10 +39,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from gdn_jax.ops.chunked import _hoisted_backward, chunk_layout
+from gdn_jax.ops.chunked import chunk_layout
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
 from gdn_jax.ops.varlen import pack_layout
-from gdn_jax.ops.wy import DELTA
 
 # The value channels of one program: its state block is [BLOCK_V, K] (32 KiB of float32
 # at K = 128, in registers), and B * HV * V / BLOCK_V programs fill the GPU. Not yet tuned
@@ -218,83 +221,207 @@ def kernel_forward(q, k, v, log_alpha, beta, initial_states, resets, *, chunk_si
     return call(starts_seq, ends_seq, q, k, v, log_alpha, beta, initial_states, initial_states)
 
 
-def _per_head_backward(inputs, chunk_starts, resets, d_y, d_finals, *, chunk_size, group):
-    """``chunked.py``'s hoisted backward for every sequence and value head, from the batch
-    layout: the inputs ``[B, Tc, ...]``, ``chunk_starts [B, NC, HV, V, K]``, the per-chunk
-    resets ``[B, NC]`` (None where each batch row is one sequence) and the cotangents
-    ``d_y [B, Tc, HV, V]``, ``d_finals [N, HV, V, K]``."""
+def _decays_bwd(decays, d_within, d_from_start, d_to_end, d_whole):
+    """``decays.chunk_decays_bwd`` in the kernel: the gradient of ``log_alpha [C]`` from the
+    cotangents of every decay, each sum over the segments that hold the gate and no other."""
+    within, from_start, to_end, whole = decays
+    chunk = from_start.shape[0]
+    t = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    s = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    before = jnp.where(t < s, 1, 0).astype(within.dtype)  # [i, s] (and [t, s]): i < s
+    rows_before = _mm(d_within * within, before)  # [t, s]: the sum over i < s
+    held = jnp.where(t < s, 0, rows_before + (d_from_start * from_start)[:, None])
+    to_end_part = jnp.sum((d_to_end * to_end)[:, None] * before, 0)
+    return jnp.sum(held, 0) + to_end_part + d_whole * whole
+
+
+def _backward_kernel(
+    starts_seq_ref, ends_seq_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, chunk_starts_ref,
+    d_y_ref, d_finals_ref, _d_initial_in,
+    d_q_ref, d_k_ref, d_v_ref, d_g_ref, d_beta_ref, d_initial_ref, *, chunk: int,
+    num_chunks: int,
+):  # fmt: skip
+    """One program: one sequence and value head over its chunks, last to first, carrying the
+    state's cotangent ``dS [V, K]`` (``chunked.chunk_backward``'s stages per chunk: the
+    reverse state pass, then every input's gradient from the chunk's start state).
+
+    Refs as ``_forward_kernel``'s, with ``chunk_starts [NC, V, K]``, ``d_y [Tc, V]`` and
+    ``d_finals [N, V, K]`` in; out the gradients of ``q, k [Tc, K]`` (this value head's
+    share), ``v [Tc, V]``, ``g, beta [Tc]`` and ``d_initial [N, V, K]``, aliased to its
+    start (``d_finals`` for the sequences with no tokens, else zeros)."""
+    compute = chunk_starts_ref.dtype
+    rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+
+    def one_chunk(step, d_carry):
+        n = num_chunks - 1 - step
+        start = chunk_starts_ref[n]
+        last = ends_seq_ref[n]
+        d_end = d_carry + jnp.where(last >= 0, d_finals_ref[jnp.maximum(last, 0)], 0)
+        tokens = pl.ds(n * chunk, chunk)
+        q = q_ref[tokens, :].astype(compute)
+        k = k_ref[tokens, :].astype(compute)
+        v = v_ref[tokens, :].astype(compute)
+        log_alpha = g_ref[tokens].astype(compute)
+        beta = beta_ref[tokens].astype(compute)
+        d_y = d_y_ref[tokens, :].astype(compute)
+        decays = _chunk_decays(log_alpha)
+        within, from_start, to_end, whole = decays
+        # Stage 1 again, as the forward formed it.
+        gram = _mm_t(k, k)
+        strict = jnp.where(rows > cols, beta[:, None] * gram * within, 0)
+        inverse = _unit_lower_inverse(strict)
+        w = _mm(inverse, k * (beta * from_start)[:, None])
+        u = _mm(inverse, v * beta[:, None])
+        qk = _mm_t(q, k)
+        attn = qk * within
+        corrections = u - _mm_t(w, start)
+        # The reverse state pass (chunked.state_pass_bwd).
+        k_to_end = k * to_end[:, None]
+        d_u = _t_mm(attn, d_y) + _mm_t(k_to_end, d_end)
+        d_start = whole * d_end + _t_mm(d_y, q * from_start[:, None]) - _t_mm(d_u, w)
+        d_whole = jnp.sum(d_end * start)
+        d_k_to_end = _mm(corrections, d_end)
+        # The chunk's gradients (chunked.chunk_grads and wy.delta_factors_bwd).
+        d_y_u = _mm_t(d_y, corrections)
+        d_attn = d_y_u * within
+        d_y_start = _mm(d_y, start)
+        d_write = _t_mm(inverse, d_u)
+        d_erase = -_mm(d_write, start)
+        d_strict = -jnp.where(rows > cols, _mm_t(d_write, corrections), 0)
+        d_decayed = d_strict * within
+        d_k_proj = jnp.sum(d_erase * k, 1)
+        d_gram = d_decayed * beta[:, None]
+        d_q = d_y_start * from_start[:, None] + _mm(d_attn, k)
+        d_k = (
+            _t_mm(d_attn, q)
+            + d_k_to_end * to_end[:, None]
+            + d_erase * (beta * from_start)[:, None]
+            + _mm(d_gram, k)
+            + _t_mm(d_gram, k)
+        )
+        d_beta = jnp.sum(d_write * v, 1) + from_start * d_k_proj + jnp.sum(d_decayed * gram, 1)
+        d_log_alpha = _decays_bwd(
+            decays,
+            d_y_u * qk + d_strict * beta[:, None] * gram,
+            jnp.sum(d_y_start * q, 1) + beta * d_k_proj,
+            jnp.sum(d_k_to_end * k, 1),
+            d_whole,
+        )
+        d_q_ref[tokens, :] = d_q
+        d_k_ref[tokens, :] = d_k
+        d_v_ref[tokens, :] = d_write * beta[:, None]
+        d_g_ref[tokens] = d_log_alpha
+        d_beta_ref[tokens] = d_beta
+        # A sequence's first chunk: its initial state's cotangent, and no dependence on the
+        # chunk before, which belongs to another sequence.
+        first = starts_seq_ref[n]
+
+        @pl.when(first >= 0)
+        def _():
+            m = jnp.maximum(first, 0)
+            d_initial_ref[m] = d_initial_ref[m] + d_start
+
+        return jnp.where(first >= 0, 0, d_start)
+
+    d_zero = jnp.zeros(chunk_starts_ref.shape[1:], compute)
+    jax.lax.fori_loop(0, num_chunks, one_chunk, d_zero)
+
+
+def kernel_backward(inputs, chunk_starts, resets, d_y, d_finals, *, chunk_size: int):
+    """The backward kernel over the batch, on the forward's chunk layout and residuals:
+    returns the gradients of q, k ``[B, Tc, H, K]`` (summed over each key head's value
+    heads), v, the gates and the initial states, all in the compute dtype."""
     q, k, v, log_alpha, beta = inputs
-    batch, padded = q.shape[:2]
+    batch, padded, heads, key_dim = q.shape
+    v_heads, value_dim = v.shape[2:]
+    num_states = d_finals.shape[0]
+    group = v_heads // heads
     num_chunks = padded // chunk_size
-
-    def chunks(x):
-        return x.reshape(num_chunks, chunk_size, *x.shape[1:])
-
-    def one_head(q, k, v, log_alpha, beta, starts, d_y, d_finals, resets):
-        per_chunk = tuple(chunks(x) for x in (q, k, v, log_alpha, beta))
-        return _hoisted_backward(DELTA, per_chunk, starts, resets, chunks(d_y), d_finals)
-
-    # Value head h reads key head h // group: its q and k are repeated per value head here,
-    # and their gradients summed back over the group below.
-    q, k = (jnp.repeat(x, group, axis=2) for x in (q, k))
-    if resets is None:  # one sequence per batch row: its own [1, V, K] final state
-        over_heads = jax.vmap(
-            lambda *a: one_head(*a[:6], a[6], a[7][None], None),
-            in_axes=(1, 1, 1, 1, 1, 1, 1, 0),
-        )
-        grads, d_initial = jax.vmap(over_heads)(
-            q, k, v, log_alpha, beta, chunk_starts, d_y, d_finals
-        )
-        d_initial = d_initial[:, :, 0]
-    else:  # B == 1, packed: every head carries the N sequences' states
-        over_heads = jax.vmap(one_head, in_axes=(1, 1, 1, 1, 1, 1, 1, 1, None))
-        row = (x[0] for x in (q, k, v, log_alpha, beta, chunk_starts, d_y))
-        grads, d_initial = over_heads(*row, d_finals, tuple(r[0] for r in resets))
-        grads = jax.tree.map(lambda x: x[None], grads)
-        d_initial = jnp.swapaxes(d_initial, 0, 1)
-    d_q, d_k, d_v, d_beta, d_log_alpha = (
-        x.reshape(batch, x.shape[1], padded, *x.shape[4:]).swapaxes(1, 2) for x in grads
+    compute = chunk_starts.dtype
+    squeezed = pl.squeezed
+    ends_seq = resets[1].reshape(-1)
+    ends = jnp.where(ends_seq >= 0, ends_seq, num_states)
+    ends_somewhere = jnp.zeros(num_states, bool).at[ends].set(True, mode="drop")
+    # A sequence with no tokens passes its initial state straight to its final state.
+    d_initial = jnp.where(ends_somewhere[:, None, None, None], 0, d_finals)
+    states = (num_states, squeezed, value_dim, key_dim)
+    by_token = {
+        "qk": pl.BlockSpec((squeezed, padded, squeezed, key_dim), lambda b, h: (b, 0, h // group, 0)),
+        "per_head_k": pl.BlockSpec((squeezed, padded, squeezed, key_dim), lambda b, h: (b, 0, h, 0)),
+        "v": pl.BlockSpec((squeezed, padded, squeezed, value_dim), lambda b, h: (b, 0, h, 0)),
+        "gate": pl.BlockSpec((squeezed, padded, squeezed), lambda b, h: (b, 0, h)),
+    }  # fmt: skip
+    resets_spec = pl.BlockSpec((squeezed, num_chunks), lambda b, h: (b, 0))
+    in_specs = [
+        resets_spec, resets_spec, by_token["qk"], by_token["qk"], by_token["v"],
+        by_token["gate"], by_token["gate"],
+        pl.BlockSpec(
+            (squeezed, num_chunks, squeezed, value_dim, key_dim), lambda b, h: (b, 0, h, 0, 0)
+        ),
+        by_token["v"],
+        pl.BlockSpec(states, lambda b, h: (0, h, 0, 0)),
+        pl.BlockSpec(states, lambda b, h: (0, h, 0, 0)),
+    ]  # fmt: skip
+    out_specs = [
+        by_token["per_head_k"], by_token["per_head_k"], by_token["v"], by_token["gate"],
+        by_token["gate"], pl.BlockSpec(states, lambda b, h: (0, h, 0, 0)),
+    ]  # fmt: skip
+    per_head_k = (batch, padded, v_heads, key_dim)
+    out_shape = [
+        jax.ShapeDtypeStruct(per_head_k, compute),
+        jax.ShapeDtypeStruct(per_head_k, compute),
+        jax.ShapeDtypeStruct(v.shape, compute),
+        jax.ShapeDtypeStruct(log_alpha.shape, compute),
+        jax.ShapeDtypeStruct(beta.shape, compute),
+        jax.ShapeDtypeStruct(d_finals.shape, compute),
+    ]
+    kernel = functools.partial(_backward_kernel, chunk=chunk_size, num_chunks=num_chunks)
+    call = pl.pallas_call(
+        kernel,
+        grid=(batch, v_heads),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases={10: 5},  # the initial states' cotangents start as d_initial
+        interpret=not _on_gpu(),
+        compiler_params=pl_triton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        name="gated_delta_rule_chunked_pallas_bwd",
     )
+    starts_seq, ends_seq = resets
+    d_q, d_k, d_v, d_log_alpha, d_beta, d_initial = call(
+        starts_seq, ends_seq, q, k, v, log_alpha, beta, chunk_starts, d_y.astype(compute),
+        d_finals.astype(compute), d_initial.astype(compute),
+    )  # fmt: skip
 
-    def over_group(x):
-        return x.reshape(*x.shape[:2], -1, group, *x.shape[3:]).sum(3).astype(x.dtype)
+    def over_group(x):  # value heads' shares of their key head's q and k
+        return x.reshape(batch, padded, heads, group, key_dim).sum(3)
 
     return over_group(d_q), over_group(d_k), d_v, d_log_alpha, d_beta, d_initial
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _pallas_core(q, k, v, log_alpha, beta, initial_states, resets, chunk_size, packed):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _pallas_core(q, k, v, log_alpha, beta, initial_states, resets, chunk_size):
     y, finals, _ = kernel_forward(
         q, k, v, log_alpha, beta, initial_states, resets, chunk_size=chunk_size
     )
     return y, finals
 
 
-def _pallas_core_fwd(q, k, v, log_alpha, beta, initial_states, resets, chunk_size, packed):
+def _pallas_core_fwd(q, k, v, log_alpha, beta, initial_states, resets, chunk_size):
     y, finals, chunk_starts = kernel_forward(
         q, k, v, log_alpha, beta, initial_states, resets, chunk_size=chunk_size
     )
     return (y, finals), ((q, k, v, log_alpha, beta), chunk_starts, resets)
 
 
-def _pallas_core_bwd(chunk_size, packed, residuals, cotangents):
+def _pallas_core_bwd(chunk_size, residuals, cotangents):
     inputs, chunk_starts, resets = residuals
-    group = inputs[2].shape[2] // inputs[0].shape[2]
-    d_y, d_finals = cotangents
-    d_y = d_y.astype(chunk_starts.dtype)  # the kernel writes y in v's dtype
-    grads = _per_head_backward(
-        inputs,
-        chunk_starts,
-        resets if packed else None,
-        d_y,
-        d_finals,
-        chunk_size=chunk_size,
-        group=group,
+    *d_inputs, d_initial = kernel_backward(
+        inputs, chunk_starts, resets, *cotangents, chunk_size=chunk_size
     )
-    *d_inputs, d_initial = grads
-    dtypes = [x.dtype for x in inputs]
-    d_inputs = [d.astype(t) for d, t in zip(d_inputs, dtypes, strict=True)]
-    return (*d_inputs, d_initial.astype(chunk_starts.dtype), None)
+    d_inputs = [d.astype(x.dtype) for d, x in zip(d_inputs, inputs, strict=True)]
+    return (*d_inputs, d_initial, None)
 
 
 _pallas_core.defvjp(_pallas_core_fwd, _pallas_core_bwd)
@@ -344,10 +471,10 @@ def _by_layout(q, k, v, log_alpha, beta, initial_states, cu_seqlens, chunk_size)
             jnp.where(chunk == 0, ids, -1),
             jnp.where(chunk == num_chunks - 1, ids, -1),
         )
-        y, finals = _pallas_core(*padded, initial_states, resets, chunk_size, False)
+        y, finals = _pallas_core(*padded, initial_states, resets, chunk_size)
         return y[:, :seq_len], finals
     layout = pack_layout(cu_seqlens, seq_len, chunk_size)
     padded = tuple(layout.scatter(x[0])[None] for x in arrays)
     resets = tuple(r[None] for r in layout.resets)
-    y, finals = _pallas_core(*padded, initial_states, resets, chunk_size, True)
+    y, finals = _pallas_core(*padded, initial_states, resets, chunk_size)
     return layout.gather(y[0])[None], finals

@@ -1,4 +1,4 @@
-"""``impl="pallas"``: the chunked gated delta rule as one Pallas kernel
+"""``impl="pallas"``: the chunked gated delta rule as Pallas kernels, forward and backward
 (``ops/chunked_pallas.py``), run here in Pallas's interpret mode, against the XLA chunked form
 on outputs, final states and the gradient of every input (the initial state included); and
 its lowering for a GPU, which this CPU host can do without one."""
@@ -114,8 +114,8 @@ def test_other_rules_name_the_kernel_they_lack():
 
 def test_lowers_for_a_gpu_through_triton(monkeypatch):
     """The forward and backward program, lowered for CUDA on this CPU host (no GPU needed):
-    the kernel is a Triton call, at shapes off its tiles (T = 40, K = 12, V = 20, grouped
-    heads, bf16)."""
+    the two kernels are Triton calls, at shapes off their tiles (T = 40, K = 12, V = 20,
+    grouped heads, bf16)."""
     monkeypatch.setattr(chunked_pallas, "_on_gpu", lambda: True)  # lower it, don't interpret
     q, k, v, la, b = random_inputs(5, 40, 12, 20, lead=(1,), heads=(2, 4))
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
@@ -127,4 +127,4 @@ def test_lowers_for_a_gpu_through_triton(monkeypatch):
     grad = jax.jit(jax.grad(loss, argnums=range(5)))
     text = grad.trace(q, k, v, la, b).lower(lowering_platforms=("cuda",)).as_text()
     calls = [line for line in text.splitlines() if "custom_call" in line]
-    assert sum("xla.gpu.triton" in line for line in calls) == 1, calls
+    assert sum("xla.gpu.triton" in line for line in calls) == 2, calls

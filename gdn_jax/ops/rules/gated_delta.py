@@ -158,10 +158,10 @@ def gated_delta_rule(
       initial_state: ``[B, HV, V, K]``, or ``[N, HV, V, K]`` with ``cu_seqlens``; ``None`` is
         zeros. flash-linear-attention's states are ``[.., K, V]``: pass ``swapaxes(-1, -2)``.
       impl: ``"chunked"`` (train with this), ``"recurrent"`` (the token-by-token reference)
-        or ``"pallas"``: the chunked form as one Pallas kernel (``ops/chunked_pallas.py``),
-        Gated DeltaNet only; its backward is the chunked form's. Opt-in: on a GPU it runs
-        through Triton (not yet measured against ``"chunked"``), elsewhere in Pallas's
-        interpret mode, which is slow.
+        or ``"pallas"``: the chunked form as Pallas kernels, forward and backward
+        (``ops/chunked_pallas.py``), Gated DeltaNet only. Opt-in: on a GPU they run through
+        Triton (not yet measured against ``"chunked"``), elsewhere in Pallas's interpret
+        mode, which is slow.
       chunk_size: 16, 32, 64 or 128 (chunked only).
       schedule: ``"auto"``, ``"hoisted"`` or ``"in_scan"`` (chunked only), as in
         ``gated_delta_rule_chunked``.
