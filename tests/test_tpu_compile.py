@@ -22,8 +22,8 @@ pytest.importorskip("libtpu", reason='compiling for TPU needs libtpu: pip instal
 from gdn_jax import tpu_compile  # noqa: E402
 from gdn_jax.layers import GatedDeltaNet  # noqa: E402
 from gdn_jax.training import compile_only  # noqa: E402
-from gdn_jax.training.cli import CONFIG_DIR  # noqa: E402
 from gdn_jax.training.config import load_config  # noqa: E402
+from gdn_jax.training.config_paths import CONFIG_DIR  # noqa: E402
 
 # v5e, the chip of docs/benchmarks.md's figures, for the op and the layer; the train step also
 # compiles for one more generation (v6e), on another mesh.

@@ -26,9 +26,9 @@ from gdn_jax.sweep.table import best_per_cell, write_plot, write_table
 from gdn_jax.training.cli import (
     OneLineParser,
     report_error,
-    resolve_config,
     run_command,
 )
+from gdn_jax.training.config_paths import resolve_config
 from gdn_jax.training.errors import RunError
 from gdn_jax.training.run_dir import RunLock, check_writable
 

@@ -24,9 +24,9 @@ from gdn_jax.training.cli import (
     add_config_arguments,
     host_devices,
     report_error,
-    resolve_config,
     run_command,
 )
+from gdn_jax.training.config_paths import resolve_config
 from gdn_jax.training.xla_flags import add_cpu_flags
 
 PROG = "python -m gdn_jax.training.batched_cli"

@@ -15,28 +15,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from gdn_jax.training.config_paths import DEFAULT_CONFIG, resolve_config
 from gdn_jax.training.xla_flags import add_cpu_flags
-
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-DEFAULT_CONFIG = "mqar_gdn.yaml"
-
-
-def resolve_config(name: str) -> Path:
-    """``name`` as given when that file exists; a bare file name (``mqar_gdn.yaml``) that is
-    not in the working directory names a packaged config, so it works from any directory.
-    A path with a directory in it must exist: falling back would train some other file."""
-    path = Path(name)
-    if path.is_file():
-        return path
-    if path.name != name:
-        raise ValueError(f"--config {name}: no such file")
-    packaged = CONFIG_DIR / name
-    if packaged.is_file():
-        return packaged
-    known = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.yaml")))
-    raise ValueError(
-        f"--config {name}: no such file, and no packaged config of that name ({known})"
-    )
 
 
 def report_error(prog: str, message, status: int = 2) -> int:

@@ -23,6 +23,7 @@ from gdn_jax.data.tasks import DEFAULT_TASK, TASKS, TaskConfig, task_name
 from gdn_jax.layers.params import GateInit
 from gdn_jax.models.config import ModelConfig
 from gdn_jax.models.lm import check_buildable
+from gdn_jax.training.config_paths import resolve_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,11 +206,30 @@ def _set(tree: dict, dotted: str, value) -> None:
     tree[leaf] = value
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+@typing.no_type_check  # a public entry point: it names its bad arguments itself
+def load_config(path: str | Path | None = None, overrides: Sequence[str] | None = ()) -> Config:
     """Read ``path`` (YAML, or defaults when None), apply ``key.sub=value`` overrides (values
-    parsed as YAML: ``64``, ``3e-3``, ``[gdn, attention]``, ``null``), check everything."""
+    parsed as YAML: ``64``, ``3e-3``, ``[gdn, attention]``, ``null``), check everything.
+
+    ``path`` is a file, or the name of a packaged config (``"mqar_kda.yaml"``) as train.py's
+    ``--config`` takes it (``resolve_config``); ``overrides`` is a list of strings, each as
+    train.py's ``--set`` takes it, and None means none, as ``()`` does."""
+    if not (path is None or isinstance(path, str | Path)):
+        raise ValueError(f"load_config: path={path!r} must be a file name, a Path or None")
+    if overrides is None:
+        overrides = ()
+    if isinstance(overrides, str | bytes) or not isinstance(overrides, Sequence):
+        raise ValueError(
+            f"load_config: overrides={overrides!r} must be a list of 'section.field=value' strings"
+        )
+    for i, item in enumerate(overrides):
+        if not isinstance(item, str):
+            raise ValueError(
+                f"load_config: overrides[{i}]={item!r} must be a 'section.field=value' string"
+            )
     data = {}
     if path is not None:
+        path = resolve_config(path, given=f"load_config: path={str(path)!r}")
         data = parse_yaml(Path(path).read_text(), str(path))
         if data is None:  # an empty file, or only comments: it was meant to say something
             raise ValueError(

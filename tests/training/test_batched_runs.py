@@ -27,8 +27,8 @@ from support.tolerance import assert_close
 from gdn_jax.training import batched, batched_cli, loop
 from gdn_jax.training import checkpoints as ckpt
 from gdn_jax.training import mesh as mesh_lib
-from gdn_jax.training.cli import DEFAULT_CONFIG, resolve_config
 from gdn_jax.training.config import load_config, to_dict
+from gdn_jax.training.config_paths import DEFAULT_CONFIG, resolve_config
 from gdn_jax.training.errors import Interrupted, NonFiniteLossError
 from gdn_jax.training.state import train_setup
 

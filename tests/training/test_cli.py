@@ -488,8 +488,8 @@ def test_a_plot_that_fails_in_the_finally_block_does_not_hide_the_error(
 
 
 def test_a_config_path_must_exist_and_its_keys_be_unique(tmp_path):
-    from gdn_jax.training.cli import CONFIG_DIR, resolve_config
     from gdn_jax.training.config import load_config
+    from gdn_jax.training.config_paths import CONFIG_DIR, resolve_config
 
     with pytest.raises(ValueError, match=r"^--config /nonexistent/mqar_linear.yaml: no such file$"):
         resolve_config("/nonexistent/mqar_linear.yaml")

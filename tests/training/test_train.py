@@ -3,6 +3,7 @@ test_mesh.py)."""
 
 import json
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from gdn_jax.data.mqar import MQARConfig, make_batch, make_mqar
 from gdn_jax.layers import NoWeightDecay
 from gdn_jax.models import LanguageModel, ModelConfig
 from gdn_jax.training.config import Config, TrainConfig, load_config
+from gdn_jax.training.config_paths import CONFIG_DIR
 from gdn_jax.training.errors import NonFiniteLossError, RunError
 from gdn_jax.training.loop import run
 from gdn_jax.training.mesh import check_mesh
@@ -69,6 +71,39 @@ def test_every_shipped_config_loads():
 def test_bad_overrides_fail_at_start_up(tmp_path, override, message):
     with pytest.raises(ValueError, match=message):
         tiny(tmp_path, override)
+
+
+def test_load_config_takes_a_packaged_name_from_any_directory(tmp_path, monkeypatch):
+    """As train.py's --config does; from Python it was a FileNotFoundError outside the repo."""
+    monkeypatch.chdir(tmp_path)
+    packaged = load_config(CONFIG_DIR / "mqar_kda.yaml", [])
+    assert load_config("mqar_kda.yaml", []) == packaged
+    assert load_config(Path("mqar_kda.yaml")) == packaged
+    (tmp_path / "mqar_kda.yaml").write_text("model:\n  d_model: 32\n")  # here first
+    assert load_config("mqar_kda.yaml").model.d_model == 32
+    with pytest.raises(ValueError, match=r"^load_config: path='nosuch.yaml': no such file, and "):
+        load_config("nosuch.yaml")
+    with pytest.raises(ValueError, match=r"^load_config: path='configs/mqar_kda.yaml': no such"):
+        load_config("configs/mqar_kda.yaml")
+
+
+@pytest.mark.parametrize(
+    ("path", "overrides", "message"),
+    [
+        # A string was read letter by letter: "--set 't' must look like section.field=value".
+        (None, "train.steps=5", r"overrides='train.steps=5' must be a list of 'section.field="),
+        (None, ["train.steps=5", 5], r"overrides\[1\]=5 must be a 'section.field=value' string"),
+        ({"model": {}}, [], r"path=\{'model': \{\}\} must be a file name, a Path or None"),
+    ],
+)
+def test_load_config_checks_its_arguments(path, overrides, message):
+    with pytest.raises(ValueError, match=rf"^load_config: {message}"):
+        load_config(path, overrides)
+
+
+def test_load_config_takes_none_as_no_overrides():
+    """As None is no file: it was a TypeError."""
+    assert load_config(None, None) == load_config(None, [])
 
 
 def test_logits_at_labels_equal_full_logits():
