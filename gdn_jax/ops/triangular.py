@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def unit_lower_inverse(strict: Float[Array, "C C"]) -> Float[Array, "C C"]:
     """``(I + strict)^{-1}`` for strictly lower-triangular ``strict``; ``C`` a power of two.
 
@@ -23,10 +23,13 @@ def unit_lower_inverse(strict: Float[Array, "C C"]) -> Float[Array, "C C"]:
 
     which costs about ``2 C^3 / 3`` flops over ``log2(C)`` levels of batched matmuls.
 
-    Its gradient (taken by autodiff in the KDA chunked form) is the closed form of
-    ``d(I + A)^{-1} = -X dA X``, two products, rather than autodiff back through the
-    levels (whose diagonal blocks, when they were a gather, transposed to scatter-adds that
-    XLA:CPU runs as a loop over elements).
+    Its derivative is the closed form ``d(I + A)^{-1} = -X dA X`` (two products), a
+    ``custom_jvp`` so that both modes take it: reverse mode transposes it to ``-X^T dX X^T``
+    rather than running back through the levels (whose diagonal blocks, when they were a
+    gather, transposed to scatter-adds that XLA:CPU runs as a loop over elements), and
+    forward mode runs it where a ``custom_vjp`` could not. The chunked forms call this in
+    their hand-written forward and backward, so forward over reverse (``jax.hessian``, a
+    Hessian-vector product) through them differentiates it forward.
     """
     size = strict.shape[-1]
     if size & (size - 1):
@@ -51,14 +54,9 @@ def unit_lower_inverse(strict: Float[Array, "C C"]) -> Float[Array, "C C"]:
     return inverse[0]
 
 
-def _unit_lower_inverse_fwd(strict):
+@unit_lower_inverse.defjvp
+def _unit_lower_inverse_jvp(primals, tangents):
+    (strict,), (d_strict,) = primals, tangents
     inverse = unit_lower_inverse(strict)
-    return inverse, inverse
-
-
-def _unit_lower_inverse_bwd(inverse, d_inverse):
-    # The pullback of X = (I + A)^{-1} is -X^T dX X^T, on the strict lower triangle of A.
-    return (-jnp.tril(inverse.T @ d_inverse @ inverse.T, -1),)
-
-
-unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
+    # Only the strict lower triangle of A is read; X (dA X) transposes to (X^T dX) X^T.
+    return inverse, -(inverse @ (jnp.tril(d_strict, -1) @ inverse))

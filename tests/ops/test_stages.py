@@ -164,8 +164,9 @@ def test_chunk_backward(chunk, key_dim, value_dim, rule):
     check(pairs(q, k, v, log_alpha, beta, start, d_y, d_end))
 
 
-def test_unit_lower_inverse_vjp_is_the_closed_form_of_the_inverse():
-    """Its custom VJP, -X^T dX X^T on the strict lower triangle, against finite differences
-    (the KDA chunked form differentiates through it)."""
+def test_unit_lower_inverse_derivative_is_the_closed_form_in_both_modes():
+    """Its custom JVP, -X dA X on the strict lower triangle, and the VJP transposed from it,
+    against finite differences to second order: the chunked forms' forward and backward
+    call it, so forward over reverse through them runs it forward."""
     strict = jnp.tril(cotangent(40, 16, 16), -1) / 4
-    check_grads(jax.jit(unit_lower_inverse), (strict,), order=1, modes=["rev"], eps=1e-6)
+    check_grads(jax.jit(unit_lower_inverse), (strict,), order=2, modes=["fwd", "rev"], eps=1e-6)
