@@ -20,7 +20,10 @@ from gdn_jax.training.xla_flags import add_cpu_flags
 
 
 def report_error(prog: str, message, status: int = 2) -> int:
-    """Print ``message`` as one line, ``<prog>: error: ...``, and return ``status``."""
+    """Print ``message`` as one line, ``<prog>: error: ...``, and return ``status``; a
+    ``RunError`` in the command's words (its ``command_text``: ``--resume``, not
+    ``resume=True``)."""
+    message = getattr(message, "command_text", message)
     print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
     return status
 
@@ -147,7 +150,7 @@ def _main(argv) -> int:
         summary = run(config, resume=args.resume, overwrite=args.overwrite, on_start=header)
     except NothingToResume as error:
         fresh = [a for a in argv if a != "--resume"] + (["--overwrite"] if error.overwrite else [])
-        return fail(f"{error}; start it afresh with: {command(fresh)}")
+        return fail(f"{error.command_text}; start it afresh with: {command(fresh)}")
     except RunError as error:
         return fail(error)
     except (NonFiniteLossError, SaveError, OutOfMemory, OSError) as error:

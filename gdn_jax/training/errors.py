@@ -12,9 +12,20 @@ from pathlib import Path
 
 import jax
 
+# The commands' flags and the keyword arguments of ``run`` that they set.
+FLAGS = {"--resume": "resume=True", "--overwrite": "overwrite=True"}
+
 
 class RunError(ValueError):
-    """A run that must not start, with a one-line reason for the user."""
+    """A run that must not start, with a one-line reason for the user: written with the
+    commands' flags (``command_text``, what they print), read as an exception with the
+    keyword arguments a Python caller passes instead (``FLAGS``)."""
+
+    def __init__(self, message: str):
+        self.command_text = message
+        for flag, keyword in FLAGS.items():
+            message = message.replace(flag, keyword)
+        super().__init__(message)
 
 
 class NothingToResume(RunError):

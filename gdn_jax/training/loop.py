@@ -16,6 +16,7 @@ import math
 import signal
 import threading
 import time
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -234,6 +235,7 @@ def _step_loop(run: RunState, start: int, held_out, callbacks, stop_requests) ->
     return steps.book.end(step)
 
 
+@typing.no_type_check  # a public entry point: it names a bad argument itself
 def run(
     config: Config,
     *,
@@ -259,13 +261,20 @@ def run(
         the only thing it prints); not called for a run that has already ended.
 
     Raises:
-      RunError: the run must not start (checked before anything is written).
+      ValueError: ``config`` is not a ``Config``.
+      RunError: the run must not start (checked before anything is written); it names
+        ``resume=True`` and ``overwrite=True`` where the commands name their flags.
       NonFiniteLossError: a step's loss is NaN or Inf; no checkpoint is written after the
         last finite step.
       SaveError: a checkpoint could not be written; the earlier ones are kept.
       OutOfMemory: the model, a batch or the held-out set does not fit in memory.
       Interrupted: SIGINT or SIGTERM arrived; a checkpoint at the current step was saved.
     """
+    if not isinstance(config, Config):
+        raise ValueError(
+            f"run: config must be a Config, as load_config(path, overrides) returns, got "
+            f"{type(config).__name__} {config!r:.60}"
+        )
     mesh = mesh_lib.check_mesh(config, jax.devices() if devices is None else devices)
     # With several processes, process 0 alone owns the run directory (lock, config, metrics,
     # plot, summary); every process writes its shards of each checkpoint.

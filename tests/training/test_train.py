@@ -150,14 +150,44 @@ def test_short_run_learns_writes_its_outputs_and_a_rerun_replaces_them(tmp_path,
     # A fresh run into the same out_dir refuses and leaves the earlier run as it was; with
     # overwrite it replaces it, or a later --resume would restore the wrong run.
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    with pytest.raises(RunError, match=r"holds an earlier run \(config.yaml, metrics.jsonl"):
+    # A Python caller is told the keyword arguments, the commands' users their flags.
+    with pytest.raises(
+        RunError,
+        match=r"holds an earlier run \(config.yaml, metrics.jsonl, curves.png, summary.json, "
+        r"checkpoints \(steps \d+, 30\)\); continue it with resume=True or delete it with "
+        r"overwrite=True$",
+    ) as refused:
         run(tiny(tmp_path, "train.steps=6", "train.seed=1"))
+    assert refused.value.command_text.endswith(
+        "continue it with --resume or delete it with --overwrite"
+    )
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
     assert run(tiny(tmp_path, "train.steps=6", "train.seed=1"), overwrite=True)["final_step"] == 6
     steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert steps[-1] <= 6, f"checkpoints of the earlier run survived: {steps}"
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in records) == 6
+
+
+@pytest.mark.parametrize("config", [{"train": {"steps": 5}}, "configs/mqar_gdn.yaml"])
+def test_run_refuses_what_is_not_a_config(config):
+    """It was an AttributeError from training/mesh.py."""
+    with pytest.raises(
+        ValueError,
+        match=r"^run: config must be a Config, as load_config\(path, "
+        r"overrides\) returns, got (dict|str) ",
+    ):
+        run(config)
+
+
+def test_run_names_its_keyword_arguments_where_the_command_names_its_flags(tmp_path):
+    for resume, overwrite in ((True, True), (True, False)):
+        with pytest.raises(RunError) as refused:
+            run(tiny(tmp_path), resume=resume, overwrite=overwrite)
+        assert "--" not in str(refused.value) and "resume=True" in str(refused.value)
+        assert refused.value.command_text.startswith("--resume")
+    assert str(refused.value).startswith("resume=True: nothing to resume in ")
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
