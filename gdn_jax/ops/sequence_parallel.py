@@ -68,8 +68,15 @@ def shard_start_state(carry, value_dim, axis_name):
     zero (it starts from the known initial state), so the composition starts from zero.
     """
     stacked = jax.lax.all_gather(carry, axis_name)  # [n, V + K, K]
-    maps = (stacked[:, value_dim:], stacked[:, :value_dim])
-    _, through = jax.lax.associative_scan(jax.vmap(_compose), maps)  # after shards 0..j
+    # The maps composed shard after shard, a fold of n - 1 state-sized products: the
+    # gradient of jax.lax.associative_scan here crashed XLA:CPU in jaxlib 0.11.2 (a
+    # segmentation fault compiling it on two or more devices).
+    step = (stacked[0, value_dim:], stacked[0, :value_dim])
+    after = [step[1]]
+    for j in range(1, stacked.shape[0]):
+        step = _compose(step, (stacked[j, value_dim:], stacked[j, :value_dim]))
+        after.append(step[1])
+    through = jnp.stack(after)  # through[j]: the state after shards 0..j
     shard = jax.lax.axis_index(axis_name)
     before = through[jnp.maximum(shard - 1, 0)]
     return jnp.where(shard > 0, before, jnp.zeros_like(before))
@@ -239,9 +246,11 @@ def seq_parallel(
     """
     steps = checks.check_steps(fn, rule, rule_options)
     named = dict(zip(rule.gate_names, gates, strict=True))
+    cu_seqlens = checks.as_cu_seqlens(fn, cu_seqlens)
     sizes = checks.check_batched(fn, rule, q, k, v, named, initial_state, cu_seqlens, steps)
     _check_mesh(fn, mesh, axis_name, q.shape[1])
     checks.check_scale(fn, scale)
+    checks.check_flag(fn, use_qk_l2norm=use_qk_l2norm)
     chunk_size = checks.check_chunk_size(fn, chunk_size)
     checks.check_schedule(fn, schedule)
     arrays = dict(q=q, k=k, v=v, **named, initial_state=initial_state)
