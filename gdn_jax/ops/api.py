@@ -133,8 +133,10 @@ def batched(
     fn = rule.name
     steps = checks.check_steps(fn, rule, rule_options)
     named = dict(zip(rule.gate_names, gates, strict=True))
+    cu_seqlens = checks.as_cu_seqlens(fn, cu_seqlens)
     sizes = checks.check_batched(fn, rule, q, k, v, named, initial_state, cu_seqlens, steps)
     checks.check_scale(fn, scale)
+    checks.check_flag(fn, use_qk_l2norm=use_qk_l2norm)
     checks.check_impl(fn, impl)
     kernel = batched_kernel(rule) if impl == "pallas" else None
     if impl in ("chunked", "pallas"):

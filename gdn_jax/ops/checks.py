@@ -46,20 +46,40 @@ def is_real_number(x) -> bool:
 
 
 def check_floating(fn: str, **arrays) -> None:
-    """Every named array must have a floating dtype (None entries and Python numbers, see
-    ``is_python_number``, are skipped)."""
+    """Every named array must have a floating dtype that JAX computes in (``check_x64``);
+    None entries and Python numbers (see ``is_python_number``) are skipped."""
     for name, x in arrays.items():
         if x is None or is_python_number(x):
             continue
-        dtype = jnp.asarray(x).dtype
+        # The array's own dtype: jnp.asarray would already have turned float64 into float32.
+        dtype = x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"{fn}: {name} must be a floating array, got dtype {dtype}")
+        check_x64(fn, f"{name} of dtype {dtype}", dtype, cast=name)
+
+
+def check_x64(fn: str, shown: str, dtype, *, cast: str | None = None) -> None:
+    """float64 (``shown`` names the argument that has it) only where JAX's 64-bit mode
+    (``jax_enable_x64``) is on: without it JAX turns float64 into float32 as it goes, so the
+    work would silently be done in float32. The ops, the layers and their dtypes all refuse
+    it here, with one message; ``cast`` names the array that could be cast instead."""
+    if jnp.dtype(dtype) != jnp.float64 or jax.config.jax_enable_x64:
+        return
+    fix = (
+        "set JAX_ENABLE_X64=1, or call jax.config.update('jax_enable_x64', True) before "
+        "anything else"
+    )
+    if cast is not None:
+        fix += f", or cast {cast} to float32"
+    raise ValueError(
+        f"{fn}: {shown} needs JAX's 64-bit mode, which is off (it would compute in float32): " + fix
+    )
 
 
 def check_floating_dtype(fn: str, **dtypes) -> None:
     """Each named dtype (None entries skipped) is a floating one that JAX computes in:
     parameters and activations cast to an integer dtype would be truncated, or fail inside
-    Flax, and float64 without 64-bit mode (``jax_enable_x64``) would silently be float32."""
+    Flax, and float64 needs 64-bit mode (``check_x64``)."""
     for name, dtype in dtypes.items():
         if dtype is None:
             continue
@@ -70,12 +90,7 @@ def check_floating_dtype(fn: str, **dtypes) -> None:
             floating = False
         if not floating:
             raise ValueError(f"{fn}: {name}={shown} must be a floating dtype")
-        if jnp.dtype(dtype) == jnp.float64 and not jax.config.jax_enable_x64:
-            raise ValueError(
-                f"{fn}: {name}={shown} needs JAX's 64-bit mode, which is off (it would "
-                "compute in float32): set JAX_ENABLE_X64=1, or call "
-                "jax.config.update('jax_enable_x64', True) before anything else"
-            )
+        check_x64(fn, f"{name}={shown}", dtype)
 
 
 def check_same_dtype(fn: str, **arrays) -> None:
@@ -139,6 +154,22 @@ def check_positive_number(fn: str, **values) -> None:
         real = isinstance(value, numbers.Real) and not isinstance(value, bool)
         if not real or not math.isfinite(value) or value <= 0:
             raise ValueError(f"{fn}: {name}={value!r} must be a finite number > 0")
+
+
+def check_flag(fn: str, **flags) -> None:
+    """Each named option is a Python or NumPy bool. Anything else would be taken by its
+    truthiness (the string ``"no"`` is true), and an array, traced under ``jit`` or not, is
+    refused as such: the flag chooses what is traced, so it must be known while tracing."""
+    for name, value in flags.items():
+        if isinstance(value, bool | np.bool_):
+            continue
+        if hasattr(value, "shape") and hasattr(value, "dtype"):
+            raise ValueError(
+                f"{fn}: {name} must be a Python bool, known while tracing, got an array of "
+                f"shape {value.shape} and dtype {value.dtype} (a jit argument is one unless "
+                f"static): make it static (static_argnames) or pass bool({name}) outside jit"
+            )
+        raise ValueError(f"{fn}: {name}={value!r} must be a Python bool (True or False)")
 
 
 def check_lower_bound(fn: str, name: str, bound) -> None:
@@ -284,15 +315,38 @@ def check_single_head(fn: str, rule: Rule, q, k, v, gates: dict, initial_state, 
     return sizes
 
 
-def check_cu_seqlens(fn: str, cu_seqlens, seq_len: int) -> None:
-    """Structure always; values too when they are concrete (not traced)."""
+def as_cu_seqlens(fn: str, cu_seqlens):
+    """``cu_seqlens`` as the forms take it: None, an array as it is, or an array-like (a
+    list or tuple of ints) as a JAX array, which the forms' ``.astype`` and ``.shape``
+    need; ``check_cu_seqlens`` checks what comes out."""
+    if cu_seqlens is None or (hasattr(cu_seqlens, "shape") and hasattr(cu_seqlens, "dtype")):
+        return cu_seqlens
+    try:
+        return jnp.asarray(cu_seqlens)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{fn}: cu_seqlens must be a 1-D int array [N+1] (or a list of ints), got "
+            f"{cu_seqlens!r}"
+        ) from None
+
+
+def check_cu_seqlens(fn: str, cu_seqlens, name: str, shape: tuple) -> None:
+    """Offsets ``cu_seqlens`` (``as_cu_seqlens``) of sequences packed along T of the input
+    ``name`` of ``shape`` ``[B, T, ...]``, which must then have ``B == 1``: their structure
+    always, their values too when they are concrete (not traced). ``name`` is what the
+    caller was given (a layer's ``x``, an op's ``q``), so the error shows the caller's view."""
     check_arrays(fn, cu_seqlens=cu_seqlens)
+    batch, seq_len = shape[:2]
+    if batch != 1:
+        raise ValueError(
+            f"{fn}: cu_seqlens packs sequences along T and needs B == 1, got {name}.shape={shape}"
+        )
     if jnp.ndim(cu_seqlens) != 1 or jnp.shape(cu_seqlens)[0] < 2:
         raise ValueError(
             f"{fn}: cu_seqlens must be a 1-D int array [N+1] with N >= 1, "
             f"got shape {jnp.shape(cu_seqlens)}"
         )
-    if not jnp.issubdtype(jnp.asarray(cu_seqlens).dtype, jnp.integer):
+    if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
         raise ValueError(f"{fn}: cu_seqlens must be integer, got dtype {cu_seqlens.dtype}")
     try:
         values = np.asarray(cu_seqlens)
@@ -330,12 +384,7 @@ def check_batched(
     require(fn, seq_len >= 1, f"need at least one token, got q.shape={q.shape}")
     num_states = batch
     if cu_seqlens is not None:
-        require(
-            fn,
-            batch == 1,
-            f"cu_seqlens packs sequences along T and needs B == 1, got q.shape={q.shape}",
-        )
-        check_cu_seqlens(fn, cu_seqlens, seq_len)
+        check_cu_seqlens(fn, cu_seqlens, "q", q.shape)
         num_states = cu_seqlens.shape[0] - 1
     if initial_state is not None:
         layout = "[N, HV, V, K]" if cu_seqlens is not None else "[B, HV, V, K]"

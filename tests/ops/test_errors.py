@@ -87,6 +87,37 @@ def test_bad_cu_seqlens(cu, message):
         call(batched_inputs(), cu_seqlens=cu)
 
 
+@pytest.mark.parametrize(
+    ("cu", "message"),
+    [
+        ([0, 3, 7], r"gated_delta_rule: cu_seqlens must rise from 0 to T=8 .* got \[0, 3, 7\]"),
+        ((0.0, 8.0), r"gated_delta_rule: cu_seqlens must be integer, got dtype float"),
+        ([False, True], r"gated_delta_rule: cu_seqlens must be integer, got dtype bool"),
+        (
+            "0,8",
+            r"gated_delta_rule: cu_seqlens must be a 1-D int array \[N\+1\] \(or a list of "
+            r"ints\), got '0,8'",
+        ),
+    ],
+)
+def test_cu_seqlens_array_likes_are_checked_as_arrays(cu, message):
+    """Unchecked, a list ended in an AttributeError ('list' object has no attribute
+    'astype') from the packed layout."""
+    with pytest.raises(ValueError, match=message):
+        call(batched_inputs(), cu_seqlens=cu)
+
+
+def test_cu_seqlens_given_as_a_list_equals_the_array():
+    @jax.jit
+    def both(*args):
+        as_array = call(args, cu_seqlens=jnp.asarray([0, 3, 8], jnp.int32), chunk_size=16)
+        return as_array, call(args, cu_seqlens=[0, 3, 8], chunk_size=16)
+
+    as_array, as_list = both(*batched_inputs())
+    for got, expected in zip(as_list, as_array, strict=True):
+        np.testing.assert_array_equal(got, expected)
+
+
 def test_packed_initial_state_is_per_sequence():
     with pytest.raises(
         ValueError, match=r"initial_state must have shape \[N, HV, V, K\] = \(2, 2, 3, 4\)"
@@ -136,14 +167,10 @@ def test_scale_must_be_a_finite_positive_number(scale):
 
 
 def test_python_lists_are_named_not_attribute_errors():
+    """Lists of inputs are refused; a list of offsets is taken as an array (above)."""
     q, k, v, la, b = random_inputs(0, 8, 4, 4)
     with pytest.raises(ValueError, match=r"gated_delta_rule_chunked: q must be an array, got list"):
         gdn_jax.gated_delta_rule_chunked(np.asarray(q).tolist(), k, v, la, b)
-    batched = [x[None, :, None] for x in (q, k, v)] + [x[None, :, None] for x in (la, b)]
-    with pytest.raises(
-        ValueError, match=r"gated_delta_rule: cu_seqlens must be an array, got list"
-    ):
-        gdn_jax.gated_delta_rule(*batched, cu_seqlens=[0, 4, 8])
 
 
 def test_unknown_impl():
@@ -170,6 +197,54 @@ def test_integer_inputs():
     q, k, v, la, b = random_inputs(0, 8, 4, 4)
     with pytest.raises(ValueError, match="beta must be a floating array"):
         gdn_jax.gated_delta_rule_recurrent(q, k, v, la, jnp.ones(8, jnp.int32))
+
+
+def test_float64_without_64_bit_mode_is_refused_naming_the_array():
+    """Unchecked, JAX computed in float32 and warned twice from the op's internals."""
+    args = [np.asarray(x) for x in batched_inputs()]
+    wide = [x.astype(np.float64) for x in args]
+    fix = (
+        r"needs JAX's 64-bit mode, which is off \(it would compute in float32\): set "
+        r"JAX_ENABLE_X64=1, or call jax.config.update\('jax_enable_x64', True\) before "
+        r"anything else, or cast"
+    )
+    state = np.zeros((1, 2, 3, 4), np.float64)
+    q, k, v, la, b = (x[0, :, 0] for x in wide)
+    with jax.enable_x64(False):
+        with pytest.raises(ValueError, match=rf"gated_delta_rule: q of dtype float64 {fix} q to"):
+            call(wide)
+        with pytest.raises(
+            ValueError, match=rf"gated_delta_rule: initial_state of dtype float64 {fix} initial"
+        ):
+            call(args, initial_state=state)
+        with pytest.raises(ValueError, match=r"gated_delta_rule_recurrent: q of dtype float64"):
+            gdn_jax.gated_delta_rule_recurrent(q, k, v, la, b)
+        with pytest.raises(ValueError, match=rf"gated_delta_step: state of dtype float64 {fix}"):
+            gdn_jax.gated_delta_step(state[0, 0], q[0], k[0], v[0], la[0], b[0])
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("no", r"use_qk_l2norm='no' must be a Python bool \(True or False\)"),
+        (1, r"use_qk_l2norm=1 must be a Python bool \(True or False\)"),
+        (
+            np.ones((), bool),
+            r"use_qk_l2norm must be a Python bool, known while tracing, got an array of shape "
+            r"\(\) and dtype bool \(a jit argument is one unless static\): make it static "
+            r"\(static_argnames\) or pass bool\(use_qk_l2norm\) outside jit",
+        ),
+    ],
+)
+def test_use_qk_l2norm_must_be_a_python_bool(flag, message):
+    """Unchecked, "no" was taken as True and a flag traced under jit was JAX's raw
+    TracerBoolConversionError."""
+    with pytest.raises(ValueError, match=rf"gated_delta_rule: {message}"):
+        call(batched_inputs(), use_qk_l2norm=flag)
+    if isinstance(flag, np.ndarray):
+        traced = jax.jit(lambda flag: call(batched_inputs(), use_qk_l2norm=flag))
+        with pytest.raises(ValueError, match=rf"gated_delta_rule: {message}"):
+            traced.lower(True)
 
 
 def test_mixed_qkv_dtypes():

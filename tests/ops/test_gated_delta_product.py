@@ -187,6 +187,39 @@ def test_a_step_layout_that_does_not_fit_is_refused_naming_the_argument():
         gdn_jax.gated_delta_product(q, k, v, la, b, num_householder=0)
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            dict(heads=(2, 3)),
+            r"value heads HV=3 \(v.shape=\(1, 6, 3, 10\)\) must be a multiple of query/key "
+            r"heads H=2 \(q.shape=\(1, 3, 2, 12\)\)",
+        ),
+        (dict(q=jnp.int32), r"q must be a floating array, got dtype int32"),
+        (dict(chunk_size=48), r"chunk_size=48 must be one of \(16, 32, 64, 128\)"),
+        (dict(impl="fused"), r"impl='fused' must be one of"),
+        (
+            dict(initial_state=(1, 2, 10, 11)),
+            r"initial_state must have shape \[B, HV, V, K\] = \(1, 2, 10, 12\), got "
+            r"\(1, 2, 10, 11\)",
+        ),
+        (dict(seq_len=0), r"need at least one token, got q.shape=\(1, 0, 2, 12\)"),
+        (dict(cu_seqlens=[0, 1, 2]), r"cu_seqlens must rise from 0 to T=3"),
+    ],
+)
+def test_errors_name_the_op_and_the_callers_shapes(change, message):
+    """Each refusal names ``gated_delta_product`` and the shapes it was called with, in
+    tokens, not the gated delta rule it runs over the interleaved steps."""
+    seq_len, heads = change.pop("seq_len", 3), change.pop("heads", (2, 2))
+    q, k, v, la, b = product_inputs(40, seq_len, 2, lead=(1,), heads=heads)
+    if "q" in change:
+        q = q.astype(change.pop("q"))
+    if "initial_state" in change:
+        change["initial_state"] = jnp.zeros(change["initial_state"], F32)
+    with pytest.raises(ValueError, match=rf"^gated_delta_product: {message}"):
+        gdn_jax.gated_delta_product(q, k, v, la, b, num_householder=2, **change)
+
+
 def test_step_token_by_token_equals_the_recurrent_form():
     """A token's step runs its n Householder steps, then reads: values, the final state and
     every gradient as the recurrent form's."""
