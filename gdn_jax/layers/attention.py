@@ -136,6 +136,7 @@ class SoftmaxAttention(nnx.Module):
         """``x [B, T, D]`` with an optional ``[B, T]`` padding mask or packed ``cu_seqlens``
         (positions restart and attention stops at each sequence start)."""
         self._check(x, mask)
+        cu_seqlens = input_checks.check_packed("SoftmaxAttention", cu_seqlens, x)
         batch, seq_len, _ = x.shape
         segments = None
         if cu_seqlens is not None:
@@ -184,6 +185,8 @@ class SoftmaxAttention(nnx.Module):
         prompt, with no room to step on. The cache must have room: an overflow is an error
         when its length is known (eager decoding), and ``generate`` sizes it."""
         self._check(x, mask)
+        if mask is not None:  # each row decodes on from its last token
+            input_checks.check_left_padding("SoftmaxAttention", mask)
         batch, seq_len, _ = x.shape
         if cache is None:
             cache = self.init_cache(batch, seq_len)

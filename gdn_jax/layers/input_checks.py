@@ -9,7 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn_jax.ops.checks import check_arrays, is_concrete
+from gdn_jax.ops.checks import (
+    as_cu_seqlens,
+    check_arrays,
+    check_cu_seqlens,
+    check_floating,
+    is_concrete,
+)
 
 
 def check_mask(fn: str, mask, batch: int, seq_len: int) -> None:
@@ -74,13 +80,26 @@ def check_key(fn: str, key) -> None:
 
 
 def check_hidden(fn: str, x, hidden_size: int) -> None:
-    """A layer input ``[B, T, hidden_size]`` with at least one token."""
+    """A layer input ``[B, T, hidden_size]`` with at least one token, floating as the ops
+    take their inputs (``checks.check_floating``): integers there are token ids, which
+    ``LanguageModel`` embeds before its layers."""
     check_arrays(fn, x=x)
     if x.ndim != 3 or x.shape[-1] != hidden_size or x.shape[1] < 1:
         raise ValueError(
             f"{fn}: x must have shape [B, T, hidden_size] with hidden_size={hidden_size} and "
             f"T >= 1, got {x.shape}"
         )
+    check_floating(fn, x=x)
+
+
+def check_packed(fn: str, cu_seqlens, x):
+    """A layer's ``cu_seqlens`` for its input ``x [B, T, D]`` (checked first), as an array
+    (``as_cu_seqlens``; None stays None). Checked here rather than left to the op,
+    so that the error shows the layer's ``x``, not the heads the layer made of it."""
+    cu_seqlens = as_cu_seqlens(fn, cu_seqlens)
+    if cu_seqlens is not None:
+        check_cu_seqlens(fn, cu_seqlens, "x", x.shape)
+    return cu_seqlens
 
 
 def _shapes(x):

@@ -193,9 +193,13 @@ class RecurrentLayer(nnx.Module):
             nor reach the convolution (they enter it as zeros, whatever they hold, NaN and inf
             included), so padding at either end of a sequence leaves the other tokens'
             outputs as they are without it.
-          cu_seqlens: optional ``[N+1]`` offsets of sequences packed along T (``B == 1``); the
-            state and the convolutions restart at each sequence.
+          cu_seqlens: optional ``[N+1]`` integer offsets (an array, or a list of ints) of
+            sequences packed along T (``B == 1``); the state and the convolutions restart at
+            each sequence.
         """
+        name = type(self).__name__
+        input_checks.check_hidden(name, x, self.hidden_size)
+        cu_seqlens = input_checks.check_packed(name, cu_seqlens, x)
         y, _ = self._mix(x, mask=mask, cu_seqlens=cu_seqlens, cache=None, impl=self.impl)
         return y
 
@@ -213,8 +217,9 @@ class RecurrentLayer(nnx.Module):
         return RecurrentCache(conv, state.astype(jnp.float32))
 
     def prefill(self, x, cache=None, *, mask=None):
-        """Run a prompt ``x [B, T, D]`` (left-padded with ``mask``) from ``cache`` (empty when
-        ``None``) and return ``(y, cache)`` for decoding on."""
+        """Run a prompt ``x [B, T, D]`` (left-padded with ``mask``, which is checked when
+        concrete) from ``cache`` (empty when ``None``) and return ``(y, cache)`` for decoding
+        on."""
         cache = self.init_cache(x.shape[0]) if cache is None else cache
         return self._mix(x, mask=mask, cu_seqlens=None, cache=cache, impl=self.impl)
 
@@ -259,6 +264,8 @@ class RecurrentLayer(nnx.Module):
         batch, seq_len, _ = x.shape
         if mask is not None:
             input_checks.check_mask(name, mask, batch, seq_len)
+            if cache is not None:  # a prompt: each row decodes on from its last token
+                input_checks.check_left_padding(name, mask)
         if cache is not None:
             empty = jax.eval_shape(lambda: self.init_cache(batch))
             input_checks.check_cache(name, cache, empty)

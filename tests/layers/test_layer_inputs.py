@@ -7,6 +7,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from support.small_model import HYBRID, tokens
@@ -19,7 +20,7 @@ from gdn_jax import (
     ModelConfig,
     SoftmaxAttention,
 )
-from gdn_jax.layers import DeltaNet, GatedLinearAttention, RecurrentMixer
+from gdn_jax.layers import DeltaNet, GatedDeltaProduct, GatedLinearAttention, RecurrentMixer
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +67,68 @@ def test_layer_inputs_of_the_wrong_width_or_rank(layers, x):
     for layer in layers:
         with pytest.raises(ValueError, match=r"x must have shape \[B, T, hidden_size\] with "):
             layer(x)
+
+
+def test_integer_layer_inputs_are_refused(layers):
+    """Unchecked, the projections took integer activations as they were."""
+    for layer in layers:
+        with pytest.raises(
+            ValueError,
+            match=rf"{type(layer).__name__}: x must be a floating array, got dtype int32",
+        ):
+            layer(jnp.zeros((2, 6, 16), jnp.int32))
+
+
+@pytest.mark.parametrize(
+    ("batch", "cu", "message"),
+    [
+        (
+            2,
+            [0, 2, 6],
+            r"cu_seqlens packs sequences along T and needs B == 1, got x.shape=\(2, 6, 16\)",
+        ),
+        (1, [0, 2, 5], r"cu_seqlens must rise from 0 to T=6 without decreasing, got \[0, 2, 5\]"),
+        (1, [0.0, 6.0], r"cu_seqlens must be integer, got dtype float"),
+        (1, jnp.asarray([0.0, 6.0]), r"cu_seqlens must be integer, got dtype float"),
+    ],
+)
+def test_packed_offsets_are_checked_in_the_layers_view(layers, batch, cu, message):
+    """Unchecked by the layer, a list was an AttributeError from the convolution's packed
+    layout, and the rest named the layer's op (``gated_delta_product``) and the heads it made
+    of x (``q.shape=(2, 6, 2, 8)``), or went through (attention with B == 2)."""
+    product = GatedDeltaProduct(16, 2, 8, chunk_size=16, rngs=nnx.Rngs(0))
+    for layer in (*layers, product):
+        with pytest.raises(ValueError, match=rf"{type(layer).__name__}: {message}"):
+            layer(jnp.zeros((batch, 6, 16)), cu_seqlens=cu)
+
+
+def test_packed_offsets_as_a_list_equal_the_array(layers):
+    @nnx.jit
+    def both(layer, x):
+        return layer(x, cu_seqlens=jnp.asarray([0, 2, 6], jnp.int32)), layer(
+            x, cu_seqlens=[0, 2, 6]
+        )
+
+    x = jax.random.normal(jax.random.key(0), (1, 6, 16))
+    for layer in layers:
+        as_array, as_list = both(layer, x)
+        np.testing.assert_array_equal(as_list, as_array)
+
+
+def test_prefill_takes_left_padding_only(layers):
+    """A row padded on the right would decode on from a pad: unchecked, the next token's
+    output was off by more than its own size. ``LanguageModel.prefill`` and ``generate``
+    check the same, with the same helper."""
+    x, right = jnp.zeros((2, 6, 16)), jnp.asarray([[1, 1, 1, 1, 0, 0], [1] * 6], jnp.int32)
+    message = (
+        r"mask row 0 must be left padding \(zeros, then ones, at least one one\), got "
+        r"\[1, 1, 1, 1, 0, 0\]"
+    )
+    for layer in layers:
+        with pytest.raises(ValueError, match=rf"{type(layer).__name__}: {message}"):
+            layer.prefill(x, mask=right)
+        with pytest.raises(ValueError, match=rf"{type(layer).__name__}: {message}"):
+            layer.prefill(x, layer.init_cache(2, 8), mask=right)
 
 
 def test_caches_that_do_not_fit_the_layer_are_named(layers, model):
@@ -135,6 +198,16 @@ def test_float64_without_64_bit_mode_is_refused():
             ValueError, match=r"ModelConfig.param_dtype='float64': needs JAX's 64-bit mode"
         ):
             ModelConfig(param_dtype="float64").validate()
+    # Inputs as the dtypes: a float64 NumPy x was computed in float32 without a word.
+    x = np.zeros((1, 4, 16), np.float64)
+    layer = GatedDeltaNet(16, 2, 8, chunk_size=16, rngs=nnx.Rngs(0))
+    with jax.enable_x64(False):
+        with pytest.raises(
+            ValueError,
+            match=r"GatedDeltaNet: x of dtype float64 needs JAX's 64-bit mode, which is off "
+            r"\(it would compute in float32\): .*, or cast x to float32",
+        ):
+            layer(x)
     assert ModelConfig(param_dtype="float64").validate()  # the suite runs with it on
 
 
