@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from gdn_jax.ops import pallas_chunk
 from gdn_jax.ops.chunked import chunk_layout
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
 from gdn_jax.ops.varlen import pack_layout
@@ -51,64 +52,6 @@ BLOCK_V = 64
 # of the chunk loop (each chunk's loads depend on nothing carried). Not yet tuned on a GPU.
 NUM_WARPS = 4
 NUM_STAGES = 1
-
-_HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _mm(a, b):
-    """``a @ b`` at full precision, accumulated in ``a``'s dtype (the compute dtype)."""
-    return jnp.dot(a, b, precision=_HIGHEST, preferred_element_type=a.dtype)
-
-
-def _mm_t(a, b):
-    """``a @ b^T``."""
-    dims = (((1,), (1,)), ((), ()))
-    return jax.lax.dot_general(a, b, dims, precision=_HIGHEST, preferred_element_type=a.dtype)
-
-
-def _t_mm(a, b):
-    """``a^T @ b``."""
-    dims = (((0,), (0,)), ((), ()))
-    return jax.lax.dot_general(a, b, dims, precision=_HIGHEST, preferred_element_type=a.dtype)
-
-
-def _pick(x, axis: int, index):
-    """``x``'s slice ``index`` along ``axis`` of a ``[C, C]`` tile or the entry of a ``[C]``
-    vector, as a masked sum: register tiles take no dynamic indexing."""
-    idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
-    return jnp.sum(jnp.where(idx == index, x, 0), axis=axis)
-
-
-def _chunk_decays(log_alpha):
-    """``(within [C, C], from_start [C], to_end [C], whole)`` of one chunk, each ``exp`` of a
-    sum of the gates over its own segment only (``decays.chunk_decays``: sums of a segment's
-    own terms, not differences of running sums, which a -1e4 reset would round away)."""
-    chunk = log_alpha.shape[0]
-    t = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-    i = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-    lower = jnp.where(t >= i, 1, 0).astype(log_alpha.dtype)
-    masked = jnp.where(t > i, log_alpha[:, None], 0)
-    seg = _mm(lower, masked)  # seg[t, i] = sum(log_alpha[i+1 : t+1]) for t >= i
-    from_start = _pick(seg, 1, 0) + _pick(log_alpha, 0, 0)
-    within = jnp.where(t >= i, jnp.exp(jnp.where(t >= i, seg, 0)), 0)
-    to_end = jnp.exp(_pick(seg, 0, chunk - 1))
-    whole = jnp.exp(_pick(from_start, 0, chunk - 1))
-    return within, jnp.exp(from_start), to_end, whole
-
-
-def _unit_lower_inverse(strict):
-    """``(I + strict)^{-1}`` by forward substitution, one row per step: row ``i`` of the
-    inverse is ``e_i - strict[i, :i] X[:i]``, from rows already final."""
-    rows = jax.lax.broadcasted_iota(jnp.int32, strict.shape, 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, strict.shape, 1)
-    eye = jnp.where(rows == cols, 1, 0).astype(strict.dtype)
-
-    def row(i, inverse):
-        a = _pick(strict, 0, i)  # strict[i, :], zero from column i on
-        new = _pick(eye, 0, i) - jnp.sum(a[:, None] * inverse, 0)
-        return jnp.where(rows == i, new[None, :], inverse)
-
-    return jax.lax.fori_loop(1, strict.shape[0], row, eye)
 
 
 def _forward_kernel(
@@ -123,32 +66,15 @@ def _forward_kernel(
     no tokens keeps its initial state), ``chunk_starts [NC, BLOCK_V, K]``.
     """
     compute = h0_ref.dtype
-    rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
 
     def one_chunk(n, state):
         first = starts_seq_ref[n]
         state = jnp.where(first >= 0, h0_ref[jnp.maximum(first, 0)], state)
         chunk_starts_ref[n] = state
         tokens = pl.ds(n * chunk, chunk)
-        q = q_ref[tokens, :].astype(compute)
-        k = k_ref[tokens, :].astype(compute)
-        v = v_ref[tokens, :].astype(compute)
-        log_alpha = g_ref[tokens].astype(compute)
-        beta = beta_ref[tokens].astype(compute)
-        within, from_start, to_end, whole = _chunk_decays(log_alpha)
-        # Stage 1: the intra-chunk system and the WY factors.
-        strict = jnp.where(rows > cols, beta[:, None] * _mm_t(k, k) * within, 0)
-        inverse = _unit_lower_inverse(strict)
-        w = _mm(inverse, k * (beta * from_start)[:, None])
-        u = _mm(inverse, v * beta[:, None])
-        # Stage 2: the products with the state, then the state update.
-        corrections = u - _mm_t(w, state)
-        q_from_start = q * from_start[:, None]
-        y = _mm_t(q_from_start, state) + _mm(_mm_t(q, k) * within, corrections)
-        new_state = whole * state + _t_mm(corrections, k * to_end[:, None])
-        # Stage 3 done: the outputs, and the state where a sequence ends.
-        y_ref[tokens, :] = y.astype(y_ref.dtype)
+        inputs = (ref[tokens].astype(compute) for ref in (q_ref, k_ref, v_ref, g_ref, beta_ref))
+        new_state, y = pallas_chunk.forward(state, *inputs)
+        y_ref[tokens] = y.astype(y_ref.dtype)
         last = ends_seq_ref[n]
 
         @pl.when(last >= 0)
@@ -221,20 +147,6 @@ def kernel_forward(q, k, v, log_alpha, beta, initial_states, resets, *, chunk_si
     return call(starts_seq, ends_seq, q, k, v, log_alpha, beta, initial_states, initial_states)
 
 
-def _decays_bwd(decays, d_within, d_from_start, d_to_end, d_whole):
-    """``decays.chunk_decays_bwd`` in the kernel: the gradient of ``log_alpha [C]`` from the
-    cotangents of every decay, each sum over the segments that hold the gate and no other."""
-    within, from_start, to_end, whole = decays
-    chunk = from_start.shape[0]
-    t = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-    s = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-    before = jnp.where(t < s, 1, 0).astype(within.dtype)  # [i, s] (and [t, s]): i < s
-    rows_before = _mm(d_within * within, before)  # [t, s]: the sum over i < s
-    held = jnp.where(t < s, 0, rows_before + (d_from_start * from_start)[:, None])
-    to_end_part = jnp.sum((d_to_end * to_end)[:, None] * before, 0)
-    return jnp.sum(held, 0) + to_end_part + d_whole * whole
-
-
 def _backward_kernel(
     starts_seq_ref, ends_seq_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, chunk_starts_ref,
     d_y_ref, d_finals_ref, _d_initial_in,
@@ -250,69 +162,17 @@ def _backward_kernel(
     share), ``v [Tc, V]``, ``g, beta [Tc]`` and ``d_initial [N, V, K]``, aliased to its
     start (``d_finals`` for the sequences with no tokens, else zeros)."""
     compute = chunk_starts_ref.dtype
-    rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
 
     def one_chunk(step, d_carry):
         n = num_chunks - 1 - step
-        start = chunk_starts_ref[n]
         last = ends_seq_ref[n]
         d_end = d_carry + jnp.where(last >= 0, d_finals_ref[jnp.maximum(last, 0)], 0)
         tokens = pl.ds(n * chunk, chunk)
-        q = q_ref[tokens, :].astype(compute)
-        k = k_ref[tokens, :].astype(compute)
-        v = v_ref[tokens, :].astype(compute)
-        log_alpha = g_ref[tokens].astype(compute)
-        beta = beta_ref[tokens].astype(compute)
-        d_y = d_y_ref[tokens, :].astype(compute)
-        decays = _chunk_decays(log_alpha)
-        within, from_start, to_end, whole = decays
-        # Stage 1 again, as the forward formed it.
-        gram = _mm_t(k, k)
-        strict = jnp.where(rows > cols, beta[:, None] * gram * within, 0)
-        inverse = _unit_lower_inverse(strict)
-        w = _mm(inverse, k * (beta * from_start)[:, None])
-        u = _mm(inverse, v * beta[:, None])
-        qk = _mm_t(q, k)
-        attn = qk * within
-        corrections = u - _mm_t(w, start)
-        # The reverse state pass (chunked.state_pass_bwd).
-        k_to_end = k * to_end[:, None]
-        d_u = _t_mm(attn, d_y) + _mm_t(k_to_end, d_end)
-        d_start = whole * d_end + _t_mm(d_y, q * from_start[:, None]) - _t_mm(d_u, w)
-        d_whole = jnp.sum(d_end * start)
-        d_k_to_end = _mm(corrections, d_end)
-        # The chunk's gradients (chunked.chunk_grads and wy.delta_factors_bwd).
-        d_y_u = _mm_t(d_y, corrections)
-        d_attn = d_y_u * within
-        d_y_start = _mm(d_y, start)
-        d_write = _t_mm(inverse, d_u)
-        d_erase = -_mm(d_write, start)
-        d_strict = -jnp.where(rows > cols, _mm_t(d_write, corrections), 0)
-        d_decayed = d_strict * within
-        d_k_proj = jnp.sum(d_erase * k, 1)
-        d_gram = d_decayed * beta[:, None]
-        d_q = d_y_start * from_start[:, None] + _mm(d_attn, k)
-        d_k = (
-            _t_mm(d_attn, q)
-            + d_k_to_end * to_end[:, None]
-            + d_erase * (beta * from_start)[:, None]
-            + _mm(d_gram, k)
-            + _t_mm(d_gram, k)
-        )
-        d_beta = jnp.sum(d_write * v, 1) + from_start * d_k_proj + jnp.sum(d_decayed * gram, 1)
-        d_log_alpha = _decays_bwd(
-            decays,
-            d_y_u * qk + d_strict * beta[:, None] * gram,
-            jnp.sum(d_y_start * q, 1) + beta * d_k_proj,
-            jnp.sum(d_k_to_end * k, 1),
-            d_whole,
-        )
-        d_q_ref[tokens, :] = d_q
-        d_k_ref[tokens, :] = d_k
-        d_v_ref[tokens, :] = d_write * beta[:, None]
-        d_g_ref[tokens] = d_log_alpha
-        d_beta_ref[tokens] = d_beta
+        refs = (q_ref, k_ref, v_ref, g_ref, beta_ref, d_y_ref)
+        inputs = [ref[tokens].astype(compute) for ref in refs]
+        d_start, grads = pallas_chunk.backward(d_end, chunk_starts_ref[n], *inputs)
+        for ref, grad in zip((d_q_ref, d_k_ref, d_v_ref, d_g_ref, d_beta_ref), grads, strict=True):
+            ref[tokens] = grad
         # A sequence's first chunk: its initial state's cotangent, and no dependence on the
         # chunk before, which belongs to another sequence.
         first = starts_seq_ref[n]
