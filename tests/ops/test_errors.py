@@ -175,9 +175,9 @@ def test_python_lists_are_named_not_attribute_errors():
 
 def test_unknown_impl():
     with pytest.raises(
-        ValueError, match=r"impl='pallas' must be one of \('chunked', 'recurrent'\)"
+        ValueError, match=r"impl='triton' must be one of \('chunked', 'recurrent', 'pallas'\)"
     ):
-        call(batched_inputs(), impl="pallas")
+        call(batched_inputs(), impl="triton")
 
 
 def test_unknown_schedule():
