@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import platform
@@ -458,11 +459,14 @@ def check_ops(report: Report, sizes, items, repeats, deadline):
             continue
         arrays = make_inputs(op, batch, seq_len, heads, dim)
         peer_values = {}  # the values each implementation computed, by its name
-        for peer, runner in (("fla", fla_runs), ("jla", jla_runs)):
+        for peer in ("fla", "jla"):
             if peer not in impls or peers[peer] is not None:
                 continue
             try:
-                timings, values = runner(op, arrays, repeats)
+                if peer in IN_CHILD:
+                    timings, values = in_child(peer, op, sizes, (batch, seq_len), repeats)
+                else:
+                    timings, values = RUNNERS[peer](op, arrays, repeats, chunk)
             except Exception as error:  # a peer that refuses is recorded, not fatal
                 report.skip(f"{peer} {label}", f"{type(error).__name__}: {error}"[:400])
                 continue
@@ -481,6 +485,63 @@ def check_ops(report: Report, sizes, items, repeats, deadline):
             # The other schedule is checked against this one too (on a host without the
             # peers, the only comparison there is).
             peer_values[f"gdn_jax {schedule}"] = values
+
+
+# fla runs in a child process with a time limit: its first call autotunes its Triton kernels,
+# which on the H200 took over five minutes for KDA (docs/benchmarks.md), and a process
+# killed mid-call is the one way to stop that.
+IN_CHILD = {"fla": 150.0}
+
+
+def _runners():
+    runners = {"fla": lambda op, arrays, repeats, chunk: fla_runs(op, arrays, repeats)}
+    runners["jla"] = lambda op, arrays, repeats, chunk: jla_runs(op, arrays, repeats)
+    for schedule in SCHEDULES:
+        runners[schedule] = functools.partial(_gdn_jax_runner, schedule=schedule)
+    return runners
+
+
+def _gdn_jax_runner(op, arrays, repeats, chunk, *, schedule):
+    return gdn_jax_runs(op, arrays, schedule, chunk, repeats)
+
+
+RUNNERS = _runners()
+
+
+def in_child(impl, op, sizes, shape, repeats, timeout=None):
+    """``RUNNERS[impl]`` on ``op`` at ``shape`` in a child process (``--child``), which makes
+    the same inputs: ``(timings, values)``, or ``TimeoutError`` after ``timeout`` seconds
+    (``IN_CHILD[impl]``) with the child killed."""
+    timeout = IN_CHILD.get(impl, 600.0) if timeout is None else timeout
+    smoke = ["--smoke"] if sizes is SMOKE else []
+    with tempfile.TemporaryDirectory() as folder:
+        spec = f"{impl}:{op.key}:{shape[0]}x{shape[1]}"
+        command = [sys.executable, __file__, "--child", spec, "--out", folder, *smoke]
+        try:
+            done = subprocess.run(
+                [*command, "--repeats", str(repeats)],
+                capture_output=True, text=True, timeout=timeout, check=False,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"{impl} did not finish within {timeout:.0f} s") from None
+        if done.returncode != 0:
+            lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
+            raise RuntimeError(lines[-1])
+        timings = json.loads((Path(folder) / "timings.json").read_text())
+        with np.load(Path(folder) / "values.npz") as values:
+            return timings, dict(values)
+
+
+def run_child(spec: str, sizes, out: Path, repeats: int):
+    """The child's side of ``in_child``: ``IMPL:OP:BxT`` measured, written to ``out``."""
+    impl, key, shape = spec.split(":")
+    batch, seq_len = (int(n) for n in shape.split("x"))
+    op = next(o for o in OPS if o.key == key)
+    arrays = make_inputs(op, batch, seq_len, sizes["heads"], sizes["dim"])
+    timings, values = RUNNERS[impl](op, arrays, repeats, sizes["chunk"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "timings.json").write_text(json.dumps(timings))
+    np.savez(out / "values.npz", **{k: np.asarray(v, np.float32) for k, v in values.items()})
 
 
 def _summary(timings):
@@ -554,10 +615,14 @@ def main(argv=None):
         help=f"measure only this (repeatable; default everything): OP in {[o.key for o in OPS]}, "
         f"IMPL in {list(IMPLS)}, e.g. kda@4x4096:jla,hoisted",
     )  # fmt: skip
+    parser.add_argument("--child", metavar="IMPL:OP:BxT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     sizes = SMOKE if args.smoke else FULL
+    if args.child:
+        run_child(args.child, sizes, args.out, args.repeats)
+        return
     try:
         items = parse_items(args.item, sizes)
     except ValueError as error:

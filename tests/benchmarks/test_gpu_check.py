@@ -73,3 +73,21 @@ def test_bad_item_is_one_error_naming_it(capsys):
         "['gdn', 'gdn2', 'kda']), implementation 'bogus' (one of ['fla', 'jla', 'hoisted', "
         "'in_scan', 'pallas'])"
     )
+
+
+@pytest.mark.costly(10)
+def test_a_child_measures_what_the_parent_would_and_a_slow_one_is_stopped():
+    """The way fla runs on the GPU (a child process with a time limit, since its first call
+    can autotune for minutes), tried with gdn_jax's hoisted schedule: the same inputs made
+    again there, the same values back; and a child past its limit is a TimeoutError."""
+    check = load_check()
+    op = check.OPS[0]
+    timings, values = check.in_child("hoisted", op, check.SMOKE, (1, 96), repeats=1)
+    assert timings["fwd"]["ms"] > 0 and timings["fwd+bwd"]["ms"] > 0
+    arrays = check.make_inputs(op, 1, 96, check.SMOKE["heads"], check.SMOKE["dim"])
+    _, here = check.gdn_jax_runs(op, arrays, "hoisted", check.SMOKE["chunk"], 1)
+    assert sorted(values) == sorted(here)
+    fractions = check.agreement(here, values)
+    assert max(fractions.values()) < 1e-3, fractions
+    with pytest.raises(TimeoutError, match="hoisted did not finish within 0 s"):
+        check.in_child("hoisted", op, check.SMOKE, (1, 96), repeats=1, timeout=0.1)
