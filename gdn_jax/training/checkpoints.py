@@ -8,9 +8,13 @@ since then ``config.yaml`` does not describe the directory.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import logging
+import os
 import sys
+import traceback
 from pathlib import Path
 
 import jax
@@ -55,8 +59,27 @@ def use_replica_parallel_only_across_processes() -> None:
         absl.setLevel(level)
 
 
+class _OrphanedSaveTasks(logging.Filter):
+    """Drops asyncio's report of an exception that nobody retrieved from an orbax task or
+    future. It belongs to a save that failed, which ``SaveError`` reported; asyncio reports
+    it when the task is collected, which may be long after (at exit)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "exception was never retrieved" not in record.getMessage():
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        frames = traceback.extract_tb(error.__traceback__) if error is not None else []
+        return not any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in frames)
+
+
+@functools.cache  # once a process: the logger is global
+def drop_orphaned_save_tasks() -> None:
+    logging.getLogger("asyncio").addFilter(_OrphanedSaveTasks())
+
+
 def manager(out_dir: Path, keep: int) -> ocp.CheckpointManager:
     use_replica_parallel_only_across_processes()
+    drop_orphaned_save_tasks()
     return ocp.CheckpointManager(
         out_dir / run_dir.CHECKPOINTS,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
@@ -64,12 +87,50 @@ def manager(out_dir: Path, keep: int) -> ocp.CheckpointManager:
     )
 
 
-def save(checkpoints: ocp.CheckpointManager, step: int, state: TrainState, out_dir: Path) -> None:
-    """Save and wait: a save that fails stops the run here, not some steps later."""
+# The loggers through which orbax's save threads report a failure, each with its traceback.
+SAVE_LOGGERS = ("absl", "asyncio")
+
+
+@contextlib.contextmanager
+def held_save_output():
+    """Hold what a save prints until it ends: yields a list that receives the text, which
+    is then printed as it would have been when the save succeeded, and dropped when it
+    failed.
+
+    A save that fails (a full disk) makes orbax's threads report it many times over, with
+    about 100 lines of tracebacks: records of ``SAVE_LOGGERS`` and, from threads with no
+    caller, tracebacks of its callbacks on ``sys.stderr`` (``Event loop is closed``).
+    ``SaveError`` states the cause in one line, and on a full disk no file could take them.
+    """
+    buffer = io.StringIO()
+    handler = logging.StreamHandler(buffer)
+    handler.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+    loggers = [logging.getLogger(name) for name in SAVE_LOGGERS]
+    propagate = [logger.propagate for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.propagate = False
+    stderr, sys.stderr = sys.stderr, buffer
+    held = []
     try:
-        if step not in checkpoints.all_steps():
-            checkpoints.save(step, args=ocp.args.StandardSave(state))
-        checkpoints.wait_until_finished()
+        yield held
+    finally:
+        sys.stderr = stderr
+        for logger, before in zip(loggers, propagate, strict=True):
+            logger.removeHandler(handler)
+            logger.propagate = before
+        held.append(buffer.getvalue())
+
+
+def save(checkpoints: ocp.CheckpointManager, step: int, state: TrainState, out_dir: Path) -> None:
+    """Save and wait: a save that fails stops the run here, not some steps later, with one
+    line (``held_save_output``)."""
+    try:
+        with held_save_output() as held:
+            if step not in checkpoints.all_steps():
+                checkpoints.save(step, args=ocp.args.StandardSave(state))
+            checkpoints.wait_until_finished()
+        print(*held, end="", file=sys.stderr)
     except Exception as error:
         latest = checkpoints.latest_step()
         kept = f"step {latest} is the latest kept" if latest is not None else "none was saved"
