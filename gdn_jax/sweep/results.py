@@ -52,7 +52,23 @@ class Results:
             if "key" not in record:
                 self.foreign += 1
                 continue
+            self._check(number, record)
             self.records[record["key"]] = record
+
+    def _check(self, number: int, record: dict) -> None:
+        """The fields the table reads: a status, and a finished run's accuracy."""
+        status, accuracy = record.get("status"), record.get("accuracy")
+        if status not in (FINISHED, FAILED):
+            problem = f"status={status!r}, not {FINISHED!r} or {FAILED!r}"
+        elif status == FINISHED and not (
+            isinstance(accuracy, int | float)
+            and not isinstance(accuracy, bool)
+            and 0 <= accuracy <= 1
+        ):
+            problem = f"accuracy={accuracy!r}, not a number in [0, 1]"
+        else:
+            return
+        raise SweepError(f"{self.path} cannot be read: line {number} has {problem}")
 
     def drop_torn_tail(self) -> str | None:
         """Rewrite the file without its torn last line, if it has one; returns the warning to

@@ -195,7 +195,10 @@ def write_plot(path: Path, table: dict) -> None:
         )
         ax.set_xticks(pairs, [str(p) for p in pairs])
         ax.minorticks_off()  # the log axis would label 20, 30, ... over the pair counts
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        else:  # --table-only before any run finished: an empty plot that says so
+            ax.text(0.5, 0.5, "no finished runs yet", ha="center", transform=ax.transAxes)
     fig.tight_layout()
     try:
         write_whole(path, lambda partial: fig.savefig(partial, dpi=120, format="png"))

@@ -348,6 +348,33 @@ def test_a_record_damaged_before_the_last_line_stops_the_sweep_in_one_line(sweep
     assert "out/results.jsonl cannot be read: line 1 is not JSON" in err
 
 
+@pytest.mark.parametrize(
+    ("field", "problem"),
+    [
+        ('"accuracy": "high"', "accuracy='high', not a number in [0, 1]"),
+        ('"accuracy": 1.5', "accuracy=1.5, not a number in [0, 1]"),
+        ('"status": "done"', "status='done', not 'finished' or 'failed'"),
+    ],
+)
+def test_a_record_with_a_bad_field_stops_the_sweep_in_one_line(sweep, field, problem):
+    """A finished run's accuracy of "high" was a raw TypeError from statistics.fmean."""
+    Path("out").mkdir()
+    record = {"key": "k", "status": "finished", "accuracy": 0.5}
+    record.update(json.loads("{" + field + "}"))
+    Path("out", "results.jsonl").write_text(json.dumps(record) + "\n")
+    status, _, err, trained = sweep(*GRID, "--out", "out", "--table-only")
+    assert status == 2 and trained == []
+    (line,) = err.strip().splitlines()
+    assert line == f"{cli.PROG}: error: out/results.jsonl cannot be read: line 1 has {problem}"
+
+
+def test_table_only_before_any_run_writes_an_empty_plot_that_says_so(sweep):
+    """Matplotlib warned "No artists with labels found to put in legend"."""
+    status, _, err, trained = sweep(*GRID, "--out", "out", "--table-only")
+    assert status == 0 and trained == [] and err == "", err
+    assert Path("out", "accuracy.png").stat().st_size > 0
+
+
 @pytest.mark.costly(7)
 def test_ctrl_c_stops_the_sweep_records_nothing_it_stopped_and_a_rerun_resumes(tmp_path):
     """SIGINT to the sweep's process group, as a terminal's Ctrl-C sends it, while two
