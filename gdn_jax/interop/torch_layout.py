@@ -99,6 +99,14 @@ def load_torch_layer(fn: str, layer_class, state_dict, **layer_kwargs):
     names = _torch_names(nnx.eval_shape(lambda: build(jnp.float32, jnp.float32)))
     check_tensors(fn, tensors, _torch_shapes(names))
 
+    wide = [name for name, tensor in tensors.items() if tensor.dtype == np.float64]
+    if param_dtype is None and wide:
+        try:  # each tensor keeps its float64, which JAX's 64-bit mode must be on to hold
+            checks.check_x64(fn, f"state_dict's {wide[0]} of dtype float64", np.float64)
+        except ValueError as error:
+            raise ValueError(
+                f"{error}; or load every tensor as float32 with param_dtype=jnp.float32"
+            ) from None
     stored = jnp.dtype(param_dtype or tensors["q_proj.weight"].dtype)
     layer = nnx.eval_shape(lambda: build(jnp.dtype(dtype or stored), stored))
     graphdef, state = nnx.split(layer)

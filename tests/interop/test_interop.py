@@ -416,6 +416,23 @@ def test_missing_extra_and_misshapen_tensors_are_named():
         load_fla_layer(fla, hidden_size=64, num_heads=4, head_dim=16, num_v_heads=8, expand_v=1.0)
 
 
+def test_float64_tensors_without_64_bit_mode_name_the_loaders_param_dtype():
+    """The hint was only JAX_ENABLE_X64=1, from GatedDeltaNet's constructor, where the
+    loader's own param_dtype=jnp.float32 is the fix."""
+    kwargs = dict(hidden_size=32, num_heads=2, head_dim=8)
+    layer = GatedDeltaNet(**kwargs, rngs=nnx.Rngs(9))
+    wide = {name: t.astype(np.float64) for name, t in export_fla_layer(layer).items()}
+    with jax.enable_x64(False):
+        with pytest.raises(
+            ValueError,
+            match=r"^load_fla_layer: state_dict's A_log of dtype float64 needs JAX's 64-bit "
+            r"mode, which is off .*; or load every tensor as float32 with "
+            r"param_dtype=jnp.float32$",
+        ):
+            load_fla_layer(wide, **kwargs, dtype=jnp.float32)
+        assert_same_params(load_fla_layer(wide, **kwargs, param_dtype=jnp.float32), layer)
+
+
 def test_config_that_does_not_fit_the_tensors():
     weights, config = random_qwen_weights()
     with pytest.raises(
