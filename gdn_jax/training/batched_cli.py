@@ -1,4 +1,4 @@
-"""The command that trains several runs of one config as one program (``batched.py``).
+"""The command that trains several runs of one config in one process (``batched.py``).
 
     python -m gdn_jax.training.batched_cli --config mqar_gdn.yaml --set train.steps=600 \\
         --run runs/lr3e-3_s0 0 3e-3 --run runs/lr3e-3_s1 1 3e-3 --run runs/lr1e-2_s0 0 1e-2
@@ -51,7 +51,8 @@ def parse_args(argv):
     parser = OneLineParser(
         prog=PROG,
         description="Train several runs of one config, differing in seed and learning rate, "
-        "as one program; each run directory is one that train.py --resume continues.",
+        "in one process, each as train.py trains it; each run directory is one that train.py "
+        "--resume continues.",
     )
     add_config_arguments(parser)  # for every run
     parser.add_argument(

@@ -1,13 +1,14 @@
-"""Runs trained as one program (``training/batched.py`` and its command): each ends as it
-would alone, ends on its own (target, NaN), and a stopped group resumes to the end it would
-have reached unstopped, also after one of its runs went on alone.
+"""Runs trained together (``training/batched.py`` and its command): each ends as it would
+alone, to the bit (and as ``python train.py`` trains it), ends on its own (target, NaN), and a
+stopped group resumes to the end it would have reached unstopped, also after one of its runs
+went on alone.
 
 One group of five tiny runs (``runs.TINY`` for 20 steps), trained once for the module: two
 seeds at two learning rates, the two at the higher rate reaching the target accuracy at the
 first evaluation (step 6) while the others train to step 20, and one run whose learning rate
 of 1e30 makes its loss NaN. The four that train are compared with the same configs trained
 alone by ``loop.run``. The command's tests run in this process, on the same group (its
-program is compiled once), with the session's float64 mode off as in a fresh interpreter.
+programs are compiled once), with the session's float64 mode off as in a fresh interpreter.
 """
 
 import json
@@ -22,7 +23,6 @@ import orbax.checkpoint as ocp
 import pytest
 import yaml
 from support.runs import TINY, logged
-from support.tolerance import assert_close
 
 from gdn_jax.training import batched, batched_cli, loop
 from gdn_jax.training import checkpoints as ckpt
@@ -64,30 +64,12 @@ def group(tmp_path_factory):
     together, alone)``, the last two the runs' directories."""
     root = tmp_path_factory.mktemp("batched")
     with jax.enable_x64(False), jax.numpy_dtype_promotion("standard"):
-        with pytest.MonkeyPatch.context() as patch:
-            lanes = dropping_lanes(patch)
-            outcomes = batched.run(configs(root / "together"))
-        assert lanes == [5, 2]
+        outcomes = batched.run(configs(root / "together"))
         for config in configs(root / "alone")[:DIVERGES]:
             loop.run(config)
     together = [root / "together" / f"seed{s}_lr{r:g}" for s, r in RUNS]
     alone = [root / "alone" / f"seed{s}_lr{r:g}" for s, r in RUNS[:DIVERGES]]
     return outcomes, together, alone
-
-
-def dropping_lanes(patch) -> list[int]:
-    """Make the program drop the lanes of ended runs at every chance (as if that paid: at
-    this size a compile takes longer than every step); returns the lane counts it compiles
-    for, as they come. The three runs that end by step 6 leave two lanes."""
-    lanes, place = [], batched._Lockstep._place
-
-    def counted(self, members, states):
-        lanes.append(len(members))
-        place(self, members, states)
-
-    patch.setattr(batched._Lockstep, "_drop_pays", lambda self, step: True)
-    patch.setattr(batched._Lockstep, "_place", counted)
-    return lanes
 
 
 def final_params(out_dir, abstract):
@@ -101,35 +83,27 @@ def final_params(out_dir, abstract):
         manager.close()
 
 
-def assert_same_records(actual, expected):
-    assert [(r["kind"], r["step"]) for r in actual] == [(r["kind"], r["step"]) for r in expected]
-    for a, e in zip(actual, expected, strict=True):
-        assert a.keys() == e.keys()
-        for name in a.keys() - {"kind", "step"}:
-            assert_close(a[name], e[name], np.float32, err_msg=f"{e['kind']} {e['step']} {name}")
-
-
 def test_each_run_ends_as_it_would_alone(group):
     """Losses, metrics, evaluations and parameters of every run trained with the others
-    equal the run's own, to float32 rounding; its directory holds what a run's does."""
+    equal the run's own, to the bit; its directory holds what a run's does."""
     outcomes, together, alone = group
     runs = configs(together[0].parent)
     _, abstract = train_setup(
         runs[0], mesh_lib.check_mesh(runs[0], jax.devices()[:1]), abstract=True
     )
     for i, config in enumerate(runs[:DIVERGES]):
-        assert_same_records(logged(together[i]), logged(alone[i]))
+        assert logged(together[i]) == logged(alone[i]), together[i].name
         step, params = final_params(together[i], abstract)
         step_alone, params_alone = final_params(alone[i], abstract)
         assert step == step_alone == outcomes[i]["final_step"]
         for a, e in zip(jax.tree.leaves(params), jax.tree.leaves(params_alone), strict=True):
-            assert_close(a, e, np.float32)
+            np.testing.assert_array_equal(a, e)
         summary = json.loads((alone[i] / "summary.json").read_text())
         assert json.loads((together[i] / "summary.json").read_text()).keys() == summary.keys()
         assert {k: outcomes[i][k] for k in ("start_step", "final_step", "reason")} == {
             k: summary[k] for k in ("start_step", "final_step", "reason")
         }
-        assert_close(outcomes[i]["eval_accuracy"], summary["eval_accuracy"], np.float32)
+        assert outcomes[i]["eval_accuracy"] == summary["eval_accuracy"]
         assert sorted(p.name for p in together[i].iterdir()) == sorted(
             p.name for p in alone[i].iterdir() if not p.name.startswith(".")
         )
@@ -199,12 +173,11 @@ def run_args(root):
     return args
 
 
-def test_a_stopped_group_resumes_to_the_end_it_had_unstopped(group, tmp_path, monkeypatch, command):
+def test_a_stopped_group_resumes_to_the_end_it_had_unstopped(group, tmp_path, command):
     """SIGINT at step 2 saves every run there. One run then goes on alone (``train.py
     --resume``) to step 4. Resumed together, the others train from step 2 while it waits at
-    4, the one that diverges fails again at step 4 with its checkpoint at 2 kept, the lanes
-    of the three ended runs are dropped at step 6 as in the unstopped group, and every run
-    ends as there: to the bit, but for the steps one took alone (to float32 rounding)."""
+    4, the one that diverges fails again at step 4 with its checkpoint at 2 kept, and every
+    run ends as there, to the bit."""
     _, together, _ = group
     args = run_args(tmp_path)
     status, _, err = command(*args, signal=(signal.SIGINT, 2))
@@ -222,21 +195,30 @@ def test_a_stopped_group_resumes_to_the_end_it_had_unstopped(group, tmp_path, mo
     with pytest.raises(Interrupted, match="SIGINT at step 4"):
         loop.run(configs(tmp_path)[ahead], resume=True, callbacks=[sender(signal.SIGINT, 4)])
 
-    lanes = dropping_lanes(monkeypatch)
     status, out, err = command(*args, "--resume")
     assert status == 1, err
-    assert lanes == [5, 2]
     (line,) = err.strip().splitlines()
     diverged = tmp_path / together[DIVERGES].name
     assert line.startswith(f"{batched_cli.PROG}: error: {diverged}: ")
     assert line.endswith(f"the last good checkpoint is step 2 in {diverged / 'checkpoints'}")
     assert os.listdir(diverged / "checkpoints") == ["2"]
-    for i, run in enumerate(together[:DIVERGES]):
+    for run in together[:DIVERGES]:
         assert f"{tmp_path / run.name}: step " in out
-        if i == ahead:
-            assert_same_records(logged(tmp_path / run.name), logged(run))
-        else:
-            assert logged(tmp_path / run.name) == logged(run), run.name
+        assert logged(tmp_path / run.name) == logged(run), run.name
+
+
+def test_a_run_trained_with_another_is_train_py_s_run_to_the_bit(finished_run, tmp_path, command):
+    """The batched command (what the sweep runs for a cell's runs) trains a run exactly as
+    ``python train.py`` does: the suite's finished run of ``train.py``, trained again beside
+    a run of another seed and learning rate, logs the same numbers to the bit."""
+    train = yaml.safe_load((finished_run / "config.yaml").read_text())["train"]
+    sets = [x for item in TINY for x in ("--set", item)]
+    runs = ["--run", str(tmp_path / "same"), str(train["seed"]), repr(train["learning_rate"])]
+    runs += ["--run", str(tmp_path / "other"), "1", "3e-3"]
+    status, _, err = command(*sets, *runs)
+    assert status == 0, err
+    assert logged(tmp_path / "same") == logged(finished_run)
+    assert logged(tmp_path / "other") != logged(finished_run)
 
 
 def test_a_finished_group_resumes_to_its_summaries_untrained(group, tmp_path, command):
