@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax
 import optax
 from flax import nnx
 
@@ -12,16 +9,9 @@ from gdn_jax.layers import NoWeightDecay
 from gdn_jax.training.config import TrainConfig
 
 
-def learning_rate_schedule(train: TrainConfig, peak: jax.Array | None = None) -> optax.Schedule:
+def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
     """Linear warmup to ``learning_rate``, cosine decay to ``learning_rate * final_lr_ratio``
-    at ``steps``.
-
-    ``peak``, a traced scalar, stands for ``learning_rate`` where each of several runs trained
-    as one program has its own (``batched.py``): optax's schedule divides by its peak in
-    Python, so the schedule is then the unit one (peak 1) scaled by ``peak``."""
-    if peak is not None:
-        unit = learning_rate_schedule(dataclasses.replace(train, learning_rate=1.0))
-        return lambda count: peak * unit(count)
+    at ``steps``."""
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=train.learning_rate,
@@ -43,15 +33,12 @@ def weight_decay_mask(params: nnx.State) -> dict:
     return mask
 
 
-def make_optimizer(
-    train: TrainConfig, params: nnx.State, peak: jax.Array | None = None
-) -> optax.GradientTransformation:
-    """The optimizer for ``params`` (an ``nnx.State``), acting on their pure-dict form; its
-    state is the same pytree whatever ``peak`` (``learning_rate_schedule``) is."""
+def make_optimizer(train: TrainConfig, params: nnx.State) -> optax.GradientTransformation:
+    """The optimizer for ``params`` (an ``nnx.State``), acting on their pure-dict form."""
     return optax.chain(
         optax.clip_by_global_norm(train.grad_clip),
         optax.adamw(
-            learning_rate_schedule(train, peak),
+            learning_rate_schedule(train),
             b1=train.adam_b1,
             b2=train.adam_b2,
             weight_decay=train.weight_decay,

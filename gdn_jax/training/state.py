@@ -111,46 +111,6 @@ def train_setup(config: Config, mesh: Mesh, *, abstract: bool = False) -> tuple[
     return steps, jax.device_put(state, steps.state_shardings)
 
 
-@dataclasses.dataclass
-class StackedSteps:
-    """The jitted steps over a leading run axis R of states, batches and learning rates."""
-
-    # (state [R, ...], batch [R, B, ...], peak learning rates [R], active [R]) -> (state,
-    # metrics {name: [R]}); donates the state and keeps the lanes that are not active.
-    train_step: Callable
-    # (params [R, ...], batch [R, B, ...]) -> (loss [R], per-example accuracy [R, B])
-    eval_step: Callable
-
-
-def stacked_steps(config: Config) -> StackedSteps:
-    """``config``'s train and eval steps vmapped over runs (``batched.py``): runs that differ
-    only in seed, learning rate (each run's is its lane of the peaks) and directory. One per
-    config but for those: the programs of a config that one process trains are compiled
-    once."""
-    train = dataclasses.replace(config.train, seed=0, learning_rate=1.0, out_dir="")
-    return _stacked_steps(dataclasses.replace(config, train=train))
-
-
-@functools.lru_cache(maxsize=8)
-def _stacked_steps(config: Config) -> StackedSteps:
-    train = config.train
-    graphdef, params = _abstract_model(config.model)
-
-    def train_step(state, batch, peak, active):
-        optimizer = make_optimizer(train, params, peak)
-        schedule = learning_rate_schedule(train, peak)
-        step = make_train_step(
-            graphdef, optimizer, schedule, logits_at_labels=train.logits_at_labels
-        )
-        stepped, metrics = step(state, batch)
-        return jax.tree.map(lambda new, old: jnp.where(active, new, old), stepped, state), metrics
-
-    eval_step = make_eval_step(graphdef, logits_at_labels=train.logits_at_labels)
-    return StackedSteps(
-        jax.jit(jax.vmap(train_step), donate_argnums=0), jax.jit(jax.vmap(eval_step))
-    )
-
-
 def on_mesh(mesh: Mesh, fn: Callable) -> Callable:
     """``fn`` called with ``mesh`` in context, so that the layers see its ``seq`` axis while
     ``jax.jit`` traces them."""
