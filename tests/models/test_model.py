@@ -135,7 +135,7 @@ def test_tied_embeddings_and_no_mlp_change_the_parameter_count():
             dict(mixers=("gdn", "mamba")),
             r"ModelConfig.mixers=.*unknown mixer 'mamba'; allowed: \('gdn'",
         ),
-        (dict(mixers=()), r"ModelConfig.mixers=\(\): needs at least one layer"),
+        (dict(mixers=()), r"ModelConfig.mixers=\(\): needs a list of at least one layer"),
         (dict(d_model=30, num_heads=4), r"ModelConfig.num_heads=4: must divide d_model=30"),
         # Per-layer rules are the constructors' to state.
         (
