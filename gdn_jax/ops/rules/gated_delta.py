@@ -168,7 +168,8 @@ def gated_delta_rule(
       cu_seqlens: ``[N+1]`` int offsets of ``N`` sequences packed along ``T`` (needs ``B == 1``).
         Each sequence starts from its own initial state and returns its own final state, as
         if run alone. It may be traced; its values are checked only when concrete.
-      use_qk_l2norm: L2-normalise q and k over ``K`` (eps 1e-6) inside the op.
+      use_qk_l2norm: L2-normalise q and k over ``K`` (eps 1e-6) inside the op; a Python bool
+        (static under ``jax.jit``).
 
     Returns:
       ``(o [B, T, HV, V], final_state)``: ``o`` in the input dtype; ``final_state`` float32
