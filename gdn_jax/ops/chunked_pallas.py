@@ -24,7 +24,9 @@ products are the XLA form's, term for term (``chunked.py``, ``wy.py``, ``decays.
 the derivations).
 
 On a GPU the kernels run through Pallas's Triton backend, which also serves Ampere and
-emits Hopper's wgmma for its products. Anywhere else it runs in Pallas's interpret mode (a
+emits Hopper's wgmma for its products. JAX deprecated that backend in 0.11 (a
+``DeprecationWarning`` at each lowering, removal announced), so this form stays opt-in
+until a Mosaic GPU form has been measured beside it. Anywhere else it runs in Pallas's interpret mode (a
 slow, faithful execution of the same kernel body in XLA), so a program written for
 ``impl="pallas"`` runs on a host without a GPU. Products of float32 tiles are asked for at
 full float32 precision (Triton's IEEE mode, not TF32), matching the XLA form.
