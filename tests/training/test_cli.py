@@ -37,7 +37,8 @@ def one_line_error(result, pattern, status=2):
 
 @pytest.fixture
 def command(monkeypatch, capsys):
-    """The command on the tiny config into ``out_dir``, run in this process like
+    """The command on the tiny config into ``out_dir`` (``None``: the arguments alone, on the
+    default config), run in this process like
     ``runs.train`` runs it in a subprocess, with the same result fields and numbers (the
     session's float64 mode is off, as in a fresh interpreter): for the cases that need no
     fresh interpreter, where a subprocess would cost an interpreter start, a JAX import and a
@@ -62,7 +63,7 @@ def command(monkeypatch, capsys):
             monkeypatch.delenv(name)
 
     def run(out_dir, *extra, sets=(), signal=None):
-        argv = command_args(out_dir, *extra, sets=sets)
+        argv = command_args(out_dir, *extra, sets=sets) if out_dir else [*extra]
         with monkeypatch.context() as patch, jax.enable_x64(False):
             if signal is not None:
                 signum, at_step = signal
@@ -562,11 +563,23 @@ def compile_only(command, tmp_path, topology="v5e:2x2", sets=()):
         return command(tmp_path / "run", "--compile-only", "--topology", topology, sets=sets)
 
 
-@pytest.mark.costly(8)
+def documented_compile_only_output():
+    """What docs/training.md shows the README's ``--compile-only`` command printing."""
+    text = (REPO / "docs" / "training.md").read_text()
+    sample = re.search(
+        r"```\n\$ python train.py --compile-only --topology v5e:2x2\n(.*?)```", text, re.S
+    )
+    assert sample, "docs/training.md has no sample of --compile-only --topology v5e:2x2"
+    return sample.group(1)
+
+
+@pytest.mark.costly(20)
 def test_compile_only_prints_the_memory_per_chip_and_whether_it_fits(tmp_path, command):
     pytest.importorskip("libtpu", reason='--compile-only needs libtpu: pip install -e ".[test]"')
-    result = compile_only(command, tmp_path)
+    # The README's command itself, on the default config: its output is docs/training.md's.
+    result = command(None, "--compile-only", "--topology", "v5e:2x2")
     assert result.returncode == 0, result.stderr
+    assert result.stdout == documented_compile_only_output(), "docs/training.md's sample"
     lines = result.stdout.splitlines()
     assert "for TPU v5e:2x2 (4 chips, mesh data=4 x model=1 x seq=1)" in lines[0]
     assert lines[1] == "per chip, MiB (HBM 16 GiB):"
@@ -575,7 +588,6 @@ def test_compile_only_prints_the_memory_per_chip_and_whether_it_fits(tmp_path, c
     assert 0 < rows["parameters + optimizer state"] < rows["total"] < 16 * 1024
     assert re.fullmatch(r"compiled FLOPs per step per chip: \S+e\+\d+ \(.*\)", lines[6])
     assert re.fullmatch(r"fits: [\d.]+ MiB of 16 GiB per chip \([\d.]+%\) on v5e:2x2", lines[7])
-    assert not (tmp_path / "run").exists()
 
     # Embeddings and their Adam moments alone, 2**20 x 1024 floats three times, pass 12 GiB.
     big = ["model.vocab_size=1048576", "data.vocab_size=1048576", "model.d_model=1024"]
