@@ -77,6 +77,7 @@ class SoftmaxAttention(nnx.Module):
             head_dim=head_dim,
             conv_size=conv_size,
         )
+        checks.check_flag(name, use_short_conv=use_short_conv)
         checks.require(name, head_dim % 2 == 0, f"head_dim={head_dim} must be even for RoPE")
         if window is not None:
             checks.check_positive_int(name, window=window)

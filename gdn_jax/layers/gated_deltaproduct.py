@@ -77,6 +77,7 @@ class GatedDeltaProduct(RecurrentLayer):
         gate_init: GateInit | None = None,
         rngs: nnx.Rngs,
     ):
+        checks.check_flag(type(self).__name__, use_forget_gate=use_forget_gate)
         checks.require(
             type(self).__name__,
             use_forget_gate or gate_init is None,

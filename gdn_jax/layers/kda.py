@@ -110,6 +110,9 @@ class KimiDeltaAttention(RecurrentLayer):
         gate_init: GateInit | None = None,
         rngs: nnx.Rngs,
     ):
+        checks.check_flag(
+            type(self).__name__, low_rank_gates=low_rank_gates, output_gate_bias=output_gate_bias
+        )
         law = (gate_init or GateInit()).over(CHANNEL_DECAY, type(self).__name__)
         checks.check_lower_bound(type(self).__name__, "gate_lower_bound", gate_lower_bound)
         super().__init__(

@@ -179,6 +179,25 @@ def test_layer_constructor_types(kwargs, message):
         GatedDeltaNet(**args, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize(
+    ("cls", "option"),
+    [
+        (GatedDeltaNet, "use_gate"),
+        (GatedDeltaNet, "use_short_conv"),
+        (GatedDeltaNet, "conv_bias"),
+        (GatedDeltaNet, "allow_neg_eigval"),
+        (KimiDeltaAttention, "low_rank_gates"),
+        (KimiDeltaAttention, "output_gate_bias"),
+        (GatedDeltaProduct, "use_forget_gate"),
+        (SoftmaxAttention, "use_short_conv"),
+    ],
+)
+def test_layer_switches_are_bools(cls, option):
+    # "no" was taken by its truthiness: a layer with the part its user switched off.
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: {option}='no' must be a Python bool"):
+        cls(16, 2, 8, **{option: "no"}, rngs=nnx.Rngs(0))
+
+
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, "float8"])
 def test_layers_refuse_dtypes_that_are_not_floating(dtype):
     shown = dtype.__name__ if isinstance(dtype, type) else repr(dtype)
