@@ -248,7 +248,7 @@ def run(
     """Train ``config`` and return a summary (final step, held-out accuracy, wall time).
 
     Args:
-      config: a validated ``Config``.
+      config: a ``Config``, validated here again (as ``load_config`` does) before any work.
       resume: continue from the newest checkpoint in ``config.train.out_dir`` that restores;
         refused when the model, data or seed differ from the saved config.yaml (see
         ``run_dir.RESUMABLE_FIELDS``). A run that has already ended returns its summary.
@@ -261,7 +261,7 @@ def run(
         the only thing it prints); not called for a run that has already ended.
 
     Raises:
-      ValueError: ``config`` is not a ``Config``.
+      ValueError: ``config`` is not a ``Config``, or one of its values is out of range.
       RunError: the run must not start (checked before anything is written); it names
         ``resume=True`` and ``overwrite=True`` where the commands name their flags.
       NonFiniteLossError: a step's loss is NaN or Inf; no checkpoint is written after the
@@ -275,6 +275,7 @@ def run(
             f"run: config must be a Config, as load_config(path, overrides) returns, got "
             f"{type(config).__name__} {config!r:.60}"
         )
+    config.validate()  # a Config built by hand has not been through load_config's checks
     mesh = mesh_lib.check_mesh(config, jax.devices() if devices is None else devices)
     # With several processes, process 0 alone owns the run directory (lock, config, metrics,
     # plot, summary); every process writes its shards of each checkpoint.

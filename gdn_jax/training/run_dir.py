@@ -304,7 +304,7 @@ def _clear_earlier(out_dir: Path) -> None:
             file=sys.stderr,
         )
     elif earlier:
-        print(f"--overwrite: deleted {', '.join(clear(out_dir))} in {out_dir}", file=sys.stderr)
+        print(f"overwrite: deleted {', '.join(clear(out_dir))} in {out_dir}", file=sys.stderr)
 
 
 def check_resumable(config: Config, out_dir: Path, earlier: list[str], stranded: bool) -> None:

@@ -180,6 +180,14 @@ def test_run_refuses_what_is_not_a_config(config):
         run(config)
 
 
+def test_run_checks_a_config_built_by_hand(tmp_path):
+    """Config(...) itself checks nothing; run took train.steps=0 and wrote a run directory."""
+    config = Config(train=TrainConfig(steps=0, out_dir=str(tmp_path / "run")))
+    with pytest.raises(ValueError, match=r"^train.steps=0 must be >= 1$"):
+        run(config)
+    assert not (tmp_path / "run").exists()
+
+
 def test_run_names_its_keyword_arguments_where_the_command_names_its_flags(tmp_path):
     for resume, overwrite in ((True, True), (True, False)):
         with pytest.raises(RunError) as refused:
