@@ -41,6 +41,18 @@ def test_model_tokens_of_the_wrong_rank_or_dtype(model):
             model(bad)
 
 
+def test_packed_offsets_are_checked_in_the_models_view(model):
+    """They were checked by the first layer, which named its x [B, T, D], not the tokens."""
+    with pytest.raises(
+        ValueError,
+        match=r"^LanguageModel: cu_seqlens packs sequences along T and needs B == 1, "
+        r"got tokens.shape=\(2, 6\)$",
+    ):
+        model(tokens(2, 6), cu_seqlens=[0, 2, 6])
+    with pytest.raises(ValueError, match=r"^LanguageModel: cu_seqlens must rise from 0 to T=6"):
+        model(tokens(1, 6), cu_seqlens=[0, 2, 5])
+
+
 def test_token_ids_outside_the_vocabulary(model):
     """Unchecked, they give NaN logits (50) or read another token's row (-5 reads token 45)."""
     for bad in (50, -5):
