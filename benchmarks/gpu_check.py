@@ -45,6 +45,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 # (B, T) at H heads of K = V = DIM: the issue's shapes, and tiny ones for --smoke.
 FULL = dict(shapes=[(4, 4096), (1, 32768)], heads=16, dim=128, chunk=64)
@@ -54,6 +55,9 @@ SMOKE = dict(shapes=[(1, 96)], heads=2, dim=16, chunk=32)
 SCHEDULES = ("hoisted", "in_scan", "pallas")
 IMPLS = ("fla", "jla", *SCHEDULES)
 WARMUPS = 2
+# --profile: each JAX forward+backward program is profiled after it is timed (a list, so that
+# main sets it for the runners).
+PROFILE = [False]
 # jax-linear-attention's implementation measured: its Hopper kernels ("chunked" is its XLA form).
 JLA_IMPL = "mosaic_gpu"
 SMOKE_RUN = [
@@ -128,8 +132,9 @@ def median_ms(call: Callable[[], object], sync: Callable[[object], object], repe
     return 1e3 * statistics.median(times)
 
 
-def jax_program(fn, args, repeats):
-    """``(result, median ms, compile s, peak bytes)`` of ``jax.jit(fn)`` on ``args``."""
+def jax_program(fn, args, repeats, profile=False):
+    """``(result, median ms, compile s, peak bytes, stages)`` of ``jax.jit(fn)`` on ``args``;
+    ``stages`` is ``stage_profile.measure``'s reading of it with ``profile``, else None."""
     import jax
 
     start = time.perf_counter()
@@ -145,7 +150,15 @@ def jax_program(fn, args, repeats):
             - memory.alias_size_in_bytes
         )
     ms = median_ms(lambda: compiled(*args), jax.block_until_ready, repeats)
-    return compiled(*args), ms, compile_s, peak
+    stages = None
+    if profile:
+        import stage_profile
+
+        try:
+            stages = stage_profile.measure(compiled, args)
+        except Exception as error:  # a profiler that fails costs the reading, not the run
+            stages = dict(error=f"{type(error).__name__}: {error}"[:400])
+    return compiled(*args), ms, compile_s, peak, stages
 
 
 # --- the three implementations -------------------------------------------------------------
@@ -174,11 +187,16 @@ def gdn_jax_runs(op: Op, arrays, schedule, chunk, repeats):
         return jnp.sum(forward(*args)[0].astype(jnp.float32) * do)
 
     grad = jax.grad(loss, argnums=tuple(range(len(names))))
-    (y, state), fwd_ms, fwd_compile, fwd_peak = jax_program(forward, args, repeats)
-    grads, bwd_ms, bwd_compile, bwd_peak = jax_program(grad, [*args, do], repeats)
+    (y, state), fwd_ms, fwd_compile, fwd_peak, _ = jax_program(forward, args, repeats)
+    grads, bwd_ms, bwd_compile, bwd_peak, stages = jax_program(
+        grad, [*args, do], repeats, profile=PROFILE[0]
+    )
     values = {"o": y, "final_state": jnp.swapaxes(state, -1, -2)}
     values.update({f"d{n}": g for n, g in zip(names, grads, strict=True)})
-    return _timings(fwd_ms, bwd_ms, fwd_peak, bwd_peak, fwd_compile, bwd_compile), values
+    timings = _timings(fwd_ms, bwd_ms, fwd_peak, bwd_peak, fwd_compile, bwd_compile)
+    if stages is not None:
+        timings["fwd+bwd"]["stages"] = stages
+    return timings, values
 
 
 def jla_runs(op: Op, arrays, repeats):
@@ -202,11 +220,16 @@ def jla_runs(op: Op, arrays, repeats):
         return jnp.sum(forward(*args)[0].astype(jnp.float32) * do)
 
     grad = jax.grad(loss, argnums=tuple(range(len(names))))
-    (y, state), fwd_ms, fwd_compile, fwd_peak = jax_program(forward, args, repeats)
-    grads, bwd_ms, bwd_compile, bwd_peak = jax_program(grad, [*args, do], repeats)
+    (y, state), fwd_ms, fwd_compile, fwd_peak, _ = jax_program(forward, args, repeats)
+    grads, bwd_ms, bwd_compile, bwd_peak, stages = jax_program(
+        grad, [*args, do], repeats, profile=PROFILE[0]
+    )
     values = {"o": y, "final_state": state}
     values.update({f"d{n}": g for n, g in zip(names, grads, strict=True)})
-    return _timings(fwd_ms, bwd_ms, fwd_peak, bwd_peak, fwd_compile, bwd_compile), values
+    timings = _timings(fwd_ms, bwd_ms, fwd_peak, bwd_peak, fwd_compile, bwd_compile)
+    if stages is not None:
+        timings["fwd+bwd"]["stages"] = stages
+    return timings, values
 
 
 def fla_runs(op: Op, arrays, repeats):
@@ -353,6 +376,7 @@ def markdown(data) -> str:
             worst or "-",
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _stage_table(data["ops"])
     training = data["training"]
     if "step_ms" in training:
         lines += ["", f"MQAR training step ({training['step_shape']}): {training['step_ms']:.2f} ms "
@@ -364,6 +388,43 @@ def markdown(data) -> str:
     if data["skipped"]:
         lines += ["", "Skipped:", *(f"- {s['what']}: {s['why']}" for s in data["skipped"])]
     return "\n".join(lines) + "\n"
+
+
+def _stage_table(rows) -> list[str]:
+    """Where each profiled forward+backward spends its time: ms per call by stage (the
+    chunked form's, the Pallas kernels', ``other``) and its costliest instruction."""
+    from stage_profile import OTHER, STAGES
+
+    profiled = [r for r in rows if "stages" in r["fwd+bwd"]]
+    if not profiled:
+        return []
+    lines = [
+        "",
+        "Forward+backward by stage (ms per call, from JAX's profiler; `stage_profile.py`):",
+        "",
+        "| op | B×T | implementation | " + " | ".join((*STAGES, OTHER)) + " | costliest op |",
+        "|---|---|---|" + "---:|" * (len(STAGES) + 1) + "---|",
+    ]
+    for row in profiled:
+        stages = row["fwd+bwd"]["stages"]
+        if "error" in stages:
+            cells = [stages["error"] + f" ({stages.get('where', '')})", *[""] * len(STAGES)]
+            lines.append(
+                f"| {row['op']} | {row['shape']} | {row['impl']} | " + " | ".join(cells) + " | |"
+            )
+            continue
+        ms = stages["ms_per_call"]
+        top = stages["top"][0] if stages["top"] else None
+        costliest = (
+            "-" if top is None else f"{top['op']} ({top['stage']}, {top['ms_per_call']:.2f})"
+        )
+        cells = [f"{ms[s]:.2f}" if s in ms else "-" for s in (*STAGES, OTHER)]
+        lines.append(
+            f"| {row['op']} | {row['shape']} | {row['impl']} | "
+            + " | ".join(cells)
+            + f" | {costliest} |"
+        )
+    return lines
 
 
 def environment() -> dict:
@@ -611,6 +672,10 @@ def main(argv=None):
     parser.add_argument("--budget", type=float, default=330.0, help="seconds for the op items")
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument(
+        "--profile", action="store_true",
+        help="profile each JAX forward+backward: time per stage (stage_profile.py)",
+    )  # fmt: skip
+    parser.add_argument(
         "--item", action="append", default=[], metavar="OP@BxT:IMPL,..",
         help=f"measure only this (repeatable; default everything): OP in {[o.key for o in OPS]}, "
         f"IMPL in {list(IMPLS)}, e.g. kda@4x4096:jla,hoisted",
@@ -620,6 +685,7 @@ def main(argv=None):
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     sizes = SMOKE if args.smoke else FULL
+    PROFILE[0] = args.profile
     if args.child:
         run_child(args.child, sizes, args.out, args.repeats)
         return

@@ -62,6 +62,10 @@ from gdn_jax.ops.channel_decays import (
     level_sums,
 )
 from gdn_jax.ops.chunked import (
+    FACTORS,
+    FACTORS_AGAIN,
+    INPUT_GRADS,
+    OUTPUTS,
     cast_back,
     cast_to,
     chunk_layout,
@@ -126,12 +130,19 @@ def chunk_factors(
     """Stage 1 for one chunk (inputs in the compute dtype); ``write_gate=None`` writes with
     the erase gate (KDA's ``beta``), ``WRITTEN`` writes ``v`` as it is. Both scores come from
     one pass over the levels."""
-    erase = gated(k, erase_gate)
-    (scores, erase_scores), decays = channel_scores((q, erase), k, clamped(log_alpha))
-    w, u, inverse = two_products(
-        jnp.tril(erase_scores, -1), erase * decays.from_start, writes(v, erase_gate, write_gate)
-    )
-    return Factors(decays, erase, w, u, inverse, scores)
+    with jax.named_scope(FACTORS):
+        erase = gated(k, erase_gate)
+        (scores, erase_scores), decays = channel_scores((q, erase), k, clamped(log_alpha))
+        w, u, inverse = two_products(
+            jnp.tril(erase_scores, -1), erase * decays.from_start, writes(v, erase_gate, write_gate)
+        )
+        return Factors(decays, erase, w, u, inverse, scores)
+
+
+def outputs(y_start, scores, corrections):
+    """Stage 3: ``Y = diag(exp(g)) Q S^T + M U`` from the state pass's read and ``U``."""
+    with jax.named_scope(OUTPUTS):
+        return y_start + scores @ corrections
 
 
 def chunk_forward(state, q, k, v, log_alpha, erase_gate, write_gate):
@@ -143,43 +154,47 @@ def chunk_forward(state, q, k, v, log_alpha, erase_gate, write_gate):
     new_state, (corrections, y_start) = state_pass(
         state, f.w, f.u, k_to_end, q_from_start, f.decays.whole
     )
-    return new_state, y_start + f.scores @ corrections
+    return new_state, outputs(y_start, f.scores, corrections)
 
 
 def backward_inputs(q, k, v, log_alpha, erase_gate, write_gate, d_y):
     """What the reverse state pass needs of one chunk: stage 1 again, the decayed keys and
     queries, and the cotangent of ``U`` from the chunk's own outputs, ``M^T dY``."""
-    f = chunk_factors(q, k, v, log_alpha, erase_gate, write_gate)
-    k_to_end, q_from_start = k * f.decays.to_end, q * f.decays.from_start
-    return f, k_to_end, q_from_start, f.scores.T @ d_y
+    with jax.named_scope(FACTORS_AGAIN):
+        f = chunk_factors(q, k, v, log_alpha, erase_gate, write_gate)
+        k_to_end, q_from_start = k * f.decays.to_end, q * f.decays.from_start
+        return f, k_to_end, q_from_start, f.scores.T @ d_y
 
 
 def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d):
     """Gradients of one chunk's q, k, v, log_alpha and gates from its inputs (compute
     dtype), ``T``, start state ``S`` and what the reverse state pass returned, ``d = (dY, U,
     dU, d(K decayed to the end), d exp(G_C))``. The decays and the levels are formed again."""
-    d_y, corrections, d_u, d_k_to_end, d_whole = d
-    levels, decays = level_sums(clamped(log_alpha))
-    erase = gated(k, erase_gate)
-    d_write, d_erase_decayed, d_strict = two_products_bwd(inverse, start, corrections, d_u)
-    d_q_from_start = d_y @ start
-    d_scores = jnp.tril(d_y @ corrections.T)
-    d_decays = (d_q_from_start * q + d_erase_decayed * erase, d_k_to_end * k, d_whole)
-    (d_q, d_erase), d_k, d_log_alpha = channel_scores_bwd(
-        (q, erase), k, levels, decays, (d_scores, d_strict), d_decays
-    )
-    d_erase = d_erase + d_erase_decayed * decays.from_start
-    d_k_erase, d_erase_gate = gated_bwd(k, erase_gate, d_erase)
-    if isinstance(write_gate, tuple):  # WRITTEN
-        d_v, d_write_gate = d_write, WRITTEN
-    else:
-        d_v, d_write_gate = gated_bwd(v, erase_gate if write_gate is None else write_gate, d_write)
-    if write_gate is None:  # one gate erases and writes
-        d_erase_gate, d_write_gate = d_erase_gate + d_write_gate, None
-    d_q = d_q + d_q_from_start * decays.from_start
-    d_k = d_k + d_k_erase + d_k_to_end * decays.to_end
-    d_log_alpha = jnp.where(log_alpha > LOG_ALPHA_FLOOR, d_log_alpha, 0)
-    return d_q, d_k, d_v, d_log_alpha, d_erase_gate, d_write_gate
+    with jax.named_scope(INPUT_GRADS):
+        d_y, corrections, d_u, d_k_to_end, d_whole = d
+        levels, decays = level_sums(clamped(log_alpha))
+        erase = gated(k, erase_gate)
+        d_write, d_erase_decayed, d_strict = two_products_bwd(inverse, start, corrections, d_u)
+        d_q_from_start = d_y @ start
+        d_scores = jnp.tril(d_y @ corrections.T)
+        d_decays = (d_q_from_start * q + d_erase_decayed * erase, d_k_to_end * k, d_whole)
+        (d_q, d_erase), d_k, d_log_alpha = channel_scores_bwd(
+            (q, erase), k, levels, decays, (d_scores, d_strict), d_decays
+        )
+        d_erase = d_erase + d_erase_decayed * decays.from_start
+        d_k_erase, d_erase_gate = gated_bwd(k, erase_gate, d_erase)
+        if isinstance(write_gate, tuple):  # WRITTEN
+            d_v, d_write_gate = d_write, WRITTEN
+        else:
+            d_v, d_write_gate = gated_bwd(
+                v, erase_gate if write_gate is None else write_gate, d_write
+            )
+        if write_gate is None:  # one gate erases and writes
+            d_erase_gate, d_write_gate = d_erase_gate + d_write_gate, None
+        d_q = d_q + d_q_from_start * decays.from_start
+        d_k = d_k + d_k_erase + d_k_to_end * decays.to_end
+        d_log_alpha = jnp.where(log_alpha > LOG_ALPHA_FLOOR, d_log_alpha, 0)
+        return d_q, d_k, d_v, d_log_alpha, d_erase_gate, d_write_gate
 
 
 def chunk_backward(d_end, start, q, k, v, log_alpha, erase_gate, write_gate, d_y):
@@ -209,7 +224,7 @@ def _hoisted_forward(inputs, initial_states, resets, *, keep_starts):
     blocks = (f.w, f.u, k_to_end, q_from_start, f.decays.whole)
     out = scan_blocks(state_pass, blocks, initial_states, resets, keep_starts=keep_starts)
     (corrections, y_start), *starts, finals = out
-    return y_start + f.scores @ corrections, finals, starts
+    return outputs(y_start, f.scores, corrections), finals, starts
 
 
 def _hoisted_backward(inputs, starts, resets, d_ys, d_finals):

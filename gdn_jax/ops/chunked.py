@@ -62,6 +62,18 @@ from gdn_jax.ops.wy import DELTA, WriteRule
 
 over_chunks = jax.vmap
 
+# The stages' names in a compiled program's op metadata (``jax.named_scope``), by which
+# ``benchmarks/stage_profile.py`` reads where a profile's time goes; ``channel_chunked.py``
+# and the Pallas kernels name theirs the same way.
+STAGES = (
+    FACTORS := "factors",
+    STATE_PASS := "state_pass",
+    OUTPUTS := "outputs",
+    FACTORS_AGAIN := "factors_again",
+    STATE_PASS_BACKWARD := "state_pass_backward",
+    INPUT_GRADS := "input_grads",
+)
+
 
 def cast_to(dtype, *arrays):
     """``arrays`` cast to ``dtype`` (None, and an empty tuple in place of a gate, stay as
@@ -105,13 +117,14 @@ def state_pass(
     the queries read the state in one product. Per-channel decays (KDA and GDN-2,
     ``channel_chunked.py``), ``exp(g_C) [K]``, decay the state as ``S Diag(exp(g_C))``.
     """
-    faded = jnp.atleast_1d(whole)[None, :] * state  # [1, 1] or [1, K] against [V, K]
-    if w is None:
-        return faded + u.T @ k_to_end, ((), q_from_start @ state.T)
-    chunk = w.shape[0]
-    reads = jnp.concatenate([w, q_from_start]) @ state.T
-    corrections = u - reads[:chunk]
-    return faded + corrections.T @ k_to_end, (corrections, reads[chunk:])
+    with jax.named_scope(STATE_PASS):
+        faded = jnp.atleast_1d(whole)[None, :] * state  # [1, 1] or [1, K] against [V, K]
+        if w is None:
+            return faded + u.T @ k_to_end, ((), q_from_start @ state.T)
+        chunk = w.shape[0]
+        reads = jnp.concatenate([w, q_from_start]) @ state.T
+        corrections = u - reads[:chunk]
+        return faded + corrections.T @ k_to_end, (corrections, reads[chunk:])
 
 
 def state_pass_bwd(d_end, start, w, u, k_to_end, q_from_start, whole, d_u_intra, d_y):
@@ -123,17 +136,18 @@ def state_pass_bwd(d_end, start, w, u, k_to_end, q_from_start, whole, d_u_intra,
     cotangents' products with the start state, ``dY S`` and ``dw = -dU S``, need no carried
     state: the chunk's gradients form them.
     """
-    corrections = u if w is None else u - w @ start.T
-    d_u = d_u_intra + k_to_end @ d_end.T
-    faded = jnp.atleast_1d(whole)[None, :] * d_end
-    if w is None:
-        d_start = faded + d_y.T @ q_from_start
-    else:
-        cotangents = jnp.concatenate([d_y, -d_u])
-        d_start = faded + cotangents.T @ jnp.concatenate([q_from_start, w])
-    # One decay over the chunk (a scalar) or one per key channel (a column of the state).
-    d_whole = jnp.sum(d_end * start) if jnp.ndim(whole) == 0 else jnp.sum(d_end * start, 0)
-    return d_start, (corrections, d_u, corrections @ d_end, d_whole)
+    with jax.named_scope(STATE_PASS_BACKWARD):
+        corrections = u if w is None else u - w @ start.T
+        d_u = d_u_intra + k_to_end @ d_end.T
+        faded = jnp.atleast_1d(whole)[None, :] * d_end
+        if w is None:
+            d_start = faded + d_y.T @ q_from_start
+        else:
+            cotangents = jnp.concatenate([d_y, -d_u])
+            d_start = faded + cotangents.T @ jnp.concatenate([q_from_start, w])
+        # One decay over the chunk (a scalar) or one per key channel (a column of the state).
+        d_whole = jnp.sum(d_end * start) if jnp.ndim(whole) == 0 else jnp.sum(d_end * start, 0)
+        return d_start, (corrections, d_u, corrections @ d_end, d_whole)
 
 
 def state_step(state, w, u, k, q, from_start, to_end, whole):
@@ -158,8 +172,9 @@ def chunk_output(
 ) -> Float[Array, "C V"]:
     """``Y [C, V]`` of one chunk: its read of the start state plus the causal intra-chunk
     part."""
-    attn_CxC = (q @ k.T) * decays.within
-    return y_start + attn_CxC @ corrections
+    with jax.named_scope(OUTPUTS):
+        attn_CxC = (q @ k.T) * decays.within
+        return y_start + attn_CxC @ corrections
 
 
 def chunk_grads(write: WriteRule, q, k, v, beta, decays, inverse, start, d):
@@ -172,29 +187,31 @@ def chunk_grads(write: WriteRule, q, k, v, beta, decays, inverse, start, d):
     backward, which calls this after its loop, keeps no ``[C, C]`` array per chunk through
     the loop for it.
     """
-    d_y, corrections, d_u, d_k_to_end, d_whole = d
-    qk = q @ k.T
-    d_y_u = d_y @ corrections.T
-    d_attn = d_y_u * decays.within
-    d_y_start = d_y @ start
-    grads = write.factors_bwd(k, v, beta, decays, inverse, start, corrections, d_u)
-    d_q = d_y_start * decays.from_start[:, None] + d_attn @ k
-    d_k = d_attn.T @ q + d_k_to_end * decays.to_end[:, None] + grads.k
-    if grads.gram is not None:
-        d_k = d_k + (grads.gram + grads.gram.T) @ k
-    d_decays = ChunkDecays(
-        within=d_y_u * qk + grads.within,
-        from_start=(d_y_start * q).sum(1) + grads.from_start,
-        to_end=(d_k_to_end * k).sum(1),
-        whole=d_whole,
-    )
-    return d_q, d_k, grads.v, grads.beta, chunk_decays_bwd(decays, d_decays)
+    with jax.named_scope(INPUT_GRADS):
+        d_y, corrections, d_u, d_k_to_end, d_whole = d
+        qk = q @ k.T
+        d_y_u = d_y @ corrections.T
+        d_attn = d_y_u * decays.within
+        d_y_start = d_y @ start
+        grads = write.factors_bwd(k, v, beta, decays, inverse, start, corrections, d_u)
+        d_q = d_y_start * decays.from_start[:, None] + d_attn @ k
+        d_k = d_attn.T @ q + d_k_to_end * decays.to_end[:, None] + grads.k
+        if grads.gram is not None:
+            d_k = d_k + (grads.gram + grads.gram.T) @ k
+        d_decays = ChunkDecays(
+            within=d_y_u * qk + grads.within,
+            from_start=(d_y_start * q).sum(1) + grads.from_start,
+            to_end=(d_k_to_end * k).sum(1),
+            whole=d_whole,
+        )
+        return d_q, d_k, grads.v, grads.beta, chunk_decays_bwd(decays, d_decays)
 
 
 def chunk_prepare(write: WriteRule, q, k, v, log_alpha, beta):
     """Stage 1 for one chunk: its decays and WY factors."""
-    decays = chunk_decays(log_alpha)
-    return decays, write.factors(k, v, beta, decays)
+    with jax.named_scope(FACTORS):
+        decays = chunk_decays(log_alpha)
+        return decays, write.factors(k, v, beta, decays)
 
 
 def chunk_forward(
@@ -220,8 +237,9 @@ def chunk_forward(
 def chunk_backward_inputs(write: WriteRule, q, k, v, log_alpha, beta, d_y):
     """What the reverse state pass needs of one chunk: stage 1 again and the cotangent of
     ``U`` from the chunk's own outputs, ``(Q K^T * Gamma)^T dY``."""
-    decays, factors = chunk_prepare(write, q, k, v, log_alpha, beta)
-    return decays, factors, ((q @ k.T) * decays.within).T @ d_y
+    with jax.named_scope(FACTORS_AGAIN):
+        decays, factors = chunk_prepare(write, q, k, v, log_alpha, beta)
+        return decays, factors, ((q @ k.T) * decays.within).T @ d_y
 
 
 def chunk_backward(write: WriteRule, d_end, start, q, k, v, log_alpha, beta, d_y):

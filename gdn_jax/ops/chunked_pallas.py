@@ -54,6 +54,9 @@ BLOCK_V = 64
 # of the chunk loop (each chunk's loads depend on nothing carried). Not yet tuned on a GPU.
 NUM_WARPS = 4
 NUM_STAGES = 1
+# The kernels' names in a compiled program's op metadata, as chunked.STAGES are the XLA
+# form's: benchmarks/stage_profile.py reads a profile by them.
+KERNEL_FORWARD, KERNEL_BACKWARD = "pallas_forward", "pallas_backward"
 
 
 def _forward_kernel(
@@ -146,7 +149,8 @@ def kernel_forward(q, k, v, log_alpha, beta, initial_states, resets, *, chunk_si
         name="gated_delta_rule_chunked_pallas",
     )
     starts_seq, ends_seq = resets
-    return call(starts_seq, ends_seq, q, k, v, log_alpha, beta, initial_states, initial_states)
+    with jax.named_scope(KERNEL_FORWARD):
+        return call(starts_seq, ends_seq, q, k, v, log_alpha, beta, initial_states, initial_states)
 
 
 def _backward_kernel(
@@ -251,10 +255,11 @@ def kernel_backward(inputs, chunk_starts, resets, d_y, d_finals, *, chunk_size: 
         name="gated_delta_rule_chunked_pallas_bwd",
     )
     starts_seq, ends_seq = resets
-    d_q, d_k, d_v, d_log_alpha, d_beta, d_initial = call(
-        starts_seq, ends_seq, q, k, v, log_alpha, beta, chunk_starts, d_y.astype(compute),
-        d_finals.astype(compute), d_initial.astype(compute),
-    )  # fmt: skip
+    with jax.named_scope(KERNEL_BACKWARD):
+        d_q, d_k, d_v, d_log_alpha, d_beta, d_initial = call(
+            starts_seq, ends_seq, q, k, v, log_alpha, beta, chunk_starts, d_y.astype(compute),
+            d_finals.astype(compute), d_initial.astype(compute),
+        )  # fmt: skip
 
     def over_group(x):  # value heads' shares of their key head's q and k
         return x.reshape(batch, padded, heads, group, key_dim).sum(3)

@@ -34,6 +34,7 @@ def test_smoke_run_writes_every_measurement(tmp_path):
                 "1",
                 "--item",
                 "gdn:hoisted,in_scan,pallas",
+                "--profile",
             ]
         )
     data = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -60,6 +61,15 @@ def test_smoke_run_writes_every_measurement(tmp_path):
     table = (tmp_path / "gpu_check.md").read_text()
     assert "| Gated DeltaNet | 1×96 | gdn_jax in_scan |" in table
     assert "`python train.py`" in table and "- fla: " in table
+    # --profile: each program's time by stage, every stage of its form found in the trace.
+    for impl, stages in (
+        ("gdn_jax hoisted", ("factors", "state_pass", "state_pass_backward", "input_grads")),
+        ("gdn_jax pallas", ("pallas_forward", "pallas_backward")),
+    ):
+        profile = rows[impl]["fwd+bwd"]["stages"]
+        assert profile["where"] == "host" and profile["calls"] == 3, profile
+        assert all(profile["ms_per_call"].get(s, 0) > 0 for s in stages), profile
+    assert "| Gated DeltaNet | 1×96 | gdn_jax pallas | - |" in table.split("by stage")[1]
 
 
 def test_bad_item_is_one_error_naming_it(capsys):
