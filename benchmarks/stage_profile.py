@@ -5,7 +5,7 @@
 runs ``compiled(*args)`` ``calls`` times under ``jax.profiler.trace``, takes the trace's op
 events (each names the HLO instruction it ran, ``hlo_op``), and gives each instruction the
 stage whose named scope its ``op_name`` metadata holds: the chunked form's
-(``gdn_jax.ops.chunked.STAGES``) or the Pallas kernels'. An instruction in none of them is
+or the Pallas kernels' (``gdn_jax.ops.stages``). An instruction in none of them is
 ``"other"``: the layouts, the norms of q and k, the gates, casts and pads around the stages.
 
 Time is each event's own time, its nested events taken out (a loop's event on the CPU holds
@@ -23,9 +23,9 @@ import re
 import tempfile
 from pathlib import Path
 
-from gdn_jax.ops import chunked, chunked_pallas
+from gdn_jax.ops import stages as stage_names
 
-STAGES = (*chunked.STAGES, chunked_pallas.KERNEL_FORWARD, chunked_pallas.KERNEL_BACKWARD)
+STAGES = stage_names.ALL
 OTHER = "other"
 # One instruction of HLO text: its name and its metadata's op_name.
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?op_name=\"([^\"]*)\"")

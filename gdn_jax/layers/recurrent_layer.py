@@ -141,13 +141,8 @@ class RecurrentLayer(nnx.Module):
             conv_size=conv_size,
             norm_eps=norm_eps,
         )
-        checks.check_flag(
-            name,
-            use_gate=use_gate,
-            use_short_conv=use_short_conv,
-            conv_bias=conv_bias,
-            allow_neg_eigval=allow_neg_eigval,
-        )
+        switches = dict(use_gate=use_gate, use_short_conv=use_short_conv, conv_bias=conv_bias)
+        checks.check_flag(name, allow_neg_eigval=allow_neg_eigval, **switches)
         checks.check_impl(name, impl)
         self.chunk_size = checks.check_chunk_size(name, chunk_size)
         checks.check_schedule(name, schedule)

@@ -11,6 +11,8 @@ blocks. Packed sequences add two integer arrays over the blocks:
 
 Blocks never straddle two sequences (the chunked form lays each sequence out from a chunk
 boundary, see ``varlen.py``). Without ``resets`` there is one sequence over all blocks.
+``map_groups`` maps a function over blocks a group at a time (the chunked backward's
+gradients, where all blocks at once would not fit an accelerator's memory).
 """
 
 from __future__ import annotations
@@ -113,3 +115,35 @@ def barrier_off_cpu(*xs):
     return jax.lax.platform_dependent(
         *xs, cpu=lambda *a: a, default=lambda *a: jax.lax.optimization_barrier(a)
     )
+
+
+def map_groups(fn, xs, size):
+    """``fn`` of each entry of ``xs`` along their leading axis, ``size`` entries at a
+    time (the last group shorter), batched within a group: ``jax.lax.map(fn, xs,
+    batch_size=size)``, except that each group's inputs are sliced out of ``xs`` where they
+    lie and its outputs written into their place in the whole. ``lax.map`` stacks ``xs``
+    group-major first, a copy of every input (here cast to float32 as well), which on a TPU
+    holds more temp than slicing in place (docs/benchmarks.md).
+    ``xs`` and ``fn``'s outputs may hold None (a gate an op does not have)."""
+    total = jax.tree.leaves(xs)[0].shape[0]
+    fn = jax.vmap(fn)
+    if total <= size:
+        return fn(*xs)
+    groups, rest = divmod(total, size)
+
+    def take(start, length):
+        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, length), xs)
+
+    def put(whole, part, start):
+        return jax.tree.map(
+            lambda w, p: jax.lax.dynamic_update_slice_in_dim(w, p, start, 0), whole, part
+        )
+
+    shapes = jax.eval_shape(fn, *take(0, size))
+    whole = jax.tree.map(lambda s: jnp.zeros((total, *s.shape[1:]), s.dtype), shapes)
+    whole = jax.lax.fori_loop(
+        0, groups, lambda i, whole: put(whole, fn(*take(i * size, size)), i * size), whole
+    )
+    if rest:
+        whole = put(whole, fn(*take(groups * size, rest)), groups * size)
+    return whole

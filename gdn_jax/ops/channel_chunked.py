@@ -53,8 +53,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from gdn_jax.ops import checks
-from gdn_jax.ops.blocks import barrier_off_cpu, scan_blocks, scan_blocks_backward
+from gdn_jax.ops import checks, stages
+from gdn_jax.ops.blocks import barrier_off_cpu, map_groups, scan_blocks, scan_blocks_backward
 from gdn_jax.ops.channel_decays import (
     ChannelDecays,
     channel_scores,
@@ -62,13 +62,8 @@ from gdn_jax.ops.channel_decays import (
     level_sums,
 )
 from gdn_jax.ops.chunked import (
-    FACTORS,
-    FACTORS_AGAIN,
-    INPUT_GRADS,
-    OUTPUTS,
     cast_back,
     cast_to,
-    chunk_layout,
     dtypes_of,
     over_chunks,
     state_pass,
@@ -76,6 +71,7 @@ from gdn_jax.ops.chunked import (
 )
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
 from gdn_jax.ops.dispatch import run_schedule
+from gdn_jax.ops.varlen import chunk_layout
 from gdn_jax.ops.wy import two_products, two_products_bwd
 
 Gate = Float[Array, " C"] | Float[Array, "C D"]  # one number per token, or one per channel
@@ -130,7 +126,7 @@ def chunk_factors(
     """Stage 1 for one chunk (inputs in the compute dtype); ``write_gate=None`` writes with
     the erase gate (KDA's ``beta``), ``WRITTEN`` writes ``v`` as it is. Both scores come from
     one pass over the levels."""
-    with jax.named_scope(FACTORS):
+    with jax.named_scope(stages.FACTORS):
         erase = gated(k, erase_gate)
         (scores, erase_scores), decays = channel_scores((q, erase), k, clamped(log_alpha))
         w, u, inverse = two_products(
@@ -141,7 +137,7 @@ def chunk_factors(
 
 def outputs(y_start, scores, corrections):
     """Stage 3: ``Y = diag(exp(g)) Q S^T + M U`` from the state pass's read and ``U``."""
-    with jax.named_scope(OUTPUTS):
+    with jax.named_scope(stages.OUTPUTS):
         return y_start + scores @ corrections
 
 
@@ -160,7 +156,7 @@ def chunk_forward(state, q, k, v, log_alpha, erase_gate, write_gate):
 def backward_inputs(q, k, v, log_alpha, erase_gate, write_gate, d_y):
     """What the reverse state pass needs of one chunk: stage 1 again, the decayed keys and
     queries, and the cotangent of ``U`` from the chunk's own outputs, ``M^T dY``."""
-    with jax.named_scope(FACTORS_AGAIN):
+    with jax.named_scope(stages.FACTORS_AGAIN):
         f = chunk_factors(q, k, v, log_alpha, erase_gate, write_gate)
         k_to_end, q_from_start = k * f.decays.to_end, q * f.decays.from_start
         return f, k_to_end, q_from_start, f.scores.T @ d_y
@@ -170,7 +166,7 @@ def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d):
     """Gradients of one chunk's q, k, v, log_alpha and gates from its inputs (compute
     dtype), ``T``, start state ``S`` and what the reverse state pass returned, ``d = (dY, U,
     dU, d(K decayed to the end), d exp(G_C))``. The decays and the levels are formed again."""
-    with jax.named_scope(INPUT_GRADS):
+    with jax.named_scope(stages.INPUT_GRADS):
         d_y, corrections, d_u, d_k_to_end, d_whole = d
         levels, decays = level_sums(clamped(log_alpha))
         erase = gated(k, erase_gate)
@@ -266,38 +262,6 @@ def _grads_in_groups(grads_of, xs):
     return jax.lax.platform_dependent(
         *xs, cpu=in_groups(CPU_GRADS_GROUP), default=in_groups(GRADS_GROUP)
     )
-
-
-def map_groups(fn, xs, size):
-    """``fn`` of each entry of ``xs`` along their leading axis, ``size`` entries at a
-    time (the last group shorter), batched within a group: ``jax.lax.map(fn, xs,
-    batch_size=size)``, except that each group's inputs are sliced out of ``xs`` where they
-    lie and its outputs written into their place in the whole. ``lax.map`` stacks ``xs``
-    group-major first, a copy of every input (here cast to float32 as well), which on a TPU
-    holds more temp than slicing in place (docs/benchmarks.md).
-    ``xs`` and ``fn``'s outputs may hold None (a gate an op does not have)."""
-    total = jax.tree.leaves(xs)[0].shape[0]
-    fn = jax.vmap(fn)
-    if total <= size:
-        return fn(*xs)
-    groups, rest = divmod(total, size)
-
-    def take(start, length):
-        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, length), xs)
-
-    def put(whole, part, start):
-        return jax.tree.map(
-            lambda w, p: jax.lax.dynamic_update_slice_in_dim(w, p, start, 0), whole, part
-        )
-
-    shapes = jax.eval_shape(fn, *take(0, size))
-    whole = jax.tree.map(lambda s: jnp.zeros((total, *s.shape[1:]), s.dtype), shapes)
-    whole = jax.lax.fori_loop(
-        0, groups, lambda i, whole: put(whole, fn(*take(i * size, size)), i * size), whole
-    )
-    if rest:
-        whole = put(whole, fn(*take(groups * size, rest)), groups * size)
-    return whole
 
 
 def _writes_first(inputs, dtype, *, wider_too: bool):
@@ -399,7 +363,7 @@ def channel_chunked_rule(
     chunked form of one head (``rule.Rule.chunked``) with ``gates = (log_alpha [T, K], b
     [T, K], w [T, V])`` (GDN-2) or ``(log_alpha [T, K], beta [T])`` (KDA: one gate erases
     and writes) in the compute dtype, q, k and v in it or narrower (``q`` unscaled),
-    ``initial_states [N, V, K]``. The layout is ``chunked.chunk_layout``'s. Returns ``(y [T,
+    ``initial_states [N, V, K]``. The layout is ``varlen.chunk_layout``'s. Returns ``(y [T,
     V], finals [N, V, K])``."""
     log_alpha, erase_gate, *write_gate = gates
     layout = chunk_layout(q.shape[0], chunk_size, cu_seqlens)

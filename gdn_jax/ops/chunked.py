@@ -46,33 +46,19 @@ t's chunk and the other sequences of a packed batch are never touched
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from gdn_jax.ops import checks
+from gdn_jax.ops import checks, stages
 from gdn_jax.ops.blocks import barrier_off_cpu, scan_blocks, scan_blocks_backward
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR, ChunkDecays, chunk_decays, chunk_decays_bwd
 from gdn_jax.ops.dispatch import run_schedule
-from gdn_jax.ops.varlen import pack_layout
+from gdn_jax.ops.varlen import chunk_layout
 from gdn_jax.ops.wy import DELTA, WriteRule
 
 over_chunks = jax.vmap
-
-# The stages' names in a compiled program's op metadata (``jax.named_scope``), by which
-# ``benchmarks/stage_profile.py`` reads where a profile's time goes; ``channel_chunked.py``
-# and the Pallas kernels name theirs the same way.
-STAGES = (
-    FACTORS := "factors",
-    STATE_PASS := "state_pass",
-    OUTPUTS := "outputs",
-    FACTORS_AGAIN := "factors_again",
-    STATE_PASS_BACKWARD := "state_pass_backward",
-    INPUT_GRADS := "input_grads",
-)
 
 
 def cast_to(dtype, *arrays):
@@ -117,7 +103,7 @@ def state_pass(
     the queries read the state in one product. Per-channel decays (KDA and GDN-2,
     ``channel_chunked.py``), ``exp(g_C) [K]``, decay the state as ``S Diag(exp(g_C))``.
     """
-    with jax.named_scope(STATE_PASS):
+    with jax.named_scope(stages.STATE_PASS):
         faded = jnp.atleast_1d(whole)[None, :] * state  # [1, 1] or [1, K] against [V, K]
         if w is None:
             return faded + u.T @ k_to_end, ((), q_from_start @ state.T)
@@ -136,7 +122,7 @@ def state_pass_bwd(d_end, start, w, u, k_to_end, q_from_start, whole, d_u_intra,
     cotangents' products with the start state, ``dY S`` and ``dw = -dU S``, need no carried
     state: the chunk's gradients form them.
     """
-    with jax.named_scope(STATE_PASS_BACKWARD):
+    with jax.named_scope(stages.STATE_PASS_BACKWARD):
         corrections = u if w is None else u - w @ start.T
         d_u = d_u_intra + k_to_end @ d_end.T
         faded = jnp.atleast_1d(whole)[None, :] * d_end
@@ -172,7 +158,7 @@ def chunk_output(
 ) -> Float[Array, "C V"]:
     """``Y [C, V]`` of one chunk: its read of the start state plus the causal intra-chunk
     part."""
-    with jax.named_scope(OUTPUTS):
+    with jax.named_scope(stages.OUTPUTS):
         attn_CxC = (q @ k.T) * decays.within
         return y_start + attn_CxC @ corrections
 
@@ -187,7 +173,7 @@ def chunk_grads(write: WriteRule, q, k, v, beta, decays, inverse, start, d):
     backward, which calls this after its loop, keeps no ``[C, C]`` array per chunk through
     the loop for it.
     """
-    with jax.named_scope(INPUT_GRADS):
+    with jax.named_scope(stages.INPUT_GRADS):
         d_y, corrections, d_u, d_k_to_end, d_whole = d
         qk = q @ k.T
         d_y_u = d_y @ corrections.T
@@ -209,7 +195,7 @@ def chunk_grads(write: WriteRule, q, k, v, beta, decays, inverse, start, d):
 
 def chunk_prepare(write: WriteRule, q, k, v, log_alpha, beta):
     """Stage 1 for one chunk: its decays and WY factors."""
-    with jax.named_scope(FACTORS):
+    with jax.named_scope(stages.FACTORS):
         decays = chunk_decays(log_alpha)
         return decays, write.factors(k, v, beta, decays)
 
@@ -237,7 +223,7 @@ def chunk_forward(
 def chunk_backward_inputs(write: WriteRule, q, k, v, log_alpha, beta, d_y):
     """What the reverse state pass needs of one chunk: stage 1 again and the cotangent of
     ``U`` from the chunk's own outputs, ``(Q K^T * Gamma)^T dY``."""
-    with jax.named_scope(FACTORS_AGAIN):
+    with jax.named_scope(stages.FACTORS_AGAIN):
         decays, factors = chunk_prepare(write, q, k, v, log_alpha, beta)
         return decays, factors, ((q @ k.T) * decays.within).T @ d_y
 
@@ -376,36 +362,3 @@ def chunked_rule(
     cores = {name: functools.partial(chunked_core, write, name) for name in SCHEDULES}
     ys, finals = run_schedule(cores, schedule, *chunks, initial_states, layout.resets)
     return layout.from_chunks(ys), finals
-
-
-class ChunkLayout(NamedTuple):
-    """Tokens ``[T, ...]`` to chunks ``[NC, C, ...]`` and outputs ``[NC, C, V]`` back to
-    ``[T, V]``, with the resets of ``blocks.scan_blocks`` (None for one sequence)."""
-
-    to_chunks: Callable
-    from_chunks: Callable
-    resets: tuple | None
-
-
-def chunk_layout(seq_len: int, chunk_size: int, cu_seqlens=None) -> ChunkLayout:
-    """The chunks of one sequence, its tail padded with inert tokens (zero inputs, so zero
-    q, k, v, beta and log_alpha: no decay, no write), or of packed ``cu_seqlens``, each
-    sequence starting on a chunk boundary (``varlen.pack_layout``)."""
-    if cu_seqlens is not None:
-        layout = pack_layout(cu_seqlens, seq_len, chunk_size)
-        return ChunkLayout(
-            lambda x: layout.scatter(x).reshape(-1, chunk_size, *x.shape[1:]),
-            lambda y: layout.gather(y.reshape(-1, y.shape[-1])),
-            layout.resets,
-        )
-    num_chunks = -(-seq_len // chunk_size)
-    pad = num_chunks * chunk_size - seq_len
-
-    def to_chunks(x):
-        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-        return x.reshape(num_chunks, chunk_size, *x.shape[1:])
-
-    def from_chunks(y):
-        return y.reshape(num_chunks * chunk_size, -1)[:seq_len]
-
-    return ChunkLayout(to_chunks, from_chunks, None)

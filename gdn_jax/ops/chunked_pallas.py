@@ -41,10 +41,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from gdn_jax.ops import pallas_chunk
-from gdn_jax.ops.chunked import chunk_layout
+from gdn_jax.ops import pallas_chunk, stages
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
-from gdn_jax.ops.varlen import pack_layout
+from gdn_jax.ops.varlen import chunk_layout, pack_layout
 
 # The value channels of one program: its state block is [BLOCK_V, K] (32 KiB of float32
 # at K = 128, in registers), and B * HV * V / BLOCK_V programs fill the GPU. Not yet tuned
@@ -54,9 +53,6 @@ BLOCK_V = 64
 # of the chunk loop (each chunk's loads depend on nothing carried). Not yet tuned on a GPU.
 NUM_WARPS = 4
 NUM_STAGES = 1
-# The kernels' names in a compiled program's op metadata, as chunked.STAGES are the XLA
-# form's: benchmarks/stage_profile.py reads a profile by them.
-KERNEL_FORWARD, KERNEL_BACKWARD = "pallas_forward", "pallas_backward"
 
 
 def _forward_kernel(
@@ -149,7 +145,7 @@ def kernel_forward(q, k, v, log_alpha, beta, initial_states, resets, *, chunk_si
         name="gated_delta_rule_chunked_pallas",
     )
     starts_seq, ends_seq = resets
-    with jax.named_scope(KERNEL_FORWARD):
+    with jax.named_scope(stages.KERNEL_FORWARD):
         return call(starts_seq, ends_seq, q, k, v, log_alpha, beta, initial_states, initial_states)
 
 
@@ -255,7 +251,7 @@ def kernel_backward(inputs, chunk_starts, resets, d_y, d_finals, *, chunk_size: 
         name="gated_delta_rule_chunked_pallas_bwd",
     )
     starts_seq, ends_seq = resets
-    with jax.named_scope(KERNEL_BACKWARD):
+    with jax.named_scope(stages.KERNEL_BACKWARD):
         d_q, d_k, d_v, d_log_alpha, d_beta, d_initial = call(
             starts_seq, ends_seq, q, k, v, log_alpha, beta, chunk_starts, d_y.astype(compute),
             d_finals.astype(compute), d_initial.astype(compute),

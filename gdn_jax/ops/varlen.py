@@ -11,6 +11,7 @@ recurrent form) the layout is the identity.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -77,3 +78,36 @@ def segment_positions(
     # the offsets vary across shards (jax 0.10.2), as the sequence-parallel form's do.
     seq = jnp.sum(cu[None, :] <= t[:, None], axis=1, dtype=jnp.int32) - 1
     return seq, t - cu[seq]
+
+
+class ChunkLayout(NamedTuple):
+    """Tokens ``[T, ...]`` to chunks ``[NC, C, ...]`` and outputs ``[NC, C, V]`` back to
+    ``[T, V]``, with the resets of ``blocks.scan_blocks`` (None for one sequence)."""
+
+    to_chunks: Callable
+    from_chunks: Callable
+    resets: tuple | None
+
+
+def chunk_layout(seq_len: int, chunk_size: int, cu_seqlens=None) -> ChunkLayout:
+    """The chunks of one sequence, its tail padded with inert tokens (zero inputs, so zero
+    q, k, v, beta and log_alpha: no decay, no write), or of packed ``cu_seqlens``, each
+    sequence starting on a chunk boundary (``pack_layout``)."""
+    if cu_seqlens is not None:
+        layout = pack_layout(cu_seqlens, seq_len, chunk_size)
+        return ChunkLayout(
+            lambda x: layout.scatter(x).reshape(-1, chunk_size, *x.shape[1:]),
+            lambda y: layout.gather(y.reshape(-1, y.shape[-1])),
+            layout.resets,
+        )
+    num_chunks = -(-seq_len // chunk_size)
+    pad = num_chunks * chunk_size - seq_len
+
+    def to_chunks(x):
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape(num_chunks, chunk_size, *x.shape[1:])
+
+    def from_chunks(y):
+        return y.reshape(num_chunks * chunk_size, -1)[:seq_len]
+
+    return ChunkLayout(to_chunks, from_chunks, None)
