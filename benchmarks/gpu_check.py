@@ -27,11 +27,13 @@ that would start after it is recorded as skipped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import importlib.util
 import json
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -506,7 +508,39 @@ def parse_items(specs: list[str], sizes) -> list[tuple]:
     return items
 
 
-def check_ops(report: Report, sizes, items, repeats, deadline):
+def parse_launches(specs: list[str]) -> list[str | None]:
+    """``--pallas-launch BVxFWxBW`` values (block_v, forward and backward warps) as given,
+    checked; none given is the kernel's own launch."""
+    for spec in specs:
+        if not re.fullmatch(r"[1-9]\d*x[1-9]\d*x[1-9]\d*", spec):
+            raise ValueError(
+                f"--pallas-launch {spec!r}: give BLOCK_VxFORWARD_WARPSxBACKWARD_WARPS, e.g. 32x4x8"
+            )
+    return list(specs) or [None]
+
+
+@contextlib.contextmanager
+def pallas_launch(spec: str | None):
+    """The Pallas kernels launched as ``spec`` says while the block runs (None: as they are)."""
+    if spec is None:
+        yield
+        return
+    import jax
+
+    from gdn_jax.ops import chunked_pallas
+
+    block_v, forward, backward = (int(n) for n in spec.split("x"))
+    before = chunked_pallas.LAUNCH
+    chunked_pallas.LAUNCH = chunked_pallas.Launch(block_v, forward, backward, before.num_stages)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        chunked_pallas.LAUNCH = before
+        jax.clear_caches()
+
+
+def check_ops(report: Report, sizes, items, repeats, deadline, launches=(None,)):
     heads, dim, chunk = sizes["heads"], sizes["dim"], sizes["chunk"]
     peers = peers_available()
     for peer, why in peers.items():
@@ -538,14 +572,21 @@ def check_ops(report: Report, sizes, items, repeats, deadline):
             if schedule == "pallas" and op.key != "gdn":
                 report.skip(f"pallas {label}", "the kernel is Gated DeltaNet's only")
                 continue
-            timings, values = gdn_jax_runs(op, arrays, schedule, chunk, repeats)
-            fractions = {peer: agreement(values, pv) for peer, pv in peer_values.items()}
-            row = dict(op=op.name, shape=shape, impl=f"gdn_jax {schedule}", **timings)
-            report.add_op(dict(row, agreement=fractions))
-            print(f"{label} gdn_jax {schedule}: {_summary(timings)} {fractions}", flush=True)
-            # The other schedule is checked against this one too (on a host without the
-            # peers, the only comparison there is).
-            peer_values[f"gdn_jax {schedule}"] = values
+            for launch in launches if schedule == "pallas" else [None]:
+                impl = f"gdn_jax {schedule}" + ("" if launch is None else f" {launch}")
+                try:
+                    with pallas_launch(launch):
+                        timings, values = gdn_jax_runs(op, arrays, schedule, chunk, repeats)
+                except Exception as error:  # a kernel that fails to compile is recorded
+                    report.skip(f"{impl} {label}", f"{type(error).__name__}: {error}"[:400])
+                    continue
+                fractions = {peer: agreement(values, pv) for peer, pv in peer_values.items()}
+                row = dict(op=op.name, shape=shape, impl=impl, **timings)
+                report.add_op(dict(row, agreement=fractions))
+                print(f"{label} {impl}: {_summary(timings)} {fractions}", flush=True)
+                # The other forms are checked against this one too (on a host without the
+                # peers, the only comparison there is).
+                peer_values[impl] = values
 
 
 # fla runs in a child process with a time limit: its first call autotunes its Triton kernels,
@@ -680,6 +721,11 @@ def main(argv=None):
         help=f"measure only this (repeatable; default everything): OP in {[o.key for o in OPS]}, "
         f"IMPL in {list(IMPLS)}, e.g. kda@4x4096:jla,hoisted",
     )  # fmt: skip
+    parser.add_argument(
+        "--pallas-launch", action="append", default=[], metavar="BVxFWxBW",
+        help="time impl 'pallas' launched so (repeatable): its forward's value block and "
+        "each kernel's warps, e.g. 32x4x8; default the kernel's own",
+    )  # fmt: skip
     parser.add_argument("--child", metavar="IMPL:OP:BxT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -691,12 +737,13 @@ def main(argv=None):
         return
     try:
         items = parse_items(args.item, sizes)
+        launches = parse_launches(args.pallas_launch)
     except ValueError as error:
         parser.error(str(error))
     began = time.perf_counter()
     report = Report(args.out, environment())
     print(report.data["environment"], flush=True)
-    check_ops(report, sizes, items, args.repeats, began + args.budget)
+    check_ops(report, sizes, items, args.repeats, began + args.budget, launches)
     if not args.skip_training:
         check_training(report, args.smoke, args.repeats)
     print(f"done in {time.perf_counter() - began:.0f} s; {args.out / 'gpu_check.md'}")

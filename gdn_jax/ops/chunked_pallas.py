@@ -1,9 +1,9 @@
 """The chunked gated delta rule as one Pallas kernel over the batch's own layout
 (``impl="pallas"``), beside the XLA form it accelerates (``chunked.py``).
 
-Each program of the grid ``(B, HV, V / BLOCK_V)`` owns one sequence, one value head and a
+Each program of the grid ``(B, HV, V / block_v)`` owns one sequence, one value head and a
 block of the value channels, and walks its sequence's chunks in order with the state block
-``S [BLOCK_V, K]`` held on chip from the first chunk to the last. It reads each chunk's
+``S [block_v, K]`` held on chip from the first chunk to the last. It reads each chunk's
 tiles straight from ``q, k [B, T, H, K]``, ``v [B, T, HV, V]`` and the gates ``[B, T, HV]``
 (no transposed copies) and does the whole of ``chunked.py``'s three stages per chunk:
 
@@ -34,6 +34,7 @@ full float32 precision (Triton's IEEE mode, not TF32), matching the XLA form.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -45,14 +46,23 @@ from gdn_jax.ops import pallas_chunk, stages
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
 from gdn_jax.ops.varlen import chunk_layout, pack_layout
 
-# The value channels of one program: its state block is [BLOCK_V, K] (32 KiB of float32
-# at K = 128, in registers), and B * HV * V / BLOCK_V programs fill the GPU. Not yet tuned
-# on a GPU.
-BLOCK_V = 64
-# Triton's launch options for the kernel: four warps per program, no software pipelining
-# of the chunk loop (each chunk's loads depend on nothing carried). Not yet tuned on a GPU.
-NUM_WARPS = 4
-NUM_STAGES = 1
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How the kernels are launched. ``block_v``: the value channels of a forward program,
+    whose state block is ``[block_v, K]`` (32 KiB of float32 at 64 x 128, in registers);
+    ``B * HV * V / block_v`` programs fill the GPU. Triton's warps per program of each
+    kernel (the backward's holds a whole value head's state and its cotangent), and no
+    software pipelining of the chunk loop (each chunk's loads depend on nothing carried).
+    Not yet tuned on a GPU: ``benchmarks/gpu_check.py --pallas-launch`` times others."""
+
+    block_v: int = 64
+    forward_warps: int = 4
+    backward_warps: int = 4
+    num_stages: int = 1
+
+
+LAUNCH = Launch()
 
 
 def _forward_kernel(
@@ -62,9 +72,9 @@ def _forward_kernel(
     """One program: one sequence, value head and value block over all its chunks.
 
     Refs: ``starts_seq, ends_seq [NC]`` (the resets of ``blocks.scan_blocks``), ``q, k [Tc,
-    K]``, ``v [Tc, BLOCK_V]``, ``g, beta [Tc]``, ``h0 [N, BLOCK_V, K]``; out ``y [Tc,
-    BLOCK_V]``, ``finals [N, BLOCK_V, K]`` (aliased to ``h0``'s copy, so that a sequence with
-    no tokens keeps its initial state), ``chunk_starts [NC, BLOCK_V, K]``.
+    K]``, ``v [Tc, block_v]``, ``g, beta [Tc]``, ``h0 [N, block_v, K]``; out ``y [Tc,
+    block_v]``, ``finals [N, block_v, K]`` (aliased to ``h0``'s copy, so that a sequence with
+    no tokens keeps its initial state), ``chunk_starts [NC, block_v, K]``.
     """
     compute = h0_ref.dtype
 
@@ -102,7 +112,7 @@ def kernel_forward(q, k, v, log_alpha, beta, initial_states, resets, *, chunk_si
     num_states = initial_states.shape[0]
     group = v_heads // heads
     num_chunks = padded // chunk_size
-    block_v = min(BLOCK_V, value_dim)
+    block_v = min(LAUNCH.block_v, value_dim)
     if value_dim % block_v:
         block_v = value_dim
     grid = (batch, v_heads, value_dim // block_v)
@@ -141,7 +151,9 @@ def kernel_forward(q, k, v, log_alpha, beta, initial_states, resets, *, chunk_si
         out_shape=out_shape,
         input_output_aliases={8: 1},  # the finals start as the initial states
         interpret=not _on_gpu(),
-        compiler_params=pl_triton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        compiler_params=pl_triton.CompilerParams(
+            num_warps=LAUNCH.forward_warps, num_stages=LAUNCH.num_stages
+        ),
         name="gated_delta_rule_chunked_pallas",
     )
     starts_seq, ends_seq = resets
@@ -247,7 +259,9 @@ def kernel_backward(inputs, chunk_starts, resets, d_y, d_finals, *, chunk_size: 
         out_shape=out_shape,
         input_output_aliases={10: 5},  # the initial states' cotangents start as d_initial
         interpret=not _on_gpu(),
-        compiler_params=pl_triton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        compiler_params=pl_triton.CompilerParams(
+            num_warps=LAUNCH.backward_warps, num_stages=LAUNCH.num_stages
+        ),
         name="gated_delta_rule_chunked_pallas_bwd",
     )
     starts_seq, ends_seq = resets

@@ -35,17 +35,26 @@ def test_smoke_run_writes_every_measurement(tmp_path):
                 "--item",
                 "gdn:hoisted,in_scan,pallas",
                 "--profile",
+                "--pallas-launch",
+                "16x4x4",
+                "--pallas-launch",
+                "8x2x8",
             ]
         )
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     rows = {row["impl"]: row for row in data["ops"]}
-    assert sorted(rows) == ["gdn_jax hoisted", "gdn_jax in_scan", "gdn_jax pallas"]
+    assert sorted(rows) == [
+        "gdn_jax hoisted",
+        "gdn_jax in_scan",
+        "gdn_jax pallas 16x4x4",
+        "gdn_jax pallas 8x2x8",  # two value blocks of 8 a forward program
+    ]
     for row in rows.values():
         for part in ("fwd", "fwd+bwd"):
             assert row[part]["ms"] > 0 and row[part]["peak_bytes"] > 0, row
     # The two schedules and the kernel agree on the output, the final state and every
     # input's gradient.
-    for later in ("gdn_jax in_scan", "gdn_jax pallas"):
+    for later in ("gdn_jax in_scan", "gdn_jax pallas 16x4x4", "gdn_jax pallas 8x2x8"):
         fractions = rows[later]["agreement"]["gdn_jax hoisted"]
         assert sorted(fractions) == ["dbeta", "dk", "dlog_alpha", "dq", "dv", "final_state", "o"]
         assert max(fractions.values()) <= 1.0, fractions
@@ -64,12 +73,35 @@ def test_smoke_run_writes_every_measurement(tmp_path):
     # --profile: each program's time by stage, every stage of its form found in the trace.
     for impl, stages in (
         ("gdn_jax hoisted", ("factors", "state_pass", "state_pass_backward", "input_grads")),
-        ("gdn_jax pallas", ("pallas_forward", "pallas_backward")),
+        ("gdn_jax pallas 8x2x8", ("pallas_forward", "pallas_backward")),
     ):
         profile = rows[impl]["fwd+bwd"]["stages"]
         assert profile["where"] == "host" and profile["calls"] == 3, profile
         assert all(profile["ms_per_call"].get(s, 0) > 0 for s in stages), profile
-    assert "| Gated DeltaNet | 1×96 | gdn_jax pallas | - |" in table.split("by stage")[1]
+    assert "| Gated DeltaNet | 1×96 | gdn_jax pallas 8x2x8 | - |" in table.split("by stage")[1]
+    # The launch that was set for a row is undone after it.
+    from gdn_jax.ops import chunked_pallas
+
+    assert chunked_pallas.LAUNCH == chunked_pallas.Launch()
+
+
+def test_a_form_that_fails_is_recorded_and_the_rest_measured(tmp_path, monkeypatch):
+    """A kernel that Triton refuses on the GPU must not end the run that measures the rest."""
+    check = load_check()
+    measure = check.gdn_jax_runs
+
+    def refuse_the_kernel(op, arrays, schedule, chunk, repeats):
+        if schedule == "pallas":
+            raise RuntimeError("out of shared memory")
+        return measure(op, arrays, schedule, chunk, repeats)
+
+    monkeypatch.setattr(check, "gdn_jax_runs", refuse_the_kernel)
+    out = ["--smoke", "--out", str(tmp_path), "--repeats", "1", "--skip-training"]
+    check.main([*out, "--item", "gdn:pallas,hoisted"])
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [row["impl"] for row in data["ops"]] == ["gdn_jax hoisted"]
+    skipped = {entry["what"]: entry["why"] for entry in data["skipped"]}
+    assert skipped["gdn_jax pallas Gated DeltaNet 1×96"] == "RuntimeError: out of shared memory"
 
 
 def test_bad_item_is_one_error_naming_it(capsys):
@@ -82,6 +114,13 @@ def test_bad_item_is_one_error_naming_it(capsys):
         "gpu_check.py: error: --item 'kdx@1x96:hoisted,bogus': unknown op 'kdx' (one of "
         "['gdn', 'gdn2', 'kda']), implementation 'bogus' (one of ['fla', 'jla', 'hoisted', "
         "'in_scan', 'pallas'])"
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        check.main(["--smoke", "--out", "unused", "--pallas-launch", "0x4x4"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "gpu_check.py: error: --pallas-launch '0x4x4': give "
+        "BLOCK_VxFORWARD_WARPSxBACKWARD_WARPS, e.g. 32x4x8"
     )
 
 
