@@ -6,8 +6,12 @@
 #
 #     bash benchmarks/gpu_run.sh OUT [check budget s, default 300] [test limit s, default 180]
 #
-# TRAIN_LIMIT (seconds after the budget for the training items, default 150), CHECK_ARGS (more arguments for gpu_check.py, such as --item) and TESTS (the test paths,
-# default the op, layer and model tests) narrow a run.
+# TRAIN_LIMIT (seconds after the budget for the training items, default 150), CHECK_ARGS (more
+# arguments for gpu_check.py, such as --item) and TESTS (the test paths, default the op, layer
+# and model tests) narrow a run. PROFILE_ARGS (gpu_check.py arguments, such as --item) adds a
+# second, profiled pass of those items after the first (OUT/profile/), in its own process, so
+# that a profiler that fails costs nothing the first pass measured; PROFILE_LIMIT (seconds,
+# default 150) bounds it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: gpu_run.sh OUT [check budget s] [test limit s]}"
@@ -30,6 +34,13 @@ began=$SECONDS
 timeout -k 10 $((budget + ${TRAIN_LIMIT:-150})) python3 benchmarks/gpu_check.py --out "$out" --budget "$budget" \
     ${CHECK_ARGS:-} 2>&1 | tee "$out/gpu_check.log"
 echo "gpu_check: exit ${PIPESTATUS[0]} after $((SECONDS - began)) s"
+if [ -n "${PROFILE_ARGS:-}" ]; then
+    began=$SECONDS
+    # Its log goes to the terminal only: what comes back from the GPU host is eight files.
+    timeout -k 10 "${PROFILE_LIMIT:-150}" python3 benchmarks/gpu_check.py --out "$out/profile" \
+        --profile --skip-training --repeats 3 ${PROFILE_ARGS} 2>&1 | tail -n 30
+    echo "gpu_check --profile: exit ${PIPESTATUS[0]} after $((SECONDS - began)) s"
+fi
 began=$SECONDS
 GDN_TEST_PLATFORMS=cuda timeout -s INT -k 20 "$test_limit" python3 -m pytest -n 12 -rfE \
     --tb=short -p no:cacheprovider --junitxml="$out/pytest_gpu.xml" \
