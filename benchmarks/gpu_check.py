@@ -508,14 +508,15 @@ def parse_items(specs: list[str], sizes) -> list[tuple]:
     return items
 
 
+LAUNCH_FORM = "FORWARD_BLOCK_VxFORWARD_WARPSxBACKWARD_BLOCK_VxBACKWARD_WARPS, e.g. 64x4x64x8"
+
+
 def parse_launches(specs: list[str]) -> list[str | None]:
-    """``--pallas-launch BVxFWxBW`` values (block_v, forward and backward warps) as given,
-    checked; none given is the kernel's own launch."""
+    """``--pallas-launch`` values (``chunked_pallas.Launch``'s fields: each kernel's value
+    block and warps) as given, checked; none given is the kernel's own launch."""
     for spec in specs:
-        if not re.fullmatch(r"[1-9]\d*x[1-9]\d*x[1-9]\d*", spec):
-            raise ValueError(
-                f"--pallas-launch {spec!r}: give BLOCK_VxFORWARD_WARPSxBACKWARD_WARPS, e.g. 32x4x8"
-            )
+        if not re.fullmatch(r"[1-9]\d*(x[1-9]\d*){3}", spec):
+            raise ValueError(f"--pallas-launch {spec!r}: give {LAUNCH_FORM}")
     return list(specs) or [None]
 
 
@@ -529,9 +530,12 @@ def pallas_launch(spec: str | None):
 
     from gdn_jax.ops import chunked_pallas
 
-    block_v, forward, backward = (int(n) for n in spec.split("x"))
+    block_v, forward, backward_block_v, backward = (int(n) for n in spec.split("x"))
     before = chunked_pallas.LAUNCH
-    chunked_pallas.LAUNCH = chunked_pallas.Launch(block_v, forward, backward, before.num_stages)
+    chunked_pallas.LAUNCH = dataclasses.replace(
+        before, block_v=block_v, forward_warps=forward, backward_block_v=backward_block_v,
+        backward_warps=backward,
+    )  # fmt: skip
     jax.clear_caches()
     try:
         yield
@@ -722,9 +726,9 @@ def main(argv=None):
         f"IMPL in {list(IMPLS)}, e.g. kda@4x4096:jla,hoisted",
     )  # fmt: skip
     parser.add_argument(
-        "--pallas-launch", action="append", default=[], metavar="BVxFWxBW",
-        help="time impl 'pallas' launched so (repeatable): its forward's value block and "
-        "each kernel's warps, e.g. 32x4x8; default the kernel's own",
+        "--pallas-launch", action="append", default=[], metavar="FBVxFWxBBVxBW",
+        help="time impl 'pallas' launched so (repeatable): each kernel's value block and "
+        "warps, e.g. 64x4x64x8; default the kernel's own",
     )  # fmt: skip
     parser.add_argument("--child", metavar="IMPL:OP:BxT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -15,10 +15,10 @@ tiles straight from ``q, k [B, T, H, K]``, ``v [B, T, HV, V]`` and the gates ``[
 3. the outputs ``Y = diag(exp(g)) Q S^T + (Q K^T * Gamma) U``.
 
 It also writes each chunk's start state, the one residual the backward needs besides the
-inputs. The backward is a second kernel on the same grid but the value blocks (a program
-owns a whole value head: the gradients of q, k and the gates sum over all its value
-channels). It walks the chunks last to first carrying the state's cotangent ``dS [V, K]``
-on chip, and does per chunk what ``chunked.chunk_backward`` does: stage 1 again, the
+inputs. The backward is a second kernel, on a grid of its own value blocks (by default a
+program owns a whole value head; with smaller blocks each writes its share of the gradients
+of q, k and the gates, which sum over the value channels, added up after it). It walks the
+chunks last to first carrying its block of the state's cotangent ``dS`` on chip, and does per chunk what ``chunked.chunk_backward`` does: stage 1 again, the
 reverse state pass, then every input's gradient from the chunk's start state. Its sums and
 products are the XLA form's, term for term (``chunked.py``, ``wy.py``, ``decays.py`` give
 the derivations).
@@ -51,13 +51,18 @@ from gdn_jax.ops.varlen import chunk_layout, pack_layout
 class Launch:
     """How the kernels are launched. ``block_v``: the value channels of a forward program,
     whose state block is ``[block_v, K]`` (32 KiB of float32 at 64 x 128, in registers);
-    ``B * HV * V / block_v`` programs fill the GPU. Triton's warps per program of each
-    kernel (the backward's holds a whole value head's state and its cotangent), and no
-    software pipelining of the chunk loop (each chunk's loads depend on nothing carried).
-    Not yet tuned on a GPU: ``benchmarks/gpu_check.py --pallas-launch`` times others."""
+    ``B * HV * V / block_v`` programs fill the GPU. ``backward_block_v``: those of a backward
+    program, which holds a block of the state and of its cotangent (None: the whole value
+    head, one program per sequence and value head); with several blocks each writes its
+    share of the gradients of q, k and the gates, summed after the kernel (one more
+    ``[B, T, HV, K]`` array for q and for k a block). Triton's warps per program of each
+    kernel, and no software pipelining of the chunk loop (each chunk's loads depend on
+    nothing carried). Not yet tuned on a GPU: ``benchmarks/gpu_check.py --pallas-launch``
+    times others."""
 
     block_v: int = 64
     forward_warps: int = 4
+    backward_block_v: int | None = None
     backward_warps: int = 4
     num_stages: int = 1
 
@@ -167,14 +172,17 @@ def _backward_kernel(
     d_q_ref, d_k_ref, d_v_ref, d_g_ref, d_beta_ref, d_initial_ref, *, chunk: int,
     num_chunks: int,
 ):  # fmt: skip
-    """One program: one sequence and value head over its chunks, last to first, carrying the
-    state's cotangent ``dS [V, K]`` (``chunked.chunk_backward``'s stages per chunk: the
-    reverse state pass, then every input's gradient from the chunk's start state).
+    """One program: one sequence, value head and block of ``Vb`` value channels over its
+    chunks, last to first, carrying that block of the state's cotangent ``dS [Vb, K]``
+    (``chunked.chunk_backward``'s stages per chunk: the reverse state pass, then every
+    input's gradient from the chunk's start state). The state's rows, one a value channel,
+    evolve apart, and the gradients of q, k and the gates are sums over the rows: a block's
+    are its share of them.
 
-    Refs as ``_forward_kernel``'s, with ``chunk_starts [NC, V, K]``, ``d_y [Tc, V]`` and
-    ``d_finals [N, V, K]`` in; out the gradients of ``q, k [Tc, K]`` (this value head's
-    share), ``v [Tc, V]``, ``g, beta [Tc]`` and ``d_initial [N, V, K]``, aliased to its
-    start (``d_finals`` for the sequences with no tokens, else zeros)."""
+    Refs as ``_forward_kernel``'s, with ``chunk_starts [NC, Vb, K]``, ``d_y [Tc, Vb]`` and
+    ``d_finals [N, Vb, K]`` in; out the gradients of ``q, k [Tc, K]`` and ``g, beta [Tc]``
+    (this value head's and block's share), ``v [Tc, Vb]`` and ``d_initial [N, Vb, K]``,
+    aliased to its start (``d_finals`` for the sequences with no tokens, else zeros)."""
     compute = chunk_starts_ref.dtype
 
     def one_chunk(step, d_carry):
@@ -214,46 +222,51 @@ def kernel_backward(inputs, chunk_starts, resets, d_y, d_finals, *, chunk_size: 
     num_chunks = padded // chunk_size
     compute = chunk_starts.dtype
     squeezed = pl.squeezed
+    block_v = min(LAUNCH.backward_block_v or value_dim, value_dim)
+    if value_dim % block_v:
+        block_v = value_dim
+    blocks = value_dim // block_v
     ends_seq = resets[1].reshape(-1)
     ends = jnp.where(ends_seq >= 0, ends_seq, num_states)
     ends_somewhere = jnp.zeros(num_states, bool).at[ends].set(True, mode="drop")
     # A sequence with no tokens passes its initial state straight to its final state.
     d_initial = jnp.where(ends_somewhere[:, None, None, None], 0, d_finals)
-    states = (num_states, squeezed, value_dim, key_dim)
+    states = pl.BlockSpec((num_states, squeezed, block_v, key_dim), lambda b, h, j: (0, h, j, 0))
+    sq = squeezed
     by_token = {
-        "qk": pl.BlockSpec((squeezed, padded, squeezed, key_dim), lambda b, h: (b, 0, h // group, 0)),
-        "per_head_k": pl.BlockSpec((squeezed, padded, squeezed, key_dim), lambda b, h: (b, 0, h, 0)),
-        "v": pl.BlockSpec((squeezed, padded, squeezed, value_dim), lambda b, h: (b, 0, h, 0)),
-        "gate": pl.BlockSpec((squeezed, padded, squeezed), lambda b, h: (b, 0, h)),
+        "qk": pl.BlockSpec((sq, padded, sq, key_dim), lambda b, h, j: (b, 0, h // group, 0)),
+        "v": pl.BlockSpec((sq, padded, sq, block_v), lambda b, h, j: (b, 0, h, j)),
+        "gate": pl.BlockSpec((sq, padded, sq), lambda b, h, j: (b, 0, h)),
+        # The shares of a value head's block: [blocks, B, Tc, HV, K] and [blocks, B, Tc, HV].
+        "share_k": pl.BlockSpec((sq, sq, padded, sq, key_dim), lambda b, h, j: (j, b, 0, h, 0)),
+        "share": pl.BlockSpec((sq, sq, padded, sq), lambda b, h, j: (j, b, 0, h)),
     }  # fmt: skip
-    resets_spec = pl.BlockSpec((squeezed, num_chunks), lambda b, h: (b, 0))
+    resets_spec = pl.BlockSpec((squeezed, num_chunks), lambda b, h, j: (b, 0))
     in_specs = [
         resets_spec, resets_spec, by_token["qk"], by_token["qk"], by_token["v"],
         by_token["gate"], by_token["gate"],
         pl.BlockSpec(
-            (squeezed, num_chunks, squeezed, value_dim, key_dim), lambda b, h: (b, 0, h, 0, 0)
+            (sq, num_chunks, sq, block_v, key_dim), lambda b, h, j: (b, 0, h, j, 0)
         ),
-        by_token["v"],
-        pl.BlockSpec(states, lambda b, h: (0, h, 0, 0)),
-        pl.BlockSpec(states, lambda b, h: (0, h, 0, 0)),
+        by_token["v"], states, states,
     ]  # fmt: skip
     out_specs = [
-        by_token["per_head_k"], by_token["per_head_k"], by_token["v"], by_token["gate"],
-        by_token["gate"], pl.BlockSpec(states, lambda b, h: (0, h, 0, 0)),
+        by_token["share_k"], by_token["share_k"], by_token["v"], by_token["share"],
+        by_token["share"], states,
     ]  # fmt: skip
-    per_head_k = (batch, padded, v_heads, key_dim)
+    shares_k, shares = (blocks, batch, padded, v_heads, key_dim), (blocks, *log_alpha.shape)
     out_shape = [
-        jax.ShapeDtypeStruct(per_head_k, compute),
-        jax.ShapeDtypeStruct(per_head_k, compute),
+        jax.ShapeDtypeStruct(shares_k, compute),
+        jax.ShapeDtypeStruct(shares_k, compute),
         jax.ShapeDtypeStruct(v.shape, compute),
-        jax.ShapeDtypeStruct(log_alpha.shape, compute),
-        jax.ShapeDtypeStruct(beta.shape, compute),
+        jax.ShapeDtypeStruct(shares, compute),
+        jax.ShapeDtypeStruct(shares, compute),
         jax.ShapeDtypeStruct(d_finals.shape, compute),
     ]
     kernel = functools.partial(_backward_kernel, chunk=chunk_size, num_chunks=num_chunks)
     call = pl.pallas_call(
         kernel,
-        grid=(batch, v_heads),
+        grid=(batch, v_heads, blocks),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -271,9 +284,10 @@ def kernel_backward(inputs, chunk_starts, resets, d_y, d_finals, *, chunk_size: 
             d_finals.astype(compute), d_initial.astype(compute),
         )  # fmt: skip
 
-    def over_group(x):  # value heads' shares of their key head's q and k
-        return x.reshape(batch, padded, heads, group, key_dim).sum(3)
+    def over_group(x):  # the blocks' and value heads' shares of their key head's q and k
+        return x.sum(0).reshape(batch, padded, heads, group, key_dim).sum(3)
 
+    d_log_alpha, d_beta = d_log_alpha.sum(0), d_beta.sum(0)
     return over_group(d_q), over_group(d_k), d_v, d_log_alpha, d_beta, d_initial
 
 

@@ -66,6 +66,30 @@ def test_packed_sequences_with_an_empty_one_and_initial_states():
     assert_same(inputs, jnp.float64, 16, cu=cu)
 
 
+@pytest.fixture
+def launched(monkeypatch):
+    """``launched(**fields)``: the kernels launched so for the test, compiled afresh (jit
+    caches programs by their inputs, not by the launch they read while tracing)."""
+
+    def launch(**fields):
+        monkeypatch.setattr(chunked_pallas, "LAUNCH", chunked_pallas.Launch(**fields))
+        jax.clear_caches()
+
+    yield launch
+    jax.clear_caches()  # the default launch for the tests after this one
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_value_blocks_of_both_kernels_equal_one_block(launched, packed):
+    """Forward programs of 16 value channels and backward programs of 8 (V = 20 pads to 32:
+    two and four blocks a value head), whose shares of the gradients of q, k and the gates
+    are summed after the kernel."""
+    launched(block_v=16, backward_block_v=8)
+    inputs = random_inputs(3, 45, 12, 20, dtype=jnp.float64, lead=(1,), heads=(2, 4))
+    cu = jnp.array([0, 7, 7, 30, 45], jnp.int32) if packed else None
+    assert_same(inputs, jnp.float64, 16, cu=cu, err_msg=f"packed={packed}")
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_narrow_inputs_keep_their_dtype_and_agree(dtype):
     """q, k and v in float32 or bf16 (state and gates in float32): the outputs in v's dtype,
@@ -121,10 +145,12 @@ def _triton_deprecation_from_jax_0_11():
     return pytest.warns(DeprecationWarning, match="Pallas Triton backend is deprecated")
 
 
-def test_lowers_for_a_gpu_through_triton(monkeypatch):
+@pytest.mark.parametrize("backward_block_v", [None, 16])
+def test_lowers_for_a_gpu_through_triton(monkeypatch, launched, backward_block_v):
     """The forward and backward program, lowered for CUDA on this CPU host (no GPU needed):
     the two kernels are Triton calls, at shapes off their tiles (T = 40, K = 12, V = 20,
-    grouped heads, bf16)."""
+    grouped heads, bf16), the backward's programs a whole value head or half of one."""
+    launched(backward_block_v=backward_block_v)
     monkeypatch.setattr(chunked_pallas, "_on_gpu", lambda: True)  # lower it, don't interpret
     q, k, v, la, b = random_inputs(5, 40, 12, 20, lead=(1,), heads=(2, 4))
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
