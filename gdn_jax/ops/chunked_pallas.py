@@ -40,7 +40,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
 
 from gdn_jax.ops import pallas_chunk, stages
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
@@ -106,6 +105,16 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def _triton(num_warps: int):
+    """Triton's launch options, on a GPU only: the interpret mode needs none, and so does not
+    import the backend JAX has deprecated."""
+    if not _on_gpu():
+        return None
+    from jax.experimental.pallas import triton as pl_triton
+
+    return pl_triton.CompilerParams(num_warps=num_warps, num_stages=LAUNCH.num_stages)
+
+
 def kernel_forward(q, k, v, log_alpha, beta, initial_states, resets, *, chunk_size: int):
     """The kernel over the batch: q, k ``[B, Tc, H, K]``, v ``[B, Tc, HV, V]``, gates ``[B,
     Tc, HV]`` with ``Tc`` a multiple of ``chunk_size`` (the chunk layout), ``initial_states
@@ -156,9 +165,7 @@ def kernel_forward(q, k, v, log_alpha, beta, initial_states, resets, *, chunk_si
         out_shape=out_shape,
         input_output_aliases={8: 1},  # the finals start as the initial states
         interpret=not _on_gpu(),
-        compiler_params=pl_triton.CompilerParams(
-            num_warps=LAUNCH.forward_warps, num_stages=LAUNCH.num_stages
-        ),
+        compiler_params=_triton(LAUNCH.forward_warps),
         name="gated_delta_rule_chunked_pallas",
     )
     starts_seq, ends_seq = resets
@@ -272,9 +279,7 @@ def kernel_backward(inputs, chunk_starts, resets, d_y, d_finals, *, chunk_size: 
         out_shape=out_shape,
         input_output_aliases={10: 5},  # the initial states' cotangents start as d_initial
         interpret=not _on_gpu(),
-        compiler_params=pl_triton.CompilerParams(
-            num_warps=LAUNCH.backward_warps, num_stages=LAUNCH.num_stages
-        ),
+        compiler_params=_triton(LAUNCH.backward_warps),
         name="gated_delta_rule_chunked_pallas_bwd",
     )
     starts_seq, ends_seq = resets
