@@ -508,14 +508,17 @@ def parse_items(specs: list[str], sizes) -> list[tuple]:
     return items
 
 
-LAUNCH_FORM = "FORWARD_BLOCK_VxFORWARD_WARPSxBACKWARD_BLOCK_VxBACKWARD_WARPS, e.g. 64x4x64x8"
+LAUNCH_FORM = (
+    "FORWARD_BLOCK_VxFORWARD_WARPSxBACKWARD_BLOCK_VxBACKWARD_WARPS[:ieee|:tf32x3], "
+    "e.g. 64x4x64x8 or 64x4x64x8:ieee"
+)
 
 
 def parse_launches(specs: list[str]) -> list[str | None]:
     """``--pallas-launch`` values (``chunked_pallas.Launch``'s fields: each kernel's value
     block and warps) as given, checked; none given is the kernel's own launch."""
     for spec in specs:
-        if not re.fullmatch(r"[1-9]\d*(x[1-9]\d*){3}", spec):
+        if not re.fullmatch(r"[1-9]\d*(x[1-9]\d*){3}(:ieee|:tf32x3)?", spec):
             raise ValueError(f"--pallas-launch {spec!r}: give {LAUNCH_FORM}")
     return list(specs) or [None]
 
@@ -530,11 +533,12 @@ def pallas_launch(spec: str | None):
 
     from gdn_jax.ops import chunked_pallas
 
-    block_v, forward, backward_block_v, backward = (int(n) for n in spec.split("x"))
+    sizes, _, products = spec.partition(":")
+    block_v, forward, backward_block_v, backward = (int(n) for n in sizes.split("x"))
     before = chunked_pallas.LAUNCH
     chunked_pallas.LAUNCH = dataclasses.replace(
         before, block_v=block_v, forward_warps=forward, backward_block_v=backward_block_v,
-        backward_warps=backward,
+        backward_warps=backward, products=products or before.products,
     )  # fmt: skip
     jax.clear_caches()
     try:
@@ -728,7 +732,8 @@ def main(argv=None):
     parser.add_argument(
         "--pallas-launch", action="append", default=[], metavar="FBVxFWxBBVxBW",
         help="time impl 'pallas' launched so (repeatable): each kernel's value block and "
-        "warps, e.g. 64x4x64x8; default the kernel's own",
+        "warps, and the float32 products' precision, e.g. 64x4x64x8:ieee; default the "
+        "kernel's own",
     )  # fmt: skip
     parser.add_argument("--child", metavar="IMPL:OP:BxT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -15,27 +15,28 @@ tiles straight from ``q, k [B, T, H, K]``, ``v [B, T, HV, V]`` and the gates ``[
 3. the outputs ``Y = diag(exp(g)) Q S^T + (Q K^T * Gamma) U``.
 
 It also writes each chunk's start state, the one residual the backward needs besides the
-inputs. The backward is a second kernel, on a grid of its own value blocks (by default a
-program owns a whole value head; with smaller blocks each writes its share of the gradients
-of q, k and the gates, which sum over the value channels, added up after it). It walks the
+inputs. The backward is a second kernel, on a grid of its own value blocks (each writes its
+share of the gradients of q, k and the gates, which sum over the value channels, added up
+after it). It walks the
 chunks last to first carrying its block of the state's cotangent ``dS`` on chip, and does per chunk what ``chunked.chunk_backward`` does: stage 1 again, the
 reverse state pass, then every input's gradient from the chunk's start state. Its sums and
 products are the XLA form's, term for term (``chunked.py``, ``wy.py``, ``decays.py`` give
 the derivations).
 
 On a GPU the kernels run through Pallas's Triton backend, which also serves Ampere and
-emits Hopper's wgmma for its products. JAX deprecated that backend in 0.11 (a
-``DeprecationWarning`` at each lowering, removal announced), so this form stays opt-in
-until a Mosaic GPU form has been measured beside it. Anywhere else it runs in Pallas's interpret mode (a
-slow, faithful execution of the same kernel body in XLA), so a program written for
-``impl="pallas"`` runs on a host without a GPU. Products of float32 tiles are asked for at
-full float32 precision (Triton's IEEE mode, not TF32), matching the XLA form.
+emits Hopper's wgmma for the products, float32 ones as three TF32 passes (about float32's
+accuracy; ``Launch.products``). JAX deprecated that backend in 0.11 (a ``DeprecationWarning``
+at each lowering, removal announced), so this form stays opt-in until a Mosaic GPU form has
+been measured beside it. Anywhere else the kernels run in Pallas's interpret mode (a slow,
+faithful execution of the same body in XLA, every product at full precision), so a program
+written for ``impl="pallas"`` runs on a host without a GPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -48,22 +49,30 @@ from gdn_jax.ops.varlen import chunk_layout, pack_layout
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """How the kernels are launched. ``block_v``: the value channels of a forward program,
-    whose state block is ``[block_v, K]`` (32 KiB of float32 at 64 x 128, in registers);
-    ``B * HV * V / block_v`` programs fill the GPU. ``backward_block_v``: those of a backward
-    program, which holds a block of the state and of its cotangent (None: the whole value
-    head, one program per sequence and value head); with several blocks each writes its
-    share of the gradients of q, k and the gates, summed after the kernel (one more
-    ``[B, T, HV, K]`` array for q and for k a block). Triton's warps per program of each
-    kernel, and no software pipelining of the chunk loop (each chunk's loads depend on
-    nothing carried). Not yet tuned on a GPU: ``benchmarks/gpu_check.py --pallas-launch``
-    times others."""
+    """How the kernels are launched on a GPU.
+
+    ``block_v`` and ``backward_block_v`` are the value channels of a forward and a backward
+    program (None: the whole value head); ``B * HV * V / block_v`` programs share the GPU.
+    With several backward blocks a value head's gradients of q, k and the gates are summed
+    after the kernel from each block's share (one more ``[B, T, HV, K]`` array for q and for
+    k a block). The warps are Triton's per program, and there is no software pipelining of
+    the chunk loop (each chunk's loads depend on nothing carried). ``products``: the float32
+    products' operands, three TF32 passes (Hopper's wgmma, about float32's accuracy) or
+    Triton's IEEE float32 (scalar FMAs).
+
+    The defaults come from the kernels compiled for sm_90a without a GPU
+    (``benchmarks/triton_sm90.py``; docs/benchmarks.md): IEEE products spill heavily, a
+    backward program of a whole value head of 128 needs more shared memory than a Hopper
+    block has, and eight warps spill less than four. Not yet timed on a GPU:
+    ``benchmarks/gpu_check.py --pallas-launch`` times launches there.
+    """
 
     block_v: int = 64
-    forward_warps: int = 4
-    backward_block_v: int | None = None
-    backward_warps: int = 4
+    forward_warps: int = 8
+    backward_block_v: int | None = 64
+    backward_warps: int = 8
     num_stages: int = 1
+    products: Literal["tf32x3", "ieee"] = "tf32x3"
 
 
 LAUNCH = Launch()
@@ -71,7 +80,7 @@ LAUNCH = Launch()
 
 def _forward_kernel(
     starts_seq_ref, ends_seq_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, _finals_in,
-    y_ref, finals_ref, chunk_starts_ref, *, chunk: int, num_chunks: int,
+    y_ref, finals_ref, chunk_starts_ref, *, chunk: int, num_chunks: int, precision,
 ):  # fmt: skip
     """One program: one sequence, value head and value block over all its chunks.
 
@@ -88,7 +97,7 @@ def _forward_kernel(
         chunk_starts_ref[n] = state
         tokens = pl.ds(n * chunk, chunk)
         inputs = (ref[tokens].astype(compute) for ref in (q_ref, k_ref, v_ref, g_ref, beta_ref))
-        new_state, y = pallas_chunk.forward(state, *inputs)
+        new_state, y = pallas_chunk.forward(state, *inputs, precision=precision)
         y_ref[tokens] = y.astype(y_ref.dtype)
         last = ends_seq_ref[n]
 
@@ -105,9 +114,15 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def _precision(compute):
+    """``LAUNCH.products`` for float32 on a GPU, else full (XLA:CPU has no TF32)."""
+    if _on_gpu() and jnp.dtype(compute) == jnp.float32 and LAUNCH.products == "tf32x3":
+        return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return pallas_chunk.EXACT
+
+
 def _triton(num_warps: int):
-    """Triton's launch options, on a GPU only: the interpret mode needs none, and so does not
-    import the backend JAX has deprecated."""
+    """Triton's options, on a GPU only (the interpret mode imports no deprecated backend)."""
     if not _on_gpu():
         return None
     from jax.experimental.pallas import triton as pl_triton
@@ -156,7 +171,12 @@ def kernel_forward(q, k, v, log_alpha, beta, initial_states, resets, *, chunk_si
         jax.ShapeDtypeStruct(initial_states.shape, compute),
         jax.ShapeDtypeStruct((batch, num_chunks, v_heads, value_dim, key_dim), compute),
     ]
-    kernel = functools.partial(_forward_kernel, chunk=chunk_size, num_chunks=num_chunks)
+    kernel = functools.partial(
+        _forward_kernel,
+        chunk=chunk_size,
+        num_chunks=num_chunks,
+        precision=_precision(initial_states.dtype),
+    )
     call = pl.pallas_call(
         kernel,
         grid=grid,
@@ -177,7 +197,7 @@ def _backward_kernel(
     starts_seq_ref, ends_seq_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, chunk_starts_ref,
     d_y_ref, d_finals_ref, _d_initial_in,
     d_q_ref, d_k_ref, d_v_ref, d_g_ref, d_beta_ref, d_initial_ref, *, chunk: int,
-    num_chunks: int,
+    num_chunks: int, precision,
 ):  # fmt: skip
     """One program: one sequence, value head and block of ``Vb`` value channels over its
     chunks, last to first, carrying that block of the state's cotangent ``dS [Vb, K]``
@@ -199,7 +219,9 @@ def _backward_kernel(
         tokens = pl.ds(n * chunk, chunk)
         refs = (q_ref, k_ref, v_ref, g_ref, beta_ref, d_y_ref)
         inputs = [ref[tokens].astype(compute) for ref in refs]
-        d_start, grads = pallas_chunk.backward(d_end, chunk_starts_ref[n], *inputs)
+        d_start, grads = pallas_chunk.backward(
+            d_end, chunk_starts_ref[n], *inputs, precision=precision
+        )
         for ref, grad in zip((d_q_ref, d_k_ref, d_v_ref, d_g_ref, d_beta_ref), grads, strict=True):
             ref[tokens] = grad
         # A sequence's first chunk: its initial state's cotangent, and no dependence on the
@@ -270,7 +292,9 @@ def kernel_backward(inputs, chunk_starts, resets, d_y, d_finals, *, chunk_size: 
         jax.ShapeDtypeStruct(shares, compute),
         jax.ShapeDtypeStruct(d_finals.shape, compute),
     ]
-    kernel = functools.partial(_backward_kernel, chunk=chunk_size, num_chunks=num_chunks)
+    kernel = functools.partial(
+        _backward_kernel, chunk=chunk_size, num_chunks=num_chunks, precision=_precision(compute)
+    )
     call = pl.pallas_call(
         kernel,
         grid=(batch, v_heads, blocks),

@@ -3,9 +3,10 @@ head, on register tiles: ``chunked.py``'s stages, term for term, written for Pal
 
 Register tiles take no dynamic indexing, so a row or an entry is picked by a masked sum
 (``pick``), and the inverse of the intra-chunk system is formed by forward substitution, one
-row per step, rather than by ``triangular.py``'s doubling of blocks. Every product is at full
-precision in the compute dtype (float32: Triton's IEEE mode, not TF32), as the XLA form's.
-Shapes: ``C`` tokens, ``K`` key and ``V`` value channels (a value block in the forward).
+row per step, rather than by ``triangular.py``'s doubling of blocks. Products accumulate in
+the compute dtype, their operands at the ``precision`` the kernel passes (``products``); the
+decays' segment sums always at full precision. Shapes: ``C`` tokens, ``K`` key and ``V``
+value channels (a block of them).
 """
 
 from __future__ import annotations
@@ -13,24 +14,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-_HIGHEST = jax.lax.Precision.HIGHEST
+EXACT = jax.lax.Precision.HIGHEST
 
 
-def mm(a, b):
-    """``a @ b``, accumulated in ``a``'s dtype (the compute dtype)."""
-    return jnp.dot(a, b, precision=_HIGHEST, preferred_element_type=a.dtype)
+def products(precision):
+    """``(mm, mm_t, t_mm)``: ``a @ b``, ``a @ b^T`` and ``a^T @ b`` with operands at
+    ``precision`` (a ``jax.lax.Precision`` or ``DotAlgorithmPreset``), accumulated in ``a``'s
+    dtype (the compute dtype)."""
+
+    def product(a, b, contract):
+        dims = (contract, ((), ()))
+        return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=a.dtype)
+
+    return (
+        lambda a, b: product(a, b, ((1,), (0,))),
+        lambda a, b: product(a, b, ((1,), (1,))),
+        lambda a, b: product(a, b, ((0,), (0,))),
+    )
 
 
-def mm_t(a, b):
-    """``a @ b^T``."""
-    dims = (((1,), (1,)), ((), ()))
-    return jax.lax.dot_general(a, b, dims, precision=_HIGHEST, preferred_element_type=a.dtype)
-
-
-def t_mm(a, b):
-    """``a^T @ b``."""
-    dims = (((0,), (0,)), ((), ()))
-    return jax.lax.dot_general(a, b, dims, precision=_HIGHEST, preferred_element_type=a.dtype)
+mm, _, _ = products(EXACT)  # the decays' segment sums
 
 
 def pick(x, axis: int, index):
@@ -89,9 +92,10 @@ def unit_lower_inverse(strict):
     return jax.lax.fori_loop(1, strict.shape[0], row, eye)
 
 
-def stage_one(k, v, log_alpha, beta):
+def stage_one(k, v, log_alpha, beta, precision):
     """The decays, ``k k^T`` and ``T = (I + strict)^{-1}`` with the WY factors ``w = T
     diag(beta exp(g)) K``, ``u = T diag(beta) V`` (``wy.delta_factors``)."""
+    mm, mm_t, _ = products(precision)
     rows, cols = causal_masks(k.shape[0])
     decays = chunk_decays(log_alpha)
     within, from_start = decays[:2]
@@ -103,9 +107,10 @@ def stage_one(k, v, log_alpha, beta):
     return decays, gram, inverse, w, u
 
 
-def forward(state, q, k, v, log_alpha, beta):
+def forward(state, q, k, v, log_alpha, beta, *, precision=EXACT):
     """One chunk: ``(S [V, K], q, k [C, K], v [C, V], gates [C]) -> (S', y [C, V])``."""
-    decays, _, _, w, u = stage_one(k, v, log_alpha, beta)
+    mm, mm_t, t_mm = products(precision)
+    decays, _, _, w, u = stage_one(k, v, log_alpha, beta, precision)
     within, from_start, to_end, whole = decays
     corrections = u - mm_t(w, state)  # U = u - w S^T
     y = mm_t(q * from_start[:, None], state) + mm(mm_t(q, k) * within, corrections)
@@ -113,11 +118,12 @@ def forward(state, q, k, v, log_alpha, beta):
     return new_state, y
 
 
-def backward(d_end, start, q, k, v, log_alpha, beta, d_y):
+def backward(d_end, start, q, k, v, log_alpha, beta, d_y, *, precision=EXACT):
     """The pullback of ``forward`` given the chunk's start state (``chunked.chunk_backward``):
     ``(dS', S, inputs, dy) -> (dS, (dq, dk, dv, d log_alpha, d beta))``."""
+    mm, mm_t, t_mm = products(precision)
     rows, cols = causal_masks(q.shape[0])
-    decays, gram, inverse, w, u = stage_one(k, v, log_alpha, beta)
+    decays, gram, inverse, w, u = stage_one(k, v, log_alpha, beta, precision)
     within, from_start, to_end, whole = decays
     qk = mm_t(q, k)
     corrections = u - mm_t(w, start)

@@ -38,7 +38,7 @@ def test_smoke_run_writes_every_measurement(tmp_path):
                 "--pallas-launch",
                 "16x4x16x4",
                 "--pallas-launch",
-                "8x2x4x8",
+                "8x2x4x8:ieee",
             ]
         )
     data = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -47,14 +47,14 @@ def test_smoke_run_writes_every_measurement(tmp_path):
         "gdn_jax hoisted",
         "gdn_jax in_scan",
         "gdn_jax pallas 16x4x16x4",
-        "gdn_jax pallas 8x2x4x8",  # two value blocks of 8 a forward program, four of 4 back
+        "gdn_jax pallas 8x2x4x8:ieee",  # two value blocks of 8 a forward program, four of 4 back
     ]
     for row in rows.values():
         for part in ("fwd", "fwd+bwd"):
             assert row[part]["ms"] > 0 and row[part]["peak_bytes"] > 0, row
     # The two schedules and the kernel agree on the output, the final state and every
     # input's gradient.
-    for later in ("gdn_jax in_scan", "gdn_jax pallas 16x4x16x4", "gdn_jax pallas 8x2x4x8"):
+    for later in ("gdn_jax in_scan", "gdn_jax pallas 16x4x16x4", "gdn_jax pallas 8x2x4x8:ieee"):
         fractions = rows[later]["agreement"]["gdn_jax hoisted"]
         assert sorted(fractions) == ["dbeta", "dk", "dlog_alpha", "dq", "dv", "final_state", "o"]
         assert max(fractions.values()) <= 1.0, fractions
@@ -73,12 +73,14 @@ def test_smoke_run_writes_every_measurement(tmp_path):
     # --profile: each program's time by stage, every stage of its form found in the trace.
     for impl, stages in (
         ("gdn_jax hoisted", ("factors", "state_pass", "state_pass_backward", "input_grads")),
-        ("gdn_jax pallas 8x2x4x8", ("pallas_forward", "pallas_backward")),
+        ("gdn_jax pallas 8x2x4x8:ieee", ("pallas_forward", "pallas_backward")),
     ):
         profile = rows[impl]["fwd+bwd"]["stages"]
         assert profile["where"] == "host" and profile["calls"] == 3, profile
         assert all(profile["ms_per_call"].get(s, 0) > 0 for s in stages), profile
-    assert "| Gated DeltaNet | 1×96 | gdn_jax pallas 8x2x4x8 | - |" in table.split("by stage")[1]
+    assert (
+        "| Gated DeltaNet | 1×96 | gdn_jax pallas 8x2x4x8:ieee | - |" in table.split("by stage")[1]
+    )
     # The launch that was set for a row is undone after it.
     from gdn_jax.ops import chunked_pallas
 
@@ -120,7 +122,7 @@ def test_bad_item_is_one_error_naming_it(capsys):
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "gpu_check.py: error: --pallas-launch '0x4x4x4': give FORWARD_BLOCK_VxFORWARD_WARPSx"
-        "BACKWARD_BLOCK_VxBACKWARD_WARPS, e.g. 64x4x64x8"
+        "BACKWARD_BLOCK_VxBACKWARD_WARPS[:ieee|:tf32x3], e.g. 64x4x64x8 or 64x4x64x8:ieee"
     )
 
 

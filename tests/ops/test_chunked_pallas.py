@@ -145,6 +145,22 @@ def _triton_deprecation_from_jax_0_11():
     return pytest.warns(DeprecationWarning, match="Pallas Triton backend is deprecated")
 
 
+def test_float32_products_on_a_gpu_take_three_tf32_passes_unless_asked_for_ieee(
+    monkeypatch, launched
+):
+    """On a GPU float32 products run on the tensor cores at about float32's accuracy (IEEE
+    float32 products became scalar FMAs and spilled registers: benchmarks/triton_sm90.py);
+    float64, and the interpret mode (XLA:CPU has no TF32), keep full precision."""
+    three_passes = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    full = jax.lax.Precision.HIGHEST
+    assert chunked_pallas._precision(jnp.float32) == full  # this host: interpret mode
+    monkeypatch.setattr(chunked_pallas, "_on_gpu", lambda: True)
+    assert chunked_pallas._precision(jnp.float32) == three_passes
+    assert chunked_pallas._precision(jnp.float64) == full
+    launched(products="ieee")
+    assert chunked_pallas._precision(jnp.float32) == full
+
+
 @pytest.mark.parametrize("backward_block_v", [None, 16])
 def test_lowers_for_a_gpu_through_triton(monkeypatch, launched, backward_block_v):
     """The forward and backward program, lowered for CUDA on this CPU host (no GPU needed):
