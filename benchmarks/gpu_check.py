@@ -32,7 +32,6 @@ import dataclasses
 import functools
 import importlib.util
 import json
-import platform
 import re
 import statistics
 import subprocess
@@ -48,6 +47,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
+
+from gpu_report import Report, environment  # noqa: E402 (after the path it is found on)
 
 # (B, T) at H heads of K = V = DIM: the issue's shapes, and tiny ones for --smoke.
 FULL = dict(shapes=[(4, 4096), (1, 32768)], heads=16, dim=128, chunk=64)
@@ -315,145 +316,6 @@ def agreement(actual: dict, expected: dict) -> dict[str, float]:
 
 
 # --- the whole check ----------------------------------------------------------------------
-
-
-class Report:
-    """What the check measured, written to ``out`` (JSON and markdown) after every item."""
-
-    def __init__(self, out: Path, environment: dict):
-        self.out = out
-        self.data = dict(environment=environment, ops=[], training={}, skipped=[])
-
-    def add_op(self, row):
-        self.data["ops"].append(row)
-        self.write()
-
-    def skip(self, what, why):
-        print(f"skipped {what}: {why}", flush=True)
-        self.data["skipped"].append(dict(what=what, why=why))
-        self.write()
-
-    def write(self):
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "gpu_check.json").write_text(json.dumps(self.data, indent=1) + "\n")
-        (self.out / "gpu_check.md").write_text(markdown(self.data))
-
-
-def markdown(data) -> str:
-    env = data["environment"]
-    lines = [
-        "| " + " · ".join(f"{k} {v}" for k, v in env.items()) + " |",
-        "|---|",
-        "",
-        "| op | B×T | implementation | fwd ms | fwd+bwd ms | fwd / fla | fwd+bwd / fla "
-        "| fwd / jla | fwd+bwd / jla | peak fwd MiB | peak fwd+bwd MiB "
-        "| worst error / bf16 tolerance |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-
-    def number(value, form):
-        return "-" if value is None else format(value, form)
-
-    def ratio(row, peer, part):
-        other = next(
-            (r for r in data["ops"]
-             if (r["op"], r["shape"], r["impl"]) == (row["op"], row["shape"], peer)), None,
-        )  # fmt: skip
-        if other is None or row is other or None in (row[part]["ms"], other[part]["ms"]):
-            return "-"
-        return f"{row[part]['ms'] / other[part]['ms']:.2f}"
-
-    for row in data["ops"]:
-        errors = row.get("agreement", {})
-        worst = "; ".join(
-            f"vs {peer}: {max(f.values()):.2f} ({max(f, key=f.get)})" for peer, f in errors.items()
-        )
-        cells = [
-            row["op"], row["shape"], row["impl"],
-            number(row["fwd"]["ms"], ".2f"), number(row["fwd+bwd"]["ms"], ".2f"),
-            ratio(row, "fla", "fwd"), ratio(row, "fla", "fwd+bwd"),
-            ratio(row, "jla", "fwd"), ratio(row, "jla", "fwd+bwd"),
-            *(number(row[p]["peak_bytes"] and row[p]["peak_bytes"] / 2**20, ".1f")
-              for p in ("fwd", "fwd+bwd")),
-            worst or "-",
-        ]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += _stage_table(data["ops"])
-    training = data["training"]
-    if "step_ms" in training:
-        lines += ["", f"MQAR training step ({training['step_shape']}): {training['step_ms']:.2f} ms "
-                  f"(median of {training['repeats']}; first call {training['first_call_s']:.1f} s)"]  # fmt: skip
-    if "train_py" in training:
-        run = training["train_py"]
-        lines += ["", f"`python train.py`: {run['wall_s']:.1f} s wall, stopped at step "
-                  f"{run['final_step']} ({run['reason']}), held-out accuracy {run['eval_accuracy']}"]  # fmt: skip
-    if data["skipped"]:
-        lines += ["", "Skipped:", *(f"- {s['what']}: {s['why']}" for s in data["skipped"])]
-    return "\n".join(lines) + "\n"
-
-
-def _stage_table(rows) -> list[str]:
-    """Where each profiled forward+backward spends its time: ms per call by stage (the
-    chunked form's, the Pallas kernels', ``other``) and its costliest instruction."""
-    from stage_profile import OTHER, STAGES
-
-    profiled = [r for r in rows if "stages" in r["fwd+bwd"]]
-    if not profiled:
-        return []
-    lines = [
-        "",
-        "Forward+backward by stage (ms per call, from JAX's profiler; `stage_profile.py`):",
-        "",
-        "| op | B×T | implementation | " + " | ".join((*STAGES, OTHER)) + " | costliest op |",
-        "|---|---|---|" + "---:|" * (len(STAGES) + 1) + "---|",
-    ]
-    for row in profiled:
-        stages = row["fwd+bwd"]["stages"]
-        if "error" in stages:
-            cells = [stages["error"] + f" ({stages.get('where', '')})", *[""] * len(STAGES)]
-            lines.append(
-                f"| {row['op']} | {row['shape']} | {row['impl']} | " + " | ".join(cells) + " | |"
-            )
-            continue
-        ms = stages["ms_per_call"]
-        top = stages["top"][0] if stages["top"] else None
-        costliest = (
-            "-" if top is None else f"{top['op']} ({top['stage']}, {top['ms_per_call']:.2f})"
-        )
-        cells = [f"{ms[s]:.2f}" if s in ms else "-" for s in (*STAGES, OTHER)]
-        lines.append(
-            f"| {row['op']} | {row['shape']} | {row['impl']} | "
-            + " | ".join(cells)
-            + f" | {costliest} |"
-        )
-    return lines
-
-
-def environment() -> dict:
-    import jax
-    import jaxlib
-
-    env = dict(
-        device=f"{len(jax.devices())} x {jax.devices()[0].device_kind}",
-        jax=jax.__version__,
-        jaxlib=jaxlib.__version__,
-        python=platform.python_version(),
-    )
-    for package in ("torch", "triton", "fla", "jla", "flax"):
-        if importlib.util.find_spec(package) is not None:
-            try:
-                env[package] = __import__(package).__version__
-            except Exception as error:  # a broken install is reported, not fatal
-                env[package] = f"unimportable: {type(error).__name__}: {error}"
-    try:
-        driver = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, check=True, timeout=20,
-        ).stdout.strip()  # fmt: skip
-        env["driver"] = driver
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return env
 
 
 def peers_available() -> dict[str, str | None]:
