@@ -92,13 +92,14 @@ def check_hidden(fn: str, x, hidden_size: int) -> None:
     check_floating(fn, x=x)
 
 
-def check_packed(fn: str, cu_seqlens, x):
-    """A layer's ``cu_seqlens`` for its input ``x [B, T, D]`` (checked first), as an array
-    (``as_cu_seqlens``; None stays None). Checked here rather than left to the op,
-    so that the error shows the layer's ``x``, not the heads the layer made of it."""
+def check_packed(fn: str, cu_seqlens, x, name: str = "x"):
+    """A layer's or model's ``cu_seqlens`` for its input ``x [B, T, ...]`` (checked first),
+    called ``name``, as an array (``as_cu_seqlens``; None stays None). Checked here rather
+    than left to the op, so that the error shows the caller's input, not the heads the layer
+    made of it."""
     cu_seqlens = as_cu_seqlens(fn, cu_seqlens)
     if cu_seqlens is not None:
-        check_cu_seqlens(fn, cu_seqlens, "x", x.shape)
+        check_cu_seqlens(fn, cu_seqlens, name, x.shape)
     return cu_seqlens
 
 

@@ -128,9 +128,7 @@ class LanguageModel(nnx.Module):
         """Final normalised hidden states ``[B, T, D]``."""
         x = self._embed(tokens, mask)
         # Checked in the model's view (its tokens), before the layers check it in theirs.
-        cu_seqlens = checks.as_cu_seqlens("LanguageModel", cu_seqlens)
-        if cu_seqlens is not None:
-            checks.check_cu_seqlens("LanguageModel", cu_seqlens, "tokens", tokens.shape)
+        cu_seqlens = input_checks.check_packed("LanguageModel", cu_seqlens, tokens, "tokens")
         for block in self.blocks:
             x = block(x, mask=mask, cu_seqlens=cu_seqlens)
         return self.norm(x)

@@ -17,8 +17,8 @@ tiles straight from ``q, k [B, T, H, K]``, ``v [B, T, HV, V]`` and the gates ``[
 It also writes each chunk's start state, the one residual the backward needs besides the
 inputs. The backward is a second kernel, on a grid of its own value blocks (each writes its
 share of the gradients of q, k and the gates, which sum over the value channels, added up
-after it). It walks the
-chunks last to first carrying its block of the state's cotangent ``dS`` on chip, and does per chunk what ``chunked.chunk_backward`` does: stage 1 again, the
+after it). It walks the chunks last to first carrying its block of the state's cotangent
+``dS`` on chip, and does per chunk what ``chunked.chunk_backward`` does: stage 1 again, the
 reverse state pass, then every input's gradient from the chunk's start state. Its sums and
 products are the XLA form's, term for term (``chunked.py``, ``wy.py``, ``decays.py`` give
 the derivations).
@@ -49,14 +49,12 @@ from gdn_jax.ops.varlen import chunk_layout, pack_layout
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """How the kernels are launched on a GPU.
-
-    ``block_v`` and ``backward_block_v`` are the value channels of a forward and a backward
-    program (None: the whole value head); ``B * HV * V / block_v`` programs share the GPU.
-    With several backward blocks a value head's gradients of q, k and the gates are summed
-    after the kernel from each block's share (one more ``[B, T, HV, K]`` array for q and for
-    k a block). The warps are Triton's per program, and there is no software pipelining of
-    the chunk loop (each chunk's loads depend on nothing carried). ``products``: the float32
+    """How the kernels are launched on a GPU. ``block_v`` and ``backward_block_v`` are the
+    value channels of a forward and a backward program (None: the whole value head). With
+    several backward blocks a value head's gradients of q, k and the gates are summed after
+    the kernel from each block's share (one more ``[B, T, HV, K]`` array for q and for k a
+    block). The warps are Triton's per program, and there is no software pipelining of the
+    chunk loop (each chunk's loads depend on nothing carried). ``products``: the float32
     products' operands, three TF32 passes (Hopper's wgmma, about float32's accuracy) or
     Triton's IEEE float32 (scalar FMAs).
 
@@ -114,6 +112,12 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def _value_block(requested: int | None, value_dim: int) -> int:
+    """A program's value channels: ``requested`` where it divides ``V``, else all of them."""
+    block = min(requested or value_dim, value_dim)
+    return block if value_dim % block == 0 else value_dim
+
+
 def _precision(compute):
     """``LAUNCH.products`` for float32 on a GPU, else full (XLA:CPU has no TF32)."""
     if _on_gpu() and jnp.dtype(compute) == jnp.float32 and LAUNCH.products == "tf32x3":
@@ -141,9 +145,7 @@ def kernel_forward(q, k, v, log_alpha, beta, initial_states, resets, *, chunk_si
     num_states = initial_states.shape[0]
     group = v_heads // heads
     num_chunks = padded // chunk_size
-    block_v = min(LAUNCH.block_v, value_dim)
-    if value_dim % block_v:
-        block_v = value_dim
+    block_v = _value_block(LAUNCH.block_v, value_dim)
     grid = (batch, v_heads, value_dim // block_v)
     squeezed = pl.squeezed
     state_block = (num_states, squeezed, block_v, key_dim)
@@ -251,9 +253,7 @@ def kernel_backward(inputs, chunk_starts, resets, d_y, d_finals, *, chunk_size: 
     num_chunks = padded // chunk_size
     compute = chunk_starts.dtype
     squeezed = pl.squeezed
-    block_v = min(LAUNCH.backward_block_v or value_dim, value_dim)
-    if value_dim % block_v:
-        block_v = value_dim
+    block_v = _value_block(LAUNCH.backward_block_v, value_dim)
     blocks = value_dim // block_v
     ends_seq = resets[1].reshape(-1)
     ends = jnp.where(ends_seq >= 0, ends_seq, num_states)
