@@ -32,7 +32,6 @@ import dataclasses
 import functools
 import importlib.util
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from gpu_report import Report, environment  # noqa: E402 (after the path it is found on)
+from triton_sm90 import parse_launch  # noqa: E402
 
 # (B, T) at H heads of K = V = DIM: the issue's shapes, and tiny ones for --smoke.
 FULL = dict(shapes=[(4, 4096), (1, 32768)], heads=16, dim=128, chunk=64)
@@ -368,18 +368,14 @@ def parse_items(specs: list[str], sizes) -> list[tuple]:
     return items
 
 
-LAUNCH_FORM = (
-    "FORWARD_BLOCK_VxFORWARD_WARPSxBACKWARD_BLOCK_VxBACKWARD_WARPS[:ieee|:tf32x3], "
-    "e.g. 64x4x64x8 or 64x4x64x8:ieee"
-)
-
-
 def parse_launches(specs: list[str]) -> list[str | None]:
-    """``--pallas-launch`` values (``chunked_pallas.Launch``'s fields: each kernel's value
-    block and warps) as given, checked; none given is the kernel's own launch."""
+    """``--pallas-launch`` values (``triton_sm90.parse_launch``'s form) as given, checked;
+    none given is the kernel's own launch."""
     for spec in specs:
-        if not re.fullmatch(r"[1-9]\d*(x[1-9]\d*){3}(:ieee|:tf32x3)?", spec):
-            raise ValueError(f"--pallas-launch {spec!r}: give {LAUNCH_FORM}")
+        try:
+            parse_launch(spec)
+        except ValueError as error:
+            raise ValueError(f"--pallas-launch {error}") from None
     return list(specs) or [None]
 
 
@@ -393,13 +389,8 @@ def pallas_launch(spec: str | None):
 
     from gdn_jax.ops import chunked_pallas
 
-    sizes, _, products = spec.partition(":")
-    block_v, forward, backward_block_v, backward = (int(n) for n in sizes.split("x"))
     before = chunked_pallas.LAUNCH
-    chunked_pallas.LAUNCH = dataclasses.replace(
-        before, block_v=block_v, forward_warps=forward, backward_block_v=backward_block_v,
-        backward_warps=backward, products=products or before.products,
-    )  # fmt: skip
+    chunked_pallas.LAUNCH = parse_launch(spec)
     jax.clear_caches()
     try:
         yield
@@ -590,7 +581,7 @@ def main(argv=None):
         f"IMPL in {list(IMPLS)}, e.g. kda@4x4096:jla,hoisted",
     )  # fmt: skip
     parser.add_argument(
-        "--pallas-launch", action="append", default=[], metavar="FBVxFWxBBVxBW",
+        "--pallas-launch", action="append", default=[], metavar="FBVxFWxBBVxBW[:P]",
         help="time impl 'pallas' launched so (repeatable): each kernel's value block and "
         "warps, and the float32 products' precision, e.g. 64x4x64x8:ieee; default the "
         "kernel's own",

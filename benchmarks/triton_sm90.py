@@ -6,7 +6,7 @@ instructions its products became (wgmma on the tensor cores, or scalar FMAs).
     pip install triton==3.6.0      # the H200 image's (torch 2.11's); no GPU needed
     python benchmarks/triton_sm90.py --launch 64x4x0x4:ieee --launch 64x4x0x4:tf32x3
 
-A launch is ``chunked_pallas.Launch``'s fields: ``FBVxFWxBBVxBW:PRODUCTS``, the forward's
+A launch is ``chunked_pallas.Launch``'s fields: ``FBVxFWxBBVxBW[:PRODUCTS]``, the forward's
 value block and warps, the backward's (0: a whole value head) and the products' precision.
 The kernels are lowered at K = V = 128, chunks of 64, bf16 q, k and v (the GPU check's
 shapes: the code does not depend on B, T or H). The Triton that JAX's jaxlib embeds may
@@ -29,20 +29,26 @@ DEFAULT_LAUNCHES = ["64x4x0x4:tf32x3", "64x4x64x4:tf32x3"]
 # ptxas of the IEEE-product backward (tens of thousands of scalar FMAs, spilled) ran past 10
 # minutes on 2 cores: a kernel that takes longer is reported as such.
 PTXAS_LIMIT_S = 240
-_LAUNCH = re.compile(r"([1-9]\d*)x([1-9]\d*)x(\d+)x([1-9]\d*):(ieee|tf32x3)")
+_LAUNCH = re.compile(r"([1-9]\d*)x([1-9]\d*)x(\d+)x([1-9]\d*)(?::(ieee|tf32x3))?")
+LAUNCH_FORM = (
+    "FBVxFWxBBVxBW[:ieee|:tf32x3] (each kernel's value block, 0 for a whole value head in "
+    "the backward, and warps, then the products' precision), e.g. 64x8x64x8:tf32x3"
+)
 
 
 def parse_launch(spec: str):
+    """A ``chunked_pallas.Launch`` written ``FBVxFWxBBVxBW[:PRODUCTS]`` (this script's and
+    ``gpu_check.py --pallas-launch``'s form; the products default to the kernel's)."""
     from gdn_jax.ops import chunked_pallas
 
     match = _LAUNCH.fullmatch(spec)
     if match is None:
-        raise ValueError(f"--launch {spec!r}: give FBVxFWxBBVxBW:PRODUCTS, e.g. 64x4x0x4:tf32x3")
+        raise ValueError(f"{spec!r}: give {LAUNCH_FORM}")
     block_v, forward, backward_block_v, backward, products = match.groups()
     return chunked_pallas.Launch(
         block_v=int(block_v), forward_warps=int(forward),
         backward_block_v=int(backward_block_v) or None, backward_warps=int(backward),
-        products=products,
+        products=products or chunked_pallas.Launch.products,
     )  # fmt: skip
 
 
@@ -127,12 +133,12 @@ def sm90_resources(module: str, num_warps: int, folder: Path) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="triton_sm90.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--launch", action="append", default=[], metavar="FBVxFWxBBVxBW:P")
+    parser.add_argument("--launch", action="append", default=[], metavar="FBVxFWxBBVxBW[:P]")
     args = parser.parse_args(argv)
     try:
         launches = [(spec, parse_launch(spec)) for spec in args.launch or DEFAULT_LAUNCHES]
     except ValueError as error:
-        parser.error(str(error))
+        parser.error(f"--launch {error}")
     print("| launch | kernel | warps | registers | spill stores B | spill loads B | stack B "
           "| shared B | wgmma | fma.f32 |")  # fmt: skip
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")

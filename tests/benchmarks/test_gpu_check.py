@@ -118,8 +118,9 @@ def test_bad_item_is_one_error_naming_it(capsys):
         check.main(["--smoke", "--out", "unused", "--pallas-launch", "0x4x4x4"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "gpu_check.py: error: --pallas-launch '0x4x4x4': give FORWARD_BLOCK_VxFORWARD_WARPSx"
-        "BACKWARD_BLOCK_VxBACKWARD_WARPS[:ieee|:tf32x3], e.g. 64x4x64x8 or 64x4x64x8:ieee"
+        "gpu_check.py: error: --pallas-launch '0x4x4x4': give FBVxFWxBBVxBW[:ieee|:tf32x3] "
+        "(each kernel's value block, 0 for a whole value head in the backward, and warps, then "
+        "the products' precision), e.g. 64x8x64x8:tf32x3"
     )
 
 

@@ -41,5 +41,8 @@ def test_the_launch_s_precision_reaches_every_product_but_the_decays(sm90):
 
 
 def test_a_bad_launch_is_named(sm90):
-    with pytest.raises(ValueError, match=re.escape("--launch '64x8x64:ieee': give FBVxFWxBBVxBW")):
+    with pytest.raises(ValueError, match=re.escape("'64x8x64:ieee': give FBVxFWxBBVxBW[:ieee")):
         sm90.parse_launch("64x8x64:ieee")
+    launch = sm90.parse_launch("32x4x0x8")  # 0: a whole value head; the kernel's products
+    assert (launch.block_v, launch.backward_block_v, launch.backward_warps) == (32, None, 8)
+    assert launch.products == "tf32x3"
