@@ -103,6 +103,7 @@ class RecurrentMixer(RecurrentLayer):
             f"gate_init={gate_init} sets a decay gate's initial law, which {name} does not have",
         )
         law = (gate_init or GateInit()).over(HEAD_DECAY, name)
+        checks.check_flag(name, allow_neg_eigval=allow_neg_eigval)  # before its truthiness
         checks.require(
             name,
             self.delta or not allow_neg_eigval,

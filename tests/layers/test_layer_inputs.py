@@ -186,6 +186,7 @@ def test_layer_constructor_types(kwargs, message):
         (GatedDeltaNet, "use_short_conv"),
         (GatedDeltaNet, "conv_bias"),
         (GatedDeltaNet, "allow_neg_eigval"),
+        (LinearAttention, "allow_neg_eigval"),  # no delta correction: the type is named first
         (KimiDeltaAttention, "low_rank_gates"),
         (KimiDeltaAttention, "output_gate_bias"),
         (GatedDeltaProduct, "use_forget_gate"),
