@@ -58,9 +58,6 @@ SMOKE = dict(shapes=[(1, 96)], heads=2, dim=16, chunk=32)
 SCHEDULES = ("hoisted", "in_scan", "pallas")
 IMPLS = ("fla", "jla", *SCHEDULES)
 WARMUPS = 2
-# --profile: each JAX forward+backward program is profiled after it is timed (a list, so that
-# main sets it for the runners).
-PROFILE = [False]
 # jax-linear-attention's implementation measured: its Hopper kernels ("chunked" is its XLA form).
 JLA_IMPL = "mosaic_gpu"
 SMOKE_RUN = [
@@ -167,7 +164,7 @@ def jax_program(fn, args, repeats, profile=False):
 # --- the three implementations -------------------------------------------------------------
 
 
-def gdn_jax_runs(op: Op, arrays, schedule, chunk, repeats):
+def gdn_jax_runs(op: Op, arrays, schedule, chunk, repeats, profile=False):
     """gdn_jax's forward and forward+backward: ``{"fwd": ..., "fwd+bwd": ...}`` with each
     program's time and memory, and the values to compare (state as ``[B, H, K, V]``)."""
     import jax
@@ -192,14 +189,14 @@ def gdn_jax_runs(op: Op, arrays, schedule, chunk, repeats):
     grad = jax.grad(loss, argnums=tuple(range(len(names))))
     (y, state), fwd_ms, fwd_compile, fwd_peak, _ = jax_program(forward, args, repeats)
     grads, bwd_ms, bwd_compile, bwd_peak, stages = jax_program(
-        grad, [*args, do], repeats, profile=PROFILE[0]
+        grad, [*args, do], repeats, profile=profile
     )
     values = {"o": y, "final_state": jnp.swapaxes(state, -1, -2)}
     values.update({f"d{n}": g for n, g in zip(names, grads, strict=True)})
     return _timings(fwd_ms, bwd_ms, fwd_peak, bwd_peak, fwd_compile, bwd_compile, stages), values
 
 
-def jla_runs(op: Op, arrays, repeats):
+def jla_runs(op: Op, arrays, repeats, profile=False):
     import jax
     import jax.numpy as jnp
     from jla import ops as jla_ops
@@ -222,7 +219,7 @@ def jla_runs(op: Op, arrays, repeats):
     grad = jax.grad(loss, argnums=tuple(range(len(names))))
     (y, state), fwd_ms, fwd_compile, fwd_peak, _ = jax_program(forward, args, repeats)
     grads, bwd_ms, bwd_compile, bwd_peak, stages = jax_program(
-        grad, [*args, do], repeats, profile=PROFILE[0]
+        grad, [*args, do], repeats, profile=profile
     )
     values = {"o": y, "final_state": state}
     values.update({f"d{n}": g for n, g in zip(names, grads, strict=True)})
@@ -399,7 +396,9 @@ def pallas_launch(spec: str | None):
         jax.clear_caches()
 
 
-def check_ops(report: Report, sizes, items, repeats, deadline, launches=(None,)):
+def check_ops(report: Report, sizes, items, repeats, deadline, launches=(None,), profile=False):
+    """Each item measured; with ``profile``, each JAX forward+backward program is also
+    profiled after it is timed."""
     heads, dim, chunk = sizes["heads"], sizes["dim"], sizes["chunk"]
     peers = peers_available()
     for peer, why in peers.items():
@@ -418,9 +417,9 @@ def check_ops(report: Report, sizes, items, repeats, deadline, launches=(None,))
                 continue
             try:
                 if peer in IN_CHILD:
-                    timings, values = in_child(peer, op, sizes, (batch, seq_len), repeats)
+                    timings, values = in_child(peer, op, sizes, (batch, seq_len), repeats, profile)
                 else:
-                    timings, values = RUNNERS[peer](op, arrays, repeats, chunk)
+                    timings, values = RUNNERS[peer](op, arrays, repeats, chunk, profile)
             except Exception as error:  # a peer that refuses is recorded, not fatal
                 report.skip(f"{peer} {label}", f"{type(error).__name__}: {error}"[:400])
                 continue
@@ -435,7 +434,9 @@ def check_ops(report: Report, sizes, items, repeats, deadline, launches=(None,))
                 impl = f"gdn_jax {schedule}" + ("" if launch is None else f" {launch}")
                 try:
                     with pallas_launch(launch):
-                        timings, values = gdn_jax_runs(op, arrays, schedule, chunk, repeats)
+                        timings, values = gdn_jax_runs(
+                            op, arrays, schedule, chunk, repeats, profile
+                        )
                 except Exception as error:  # a kernel that fails to compile is recorded
                     report.skip(f"{impl} {label}", f"{type(error).__name__}: {error}"[:400])
                     continue
@@ -455,29 +456,31 @@ IN_CHILD = {"fla": 150.0}
 
 
 def _runners():
-    runners = {"fla": lambda op, arrays, repeats, chunk: fla_runs(op, arrays, repeats)}
-    runners["jla"] = lambda op, arrays, repeats, chunk: jla_runs(op, arrays, repeats)
+    runners = {"fla": lambda op, arrays, repeats, chunk, profile: fla_runs(op, arrays, repeats)}
+    runners["jla"] = lambda op, arrays, repeats, chunk, profile: jla_runs(
+        op, arrays, repeats, profile
+    )
     for schedule in SCHEDULES:
         runners[schedule] = functools.partial(_gdn_jax_runner, schedule=schedule)
     return runners
 
 
-def _gdn_jax_runner(op, arrays, repeats, chunk, *, schedule):
-    return gdn_jax_runs(op, arrays, schedule, chunk, repeats)
+def _gdn_jax_runner(op, arrays, repeats, chunk, profile, *, schedule):
+    return gdn_jax_runs(op, arrays, schedule, chunk, repeats, profile)
 
 
 RUNNERS = _runners()
 
 
-def in_child(impl, op, sizes, shape, repeats, timeout=None):
+def in_child(impl, op, sizes, shape, repeats, profile=False, timeout=None):
     """``RUNNERS[impl]`` on ``op`` at ``shape`` in a child process (``--child``), which makes
     the same inputs: ``(timings, values)``, or ``TimeoutError`` after ``timeout`` seconds
     (``IN_CHILD[impl]``) with the child killed."""
     timeout = IN_CHILD.get(impl, 600.0) if timeout is None else timeout
-    smoke = ["--smoke"] if sizes is SMOKE else []
+    flags = (["--smoke"] if sizes is SMOKE else []) + (["--profile"] if profile else [])
     with tempfile.TemporaryDirectory() as folder:
         spec = f"{impl}:{op.key}:{shape[0]}x{shape[1]}"
-        command = [sys.executable, __file__, "--child", spec, "--out", folder, *smoke]
+        command = [sys.executable, __file__, "--child", spec, "--out", folder, *flags]
         try:
             done = subprocess.run(
                 [*command, "--repeats", str(repeats)],
@@ -493,13 +496,13 @@ def in_child(impl, op, sizes, shape, repeats, timeout=None):
             return timings, dict(values)
 
 
-def run_child(spec: str, sizes, out: Path, repeats: int):
+def run_child(spec: str, sizes, out: Path, repeats: int, profile: bool = False):
     """The child's side of ``in_child``: ``IMPL:OP:BxT`` measured, written to ``out``."""
     impl, key, shape = spec.split(":")
     batch, seq_len = (int(n) for n in shape.split("x"))
     op = next(o for o in OPS if o.key == key)
     arrays = make_inputs(op, batch, seq_len, sizes["heads"], sizes["dim"])
-    timings, values = RUNNERS[impl](op, arrays, repeats, sizes["chunk"])
+    timings, values = RUNNERS[impl](op, arrays, repeats, sizes["chunk"], profile)
     out.mkdir(parents=True, exist_ok=True)
     (out / "timings.json").write_text(json.dumps(timings))
     np.savez(out / "values.npz", **{k: np.asarray(v, np.float32) for k, v in values.items()})
@@ -591,9 +594,8 @@ def main(argv=None):
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     sizes = SMOKE if args.smoke else FULL
-    PROFILE[0] = args.profile
     if args.child:
-        run_child(args.child, sizes, args.out, args.repeats)
+        run_child(args.child, sizes, args.out, args.repeats, args.profile)
         return
     try:
         items = parse_items(args.item, sizes)
@@ -603,7 +605,7 @@ def main(argv=None):
     began = time.perf_counter()
     report = Report(args.out, environment())
     print(report.data["environment"], flush=True)
-    check_ops(report, sizes, items, args.repeats, began + args.budget, launches)
+    check_ops(report, sizes, items, args.repeats, began + args.budget, launches, args.profile)
     if not args.skip_training:
         check_training(report, args.smoke, args.repeats)
     print(f"done in {time.perf_counter() - began:.0f} s; {args.out / 'gpu_check.md'}")

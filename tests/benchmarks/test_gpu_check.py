@@ -89,10 +89,10 @@ def test_a_form_that_fails_is_recorded_and_the_rest_measured(tmp_path, monkeypat
     check = load_check()
     measure = check.gdn_jax_runs
 
-    def refuse_the_kernel(op, arrays, schedule, chunk, repeats):
+    def refuse_the_kernel(op, arrays, schedule, chunk, repeats, profile):
         if schedule == "pallas":
             raise RuntimeError("out of shared memory")
-        return measure(op, arrays, schedule, chunk, repeats)
+        return measure(op, arrays, schedule, chunk, repeats, profile)
 
     monkeypatch.setattr(check, "gdn_jax_runs", refuse_the_kernel)
     out = ["--smoke", "--out", str(tmp_path), "--repeats", "1", "--skip-training"]
