@@ -71,6 +71,7 @@ from gdn_jax.ops.chunked import (
 )
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
 from gdn_jax.ops.dispatch import run_schedule
+from gdn_jax.ops.state_scan import end_cotangents, state_pass_over
 from gdn_jax.ops.varlen import chunk_layout
 from gdn_jax.ops.wy import two_products, two_products_bwd
 
@@ -213,23 +214,32 @@ GRADS_GROUP = 16
 CPU_GRADS_GROUP = 4
 
 
-def _hoisted_forward(inputs, initial_states, resets, *, keep_starts):
+def _hoisted_forward(inputs, initial_states, resets, *, keep_starts, associative=False):
     q, k, v, *gates = cast_to(initial_states.dtype, *inputs)
     f = over_chunks(chunk_factors)(q, k, v, *gates)
     k_to_end, q_from_start = k * f.decays.to_end, q * f.decays.from_start
     blocks = (f.w, f.u, k_to_end, q_from_start, f.decays.whole)
-    out = scan_blocks(state_pass, blocks, initial_states, resets, keep_starts=keep_starts)
-    (corrections, y_start), *starts, finals = out
+    (corrections, y_start), *starts, finals = state_pass_over(
+        state_pass, blocks, (f.w, f.u, k_to_end, f.decays.whole), initial_states, resets,
+        keep_starts=keep_starts, associative=associative,
+    )  # fmt: skip
     return outputs(y_start, f.scores, corrections), finals, starts
 
 
-def _hoisted_backward(inputs, starts, resets, d_ys, d_finals):
+def _hoisted_backward(inputs, starts, resets, d_ys, d_finals, *, associative=False):
+    if associative:  # else XLA merges stage 1 here with the forward's and keeps it between
+        inputs, starts = barrier_off_cpu(inputs, starts)
     q, k, v, *gates = cast_to(starts.dtype, *inputs)
     f, k_to_end, q_from_start, d_u_intra = over_chunks(backward_inputs)(q, k, v, *gates, d_ys)
     xs = (starts, f.w, f.u, k_to_end, q_from_start, f.decays.whole, d_u_intra, d_ys)
-    (corrections, d_u, d_k_to_end, d_whole), d_initial = scan_blocks_backward(
-        state_pass_bwd, xs, d_finals, resets
-    )
+    if associative:
+        factors = (f.w, f.u, k_to_end, f.decays.whole)
+        d_ends, d_initial = end_cotangents(state_pass_bwd, xs, factors, d_finals, resets)
+        _, (corrections, d_u, d_k_to_end, d_whole) = over_chunks(state_pass_bwd)(d_ends, *xs)
+    else:
+        (corrections, d_u, d_k_to_end, d_whole), d_initial = scan_blocks_backward(
+            state_pass_bwd, xs, d_finals, resets
+        )
     # As in chunked.py: off CPU a barrier keeps XLA from keeping the decays of stage 1
     # through the loop for chunk_grads, which forms them again after it.
     kept, d_u = barrier_off_cpu(inputs, d_u)
@@ -315,6 +325,12 @@ def _with_writes_first(schedule, *, wider_too: bool):
 
 SCHEDULES = {
     "hoisted": _with_writes_first((_hoisted_forward, _hoisted_backward), wider_too=False),
+    "associative": _with_writes_first(
+        tuple(
+            functools.partial(f, associative=True) for f in (_hoisted_forward, _hoisted_backward)
+        ),
+        wider_too=False,
+    ),
     "in_scan": _with_writes_first((_in_scan_forward, _in_scan_backward), wider_too=True),
 }
 

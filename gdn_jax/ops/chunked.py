@@ -55,6 +55,7 @@ from gdn_jax.ops import checks, stages
 from gdn_jax.ops.blocks import barrier_off_cpu, scan_blocks, scan_blocks_backward
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR, ChunkDecays, chunk_decays, chunk_decays_bwd
 from gdn_jax.ops.dispatch import run_schedule
+from gdn_jax.ops.state_scan import end_cotangents, state_pass_over
 from gdn_jax.ops.varlen import chunk_layout
 from gdn_jax.ops.wy import DELTA, WriteRule
 
@@ -242,14 +243,17 @@ def chunk_backward(write: WriteRule, d_end, start, q, k, v, log_alpha, beta, d_y
     return d_start, (*cast_back(grads[:3], dtypes), *grads[3:])
 
 
-def _hoisted_forward(write, inputs, initial_states, resets, *, keep_starts):
+def _hoisted_forward(write, inputs, initial_states, resets, *, keep_starts, associative=False):
     # The scan reads q and k in their input dtype; the batched stages cast them as they read.
     q_in, k_in = inputs[:2]
     q, k, v = cast_to(initial_states.dtype, *inputs[:3])
     decays, (w, u, _) = over_chunks(functools.partial(chunk_prepare, write))(q, k, v, *inputs[3:])
     blocks = (w, u, k_in, q_in, *decays[1:])
-    out = scan_blocks(state_step, blocks, initial_states, resets, keep_starts=keep_starts)
-    (corrections, y_start), *starts, finals = out
+    factors = _map_factors(w, u, k_in, decays) if associative else None
+    (corrections, y_start), *starts, finals = state_pass_over(
+        state_step, blocks, factors, initial_states, resets,
+        keep_starts=keep_starts, associative=associative,
+    )  # fmt: skip
     corrections = u if w is None else corrections
     ys = over_chunks(chunk_output)(q, k, decays, corrections, y_start)
     return ys, finals, starts
@@ -279,6 +283,31 @@ def _hoisted_backward(write, inputs, starts, resets, d_ys, d_finals):
     return (*cast_back(grads[:3], dtypes), *grads[3:]), d_initial
 
 
+def _associative_backward(write, inputs, starts, resets, d_ys, d_finals):
+    # Without the barrier XLA merges stage 1 here with the forward's and keeps it between.
+    inputs, starts = barrier_off_cpu(inputs, starts)
+    q_in, k_in, _, log_alpha, beta = inputs
+    q, k, v = cast_to(starts.dtype, *inputs[:3])
+    backward_inputs = over_chunks(functools.partial(chunk_backward_inputs, write))
+    decays, (w, u, _), d_u_intra = backward_inputs(q, k, v, log_alpha, beta, d_ys)
+    xs = (starts, w, u, k_in, q_in, *decays[1:], d_u_intra, d_ys)
+    factors = _map_factors(w, u, k_in, decays)
+    d_ends, d_initial = end_cotangents(state_step_bwd, xs, factors, d_finals, resets)
+    # With its end state's cotangent known, each chunk's backward is the in-scan one's.
+    inputs, starts, d_ends = barrier_off_cpu(inputs, starts, d_ends)
+
+    def backward_of(d_end, start, *chunk):
+        return chunk_backward(write, d_end, start, *chunk)[1]
+
+    grads = over_chunks(backward_of)(d_ends, starts, *inputs, d_ys)
+    return grads, d_initial
+
+
+def _map_factors(w, u, k_in, decays):
+    """What ``state_scan`` builds the chunks' state maps from: ``(w, u, K~, exp(g_C))``."""
+    return w, u, over_chunks(decayed)(k_in, decays.to_end), decays.whole
+
+
 def _in_scan_forward(write, inputs, initial_states, resets, *, keep_starts):
     step = functools.partial(chunk_forward, write)
     ys, *starts, finals = scan_blocks(step, inputs, initial_states, resets, keep_starts=keep_starts)
@@ -295,6 +324,7 @@ def _in_scan_backward(write, inputs, starts, resets, d_ys, d_finals):
 # scan, chunk by chunk, which keeps a chunk's intermediates in cache on CPU.
 SCHEDULES = {
     "hoisted": (_hoisted_forward, _hoisted_backward),
+    "associative": (functools.partial(_hoisted_forward, associative=True), _associative_backward),
     "in_scan": (_in_scan_forward, _in_scan_backward),
 }
 

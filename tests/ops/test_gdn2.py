@@ -106,7 +106,7 @@ def test_gates_act_on_their_own_axes():
 # --- the chunked form against the recurrent one ------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule", ["in_scan", "hoisted"])
+@pytest.mark.parametrize("schedule", ["in_scan", "hoisted", "associative"])
 def test_chunked_equals_recurrent_values_and_gradients(schedule):
     # T off the chunk grid, odd K and V.
     args = single_head_args(130, 130, 16, 24)

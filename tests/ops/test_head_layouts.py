@@ -36,6 +36,7 @@ FORMS = {
     "recurrent": dict(impl="recurrent"),
     "in_scan": dict(impl="chunked", schedule="in_scan"),
     "hoisted": dict(impl="chunked", schedule="hoisted"),
+    "associative": dict(impl="chunked", schedule="associative"),
 }
 # The crash's own shape: T = 70 leaves a tail of 6 tokens in the last chunk of 64.
 BATCH, SEQ_LEN, KEY_DIM, VALUE_DIM = 1, 70, 32, 48
@@ -46,6 +47,10 @@ CASES = [
     for name in RULES
     for heads, v_heads in (LAYOUTS if name in EVERY_LAYOUT else GROUPED)
     for form in ("in_scan", "hoisted")
+] + [
+    # The associative scan over chunks (the GPUs' schedule) in the grouped layout of each rule.
+    pytest.param(name, *GROUPED[0], "associative", id=f"{name}-H2-HV4-associative")
+    for name in RULES
 ]
 
 

@@ -147,9 +147,10 @@ def test_channel_decays_need_no_products():
 
 CHUNKED_CASES = [
     # (T, K, V, chunk_size, schedule): T not a multiple of C; the default and the largest
-    # chunks (the smallest is in the batched tests); K and V odd sizes; both schedules.
+    # chunks (the smallest is in the batched tests); K and V odd sizes; every schedule.
     (130, 16, 24, 64, "in_scan"),
     (150, 20, 12, 128, "hoisted"),
+    (150, 20, 12, 16, "associative"),
     # More chunks than the hoisted backward takes at a time (GRADS_GROUP, CPU_GRADS_GROUP
     # here), and a shorter last group.
     (16 * (GRADS_GROUP + 3) - 5, 8, 6, 16, "hoisted"),

@@ -92,11 +92,13 @@ def assert_second_order_equal(name, got, want, label):
             assert_close(hessian[i][j], want_hessian[i][j], F64, f"{label}: Hessian, {a}, {b}")
 
 
-# Every rule in the CPU schedule, and the hoisted one (what accelerators run) of each chunked
-# module: chunked.py's (the gated delta rule's) and channel_chunked.py's (KDA's).
+# Every rule in the CPU schedule, and the accelerators' (hoisted on TPU, associative on
+# NVIDIA GPUs) of each chunked module: chunked.py's (the gated delta rule's) and
+# channel_chunked.py's (KDA's).
 CASES = [(name, "in_scan") for name in RULES] + [
-    ("gated_delta_rule", "hoisted"),
-    ("kda", "hoisted"),
+    (name, schedule)
+    for name in ("gated_delta_rule", "kda")
+    for schedule in ("hoisted", "associative")
 ]
 
 
