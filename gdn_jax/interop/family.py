@@ -129,7 +129,8 @@ class Family(abc.ABC):
             read), or the config object.
           dtype: cast every parameter to it and compute in it; ``None`` keeps each tensor's
             stored dtype and computes in that of the first projection.
-          schedule: the layer's chunked schedule (``"auto"``, ``"hoisted"`` or ``"in_scan"``).
+          schedule: the layer's chunked schedule (``"auto"``, ``"hoisted"``,
+            ``"associative"`` or ``"in_scan"``).
 
         Raises:
           ValueError: a config the layer cannot take, or a missing, unexpected or wrongly

@@ -29,7 +29,7 @@ from gdn_jax.layers.params import (
     dt_bias_init,
     param,
 )
-from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer, seq_parallel_mesh
+from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer
 from gdn_jax.layers.recurrent_mixer import head_log_decay
 from gdn_jax.ops import checks
 from gdn_jax.ops.rules.gated_delta_product import GATED_DELTA_PRODUCT
@@ -69,7 +69,7 @@ class GatedDeltaProduct(RecurrentLayer):
         allow_neg_eigval: bool = True,
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
-        impl: checks.Impl = "chunked",
+        impl: checks.Impl = "auto",
         schedule: checks.Schedule = "auto",
         dtype=jnp.float32,
         param_dtype=jnp.float32,
@@ -108,7 +108,7 @@ class GatedDeltaProduct(RecurrentLayer):
         self.g_proj = linear(hidden_size, self.value_dim, COLUMNS) if use_gate else None
 
     def _mix(self, x, *, mask, cu_seqlens, cache, impl):
-        seq_mesh = seq_parallel_mesh() if impl == "chunked" and cache is None else None
+        seq_mesh = self._seq_mesh(cache, impl)
         q, k, v, real, conv_cache = self._qkv(
             x, mask=mask, cu_seqlens=cu_seqlens, cache=cache, seq_mesh=seq_mesh
         )

@@ -32,7 +32,7 @@ from gdn_jax.layers.params import (
     gate_linear,
     param,
 )
-from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer, seq_parallel_mesh
+from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer
 from gdn_jax.ops import checks
 from gdn_jax.ops.rules.kda import KDA
 
@@ -102,7 +102,7 @@ class KimiDeltaAttention(RecurrentLayer):
         allow_neg_eigval: bool = False,
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
-        impl: checks.Impl = "chunked",
+        impl: checks.Impl = "auto",
         schedule: checks.Schedule = "auto",
         dtype=jnp.float32,
         param_dtype=jnp.float32,
@@ -159,7 +159,7 @@ class KimiDeltaAttention(RecurrentLayer):
 
     def _mix(self, x, *, mask, cu_seqlens, cache, impl):
         # A mesh in context (jax.set_mesh) with a "seq" axis splits T, as in GatedDeltaNet.
-        seq_mesh = seq_parallel_mesh() if impl == "chunked" and cache is None else None
+        seq_mesh = self._seq_mesh(cache, impl)
         q, k, v, real, conv_cache = self._qkv(
             x, mask=mask, cu_seqlens=cu_seqlens, cache=cache, seq_mesh=seq_mesh
         )

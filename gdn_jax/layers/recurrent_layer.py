@@ -20,7 +20,7 @@ from jaxtyping import Array, Float
 from gdn_jax.layers import input_checks
 from gdn_jax.layers.conv import ShortConvolution, convolve_qkv
 from gdn_jax.layers.params import COLUMNS, ROWS, SEQ_AXIS, bias_free_linear
-from gdn_jax.ops import checks
+from gdn_jax.ops import checks, dispatch
 from gdn_jax.ops.api import batched
 from gdn_jax.ops.rule import Rule
 from gdn_jax.ops.sequence_parallel import seq_parallel
@@ -143,7 +143,7 @@ class RecurrentLayer(nnx.Module):
         )
         switches = dict(use_gate=use_gate, use_short_conv=use_short_conv, conv_bias=conv_bias)
         checks.check_flag(name, allow_neg_eigval=allow_neg_eigval, **switches)
-        checks.check_impl(name, impl)
+        dispatch.check_impl(name, rule, impl)
         self.chunk_size = checks.check_chunk_size(name, chunk_size)
         checks.check_schedule(name, schedule)
         checks.check_floating_dtype(name, dtype=dtype, param_dtype=param_dtype)
@@ -228,6 +228,18 @@ class RecurrentLayer(nnx.Module):
     def step(self, x, cache):
         """One token per sequence, ``x [B, 1, D]``: ``(y [B, 1, D], cache)``, token by token."""
         return self._mix(x, mask=None, cu_seqlens=None, cache=cache, impl="recurrent")
+
+    def _seq_mesh(self, cache, impl):
+        """The mesh in context when it splits T and there is no cache to start from
+        (``seq_parallel_mesh``), else None; an ``impl`` that cannot run split is refused
+        rather than run unsplit on every device."""
+        mesh = seq_parallel_mesh() if cache is None else None
+        if mesh is not None and not dispatch.splits_sequence(impl):
+            raise ValueError(
+                f"{type(self).__name__}: impl={impl!r} cannot split T over the mesh axis "
+                f"{SEQ_AXIS!r} of the mesh in context; use impl='auto' or 'chunked'"
+            )
+        return mesh
 
     def _recurrence(self, q, k, v, gates: tuple, *, cu_seqlens, cache, impl, seq_mesh):
         """The layer's rule over q, k, v and its ``gates``: ``(o, state)``. With ``seq_mesh``

@@ -28,7 +28,7 @@ from gdn_jax.layers.params import (
     dt_bias_init,
     param,
 )
-from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer, seq_parallel_mesh
+from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer
 from gdn_jax.ops import checks
 from gdn_jax.ops.rules.gated_delta import GATED_DELTA
 from gdn_jax.ops.rules.gated_linear import GATED_LINEAR
@@ -82,7 +82,7 @@ class RecurrentMixer(RecurrentLayer):
         allow_neg_eigval: bool = False,
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
-        impl: checks.Impl = "chunked",
+        impl: checks.Impl = "auto",
         schedule: checks.Schedule = "auto",
         dtype=jnp.float32,
         param_dtype=jnp.float32,
@@ -134,7 +134,7 @@ class RecurrentMixer(RecurrentLayer):
     def _mix(self, x, *, mask, cu_seqlens, cache, impl):
         # A mesh in context (jax.set_mesh) with a "seq" axis splits T: the convolution takes
         # its halo and the rule its start state from the previous shard.
-        seq_mesh = seq_parallel_mesh() if impl == "chunked" and cache is None else None
+        seq_mesh = self._seq_mesh(cache, impl)
         q, k, v, real, conv_cache = self._qkv(
             x, mask=mask, cu_seqlens=cu_seqlens, cache=cache, seq_mesh=seq_mesh
         )

@@ -58,7 +58,7 @@ class ModelConfig:
     # Chunk size C of the chunked recurrence.
     chunk_size: int = 64
     # "chunked" (train with this) or "recurrent" (the token-by-token reference).
-    impl: Impl = "chunked"
+    impl: Impl = "auto"
     # Schedule of the chunked recurrence: "auto" (in_scan on CPU, hoisted on GPU and TPU,
     # picked where the program is lowered, so both are traced) or one of them, traced alone.
     schedule: Schedule = "auto"

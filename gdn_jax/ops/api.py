@@ -1,8 +1,9 @@
 """The batched, multi-head entry of every rule, in flash-linear-attention's layout.
 
-``batched`` checks the shapes once against the rule's gates, then maps the rule's one-head
-form (``dispatch.one_head_form``) over value heads and batch with ``jax.vmap``; anything it
-computes, a user gets equally by vmapping a rule's single-head forms themselves.
+``batched`` checks the shapes once against the rule's gates, then runs the form ``impl``
+chooses (``dispatch.run_batched``): a one-head form mapped over value heads and batch with
+``jax.vmap`` (anything it computes, a user gets equally by vmapping a rule's single-head
+forms themselves), or one of the rule's kernels over the whole batch.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from typing import no_type_check
 import jax
 import jax.numpy as jnp
 
-from gdn_jax.ops import checks
-from gdn_jax.ops.dispatch import batched_kernel, one_head_form
+from gdn_jax.ops import checks, dispatch
 from gdn_jax.ops.normalize import l2_normalize
 from gdn_jax.ops.rule import Rule
 from gdn_jax.ops.single_head import compute_dtype, scaled_outputs
@@ -137,21 +137,21 @@ def batched(
     sizes = checks.check_batched(fn, rule, q, k, v, named, initial_state, cu_seqlens, steps)
     checks.check_scale(fn, scale)
     checks.check_flag(fn, use_qk_l2norm=use_qk_l2norm)
-    checks.check_impl(fn, impl)
-    kernel = batched_kernel(rule) if impl == "pallas" else None
-    if impl in ("chunked", "pallas"):
+    dispatch.check_impl(fn, rule, impl)
+    if impl != "recurrent":
         chunk_size = checks.check_chunk_size(fn, chunk_size)
         checks.check_schedule(fn, schedule)
-        if not rule.forward_mode or kernel is not None:
+        kernel_possible = impl not in ("auto", "chunked") or any(k.auto for k in rule.kernels)
+        if not rule.forward_mode or kernel_possible:
             arrays = dict(q=q, k=k, v=v, **named, initial_state=initial_state)
             checks.check_reverse_mode(fn, 'impl="recurrent"', **arrays)
     gates = rule.with_defaults(gates, "batched", sizes)
     inputs = prepare_batched(
         q, k, v, gates, initial_state, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens
     )
-    if kernel is not None:
-        out, final = kernel(*inputs, cu_seqlens, chunk_size=chunk_size)
-    else:
-        one_head = one_head_form(rule, impl, chunk_size=chunk_size, schedule=schedule)
-        out, final = over_batch_and_heads(one_head, *inputs, cu_seqlens, share_qk=rule.shares_qk)
+    over_batch = functools.partial(over_batch_and_heads, share_qk=rule.shares_qk)
+    out, final = dispatch.run_batched(
+        rule, impl, inputs, cu_seqlens, chunk_size=chunk_size, schedule=schedule,
+        over_batch=over_batch,
+    )  # fmt: skip
     return scaled_outputs(out, q.shape[-1], scale, v.dtype), final

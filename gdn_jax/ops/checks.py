@@ -18,11 +18,13 @@ import numpy as np
 
 from gdn_jax.ops.rule import STEPS, Form, GateSpec, Rule, shape_of
 
-Impl = Literal["chunked", "recurrent", "pallas"]
-Schedule = Literal["auto", "hoisted", "in_scan"]
+# "auto", the forms every rule has, and the kernels some rules have (``Rule.kernels``).
+Impl = Literal["auto", "chunked", "recurrent", "mosaic_gpu"]
+Schedule = Literal["auto", "hoisted", "associative", "in_scan"]
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
 SUPPORTED_IMPLS: tuple[str, ...] = get_args(Impl)
+KERNEL_IMPLS: tuple[str, ...] = ("mosaic_gpu",)
 SUPPORTED_SCHEDULES: tuple[str, ...] = get_args(Schedule)
 
 

@@ -29,6 +29,26 @@ Form = Literal["step", "one_head", "batched"]
 STEPS = "n"  # the legend's letter for a token's steps in layouts: ``[B, T n, H, K]``
 
 
+class Kernel(NamedTuple):
+    """A kernel of a rule, run over the whole batch in place of its one-head forms.
+
+    Attributes:
+      impl: the ``impl`` that names it (``checks.KERNEL_IMPLS``).
+      run: ``(q, k, v, gates, initial_states, cu_seqlens, *, chunk_size, interpret) -> (o,
+        finals)`` on ``api.prepare_batched``'s inputs, differentiable in reverse mode; it
+        imports its module when called, so that ``import gdn_jax`` loads no Pallas.
+      platform: the platform it is compiled for (a ``jax.lax.platform_dependent`` key);
+        lowered for any other, it runs in Pallas's interpret mode (slow, faithful).
+      auto: whether ``impl="auto"`` takes it on its platform: only once a GPU has timed it
+        faster than the chunked form (docs/benchmarks.md).
+    """
+
+    impl: str
+    run: Callable
+    platform: str = "cuda"
+    auto: bool = False
+
+
 class GateSpec(NamedTuple):
     """One array argument of a rule (a gate; q, k and v are described the same way).
 
@@ -73,6 +93,7 @@ class Rule:
       steps: the keyword option of the public forms that counts a token's steps (Gated
         DeltaProduct's ``num_householder``), each with its own key and value; ``None``: one
         step a token.
+      kernels: its kernels (``Kernel``), each an ``impl`` of its own.
     """
 
     name: str
@@ -82,6 +103,7 @@ class Rule:
     shares_qk: bool
     forward_mode: bool = False
     steps: str | None = None
+    kernels: tuple[Kernel, ...] = ()
 
     @property
     def gate_names(self) -> tuple[str, ...]:

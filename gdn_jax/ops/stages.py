@@ -1,6 +1,6 @@
 """The names of the chunked forms' stages in a compiled program's op metadata.
 
-``chunked.py``, ``channel_chunked.py`` and the Pallas kernels (``chunked_pallas.py``) run
+``chunked.py``, ``channel_chunked.py`` and the kernels (``Rule.kernels``) run
 each stage under ``jax.named_scope`` of its name here. The scopes are metadata only (the
 programs are the same without them); ``benchmarks/stage_profile.py`` reads a profile's time
 by them.

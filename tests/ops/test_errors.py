@@ -174,14 +174,13 @@ def test_python_lists_are_named_not_attribute_errors():
 
 
 def test_unknown_impl():
-    with pytest.raises(
-        ValueError, match=r"impl='triton' must be one of \('chunked', 'recurrent', 'pallas'\)"
-    ):
+    message = r"impl='triton' must be one of \('auto', 'chunked', 'recurrent', 'mosaic_gpu'\)"
+    with pytest.raises(ValueError, match=message):
         call(batched_inputs(), impl="triton")
 
 
 def test_unknown_schedule():
-    message = r"schedule='fused' must be one of \('auto', 'hoisted', 'in_scan'\)"
+    message = r"schedule='fused' must be one of \('auto', 'hoisted', 'associative', 'in_scan'\)"
     with pytest.raises(ValueError, match=message):
         call(batched_inputs(), schedule="fused")
     q, k, v, la, b = random_inputs(0, 8, 4, 4)

@@ -76,6 +76,14 @@ def mesh(data, model, seq):
 LAYER = dict(num_heads=2, head_dim=8, num_v_heads=4, expand_v=1.0, chunk_size=16)
 
 
+@on_8_devices
+def test_a_layer_whose_impl_cannot_split_t_is_refused_under_a_sequence_mesh():
+    layer = GatedDeltaNet(16, rngs=nnx.Rngs(0), impl="recurrent", **LAYER)
+    message = r"GatedDeltaNet: impl='recurrent' cannot split T over the mesh axis 'seq'"
+    with jax.set_mesh(mesh(1, 1, 8)), pytest.raises(ValueError, match=message):
+        jax.eval_shape(lambda x: layer(x), jnp.zeros((1, 32, 16)))
+
+
 def layer_loss(graphdef, params, x, cu_seqlens):
     y = nnx.merge(graphdef, params)(x, cu_seqlens=cu_seqlens)
     return jnp.sum(jnp.sin(y)), y

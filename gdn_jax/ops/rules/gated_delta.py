@@ -115,10 +115,14 @@ def gated_delta_rule_chunked(
       chunk_size: ``C``, one of 16, 32, 64, 128.
       schedule: where each chunk's own work runs. ``"hoisted"`` batches it over all chunks
         outside the sequential scan, which then holds only state-sized products (the shape
-        accelerators need); ``"in_scan"`` runs it chunk by chunk inside the scan, which keeps
-        a chunk's intermediates in cache on CPU; ``"auto"`` is ``"in_scan"`` when compiled for
-        CPU and ``"hoisted"`` for any other platform, including a TPU compiled for ahead of
-        time from a CPU host. Both compute the same function and gradients.
+        accelerators need); ``"associative"`` batches it too and replaces the scan by an
+        associative scan over the chunks' state maps (``ops/state_scan.py``: no loop, a few
+        dozen kernels on a GPU where a loop launches a few a chunk, for ``[K, K]`` products);
+        ``"in_scan"`` runs it chunk by chunk inside the scan, which keeps a chunk's
+        intermediates in cache on CPU; ``"auto"`` is ``"in_scan"`` when compiled for CPU,
+        ``"associative"`` for an NVIDIA GPU and ``"hoisted"`` for any other platform,
+        including a TPU compiled for ahead of time from a CPU host. All compute the same
+        function and gradients.
 
     Returns:
       ``(y [T, V], final_state [V, K])``: ``y`` in the input dtype, the state in float32
@@ -142,7 +146,7 @@ def gated_delta_rule(
     *,
     scale: float | None = None,
     initial_state: Float[Array, "B HV V K"] | None = None,
-    impl: checks.Impl = "chunked",
+    impl: checks.Impl = "auto",
     chunk_size: int = 64,
     schedule: checks.Schedule = "auto",
     cu_seqlens: Int[Array, " N+1"] | None = None,
@@ -157,14 +161,13 @@ def gated_delta_rule(
       scale: query scale; ``None`` means ``K ** -0.5``.
       initial_state: ``[B, HV, V, K]``, or ``[N, HV, V, K]`` with ``cu_seqlens``; ``None`` is
         zeros. flash-linear-attention's states are ``[.., K, V]``: pass ``swapaxes(-1, -2)``.
-      impl: ``"chunked"`` (train with this), ``"recurrent"`` (the token-by-token reference)
-        or ``"pallas"``: the chunked form as Pallas kernels, forward and backward
-        (``ops/chunked_pallas.py``), Gated DeltaNet only. Opt-in: on a GPU they run through
-        Triton (not yet measured against ``"chunked"``), elsewhere in Pallas's interpret
-        mode, which is slow.
+      impl: ``"chunked"`` (train with this), ``"recurrent"`` (the token-by-token
+        reference), a kernel of the rule (``Rule.kernels``), or ``"auto"``: for the platform
+        compiled for, a kernel that a GPU has timed faster than the chunked form, else
+        ``"chunked"`` (today ``"chunked"`` everywhere).
       chunk_size: 16, 32, 64 or 128 (chunked only).
-      schedule: ``"auto"``, ``"hoisted"`` or ``"in_scan"`` (chunked only), as in
-        ``gated_delta_rule_chunked``.
+      schedule: ``"auto"``, ``"hoisted"``, ``"associative"`` or ``"in_scan"`` (chunked
+        only), as in ``gated_delta_rule_chunked``.
       cu_seqlens: ``[N+1]`` int offsets of ``N`` sequences packed along ``T`` (needs ``B == 1``).
         Each sequence starts from its own initial state and returns its own final state, as
         if run alone. It may be traced; its values are checked only when concrete.

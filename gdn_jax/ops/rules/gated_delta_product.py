@@ -189,7 +189,7 @@ def gated_delta_product(
     initial_state: Float[Array, "B HV V K"] | None = None,
     use_qk_l2norm: bool = False,
     cu_seqlens: Int[Array, " N+1"] | None = None,
-    impl: checks.Impl = "chunked",
+    impl: checks.Impl = "auto",
     chunk_size: int = 64,
     schedule: checks.Schedule = "auto",
 ) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV V K"]]:

@@ -105,7 +105,7 @@ def gated_linear_attention(
     *,
     scale: float | None = None,
     initial_state: Float[Array, "B HV V K"] | None = None,
-    impl: checks.Impl = "chunked",
+    impl: checks.Impl = "auto",
     chunk_size: int = 64,
     schedule: checks.Schedule = "auto",
     cu_seqlens: Int[Array, " N+1"] | None = None,

@@ -115,7 +115,8 @@ def kda_chunked(
       scale: query scale; ``None`` means ``K ** -0.5``.
       initial_state: ``[V, K]`` or ``None`` (zeros).
       chunk_size: ``C``, one of 16, 32, 64, 128.
-      schedule: ``"hoisted"``, ``"in_scan"`` or ``"auto"``, as in ``gated_delta_rule_chunked``.
+      schedule: ``"hoisted"``, ``"associative"``, ``"in_scan"`` or ``"auto"``, as in
+        ``gated_delta_rule_chunked``.
 
     Returns:
       ``(y [T, V], final_state [V, K])``: ``y`` in the input dtype, the state in float32
@@ -139,7 +140,7 @@ def kda(
     initial_state: Float[Array, "B HV V K"] | None = None,
     use_qk_l2norm: bool = False,
     cu_seqlens: Int[Array, " N+1"] | None = None,
-    impl: checks.Impl = "chunked",
+    impl: checks.Impl = "auto",
     chunk_size: int = 64,
     schedule: checks.Schedule = "auto",
 ) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV V K"]]:

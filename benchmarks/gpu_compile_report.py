@@ -1,0 +1,248 @@
+"""What every rule's op launches and needs on an H100 or H200, compiled on this host without
+a GPU (``gdn_jax.gpu_compile``): for each rule x implementation x schedule, at the shapes of
+the GPU check, the forward's and the forward+backward's launches per call, the loops among
+them, the forward+backward's peak memory (arguments + outputs + temporaries), and each Pallas
+kernel's registers, spills, shared memory and tensor-core instructions.
+
+    pip install -e ".[gpu-compile]"
+    JAX_PLATFORMS=cpu python benchmarks/gpu_compile_report.py --out /tmp/gpu_compile.md
+
+A program is q, k, v in bfloat16 and the gates in float32 (``use_qk_l2norm=True``), and its
+backward the gradients of ``sum(o * do)`` for every input. With jax-linear-attention
+installed (``pip install jax-linear-attention``) its Mosaic GPU ops are compiled beside them
+as ``jla``. Each program compiles in a child process, so that one the compiler cannot build
+(or that crashes it) is a row that says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SHAPES = [(4, 4096), (1, 32768)]  # (B, T) at H = 16 heads of K = V = 128, chunks of 64
+HEADS, DIM, CHUNK = 16, 128, 64
+# Each rule's op in gdn_jax, its name and gate keywords in jax-linear-attention, and the
+# keyword options of gdn_jax's op.
+RULES = {
+    "gdn": ("gated_delta_rule", ("gated_deltanet", ("g", "beta")), {}),
+    "kda": ("kda", ("kda", ("g", "beta")), {}),
+    "gdn2": ("gdn2", ("gdn2", ("g", "b", "w")), {}),
+    "gdp": ("gated_delta_product", None, {"num_householder": 2}),
+    "gla": ("gated_linear_attention", None, {}),
+}
+# (impl, schedule) of gdn_jax's forms; "jla" is jax-linear-attention's Mosaic GPU op.
+FORMS = [("chunked", "hoisted"), ("chunked", "associative"), ("chunked", "in_scan"), ("jla", "")]
+CHILD_TIMEOUT_S = 1800
+
+
+def program(rule_key: str, impl: str, schedule: str, batch: int, seq_len: int, backward: bool):
+    """The jitted function and its abstract arguments."""
+    import jax
+    import jax.numpy as jnp
+
+    import gdn_jax
+    from gdn_jax.ops import RULES as OPS
+
+    op_name, jla_op, options = RULES[rule_key]
+    rule = OPS[op_name]
+    steps = options.get("num_householder", 1)
+    sizes = {None: (), "K": (DIM,), "V": (DIM,)}
+
+    def shape(per_step, channels):
+        return (batch, seq_len * (steps if per_step else 1), HEADS, *sizes[channels])
+
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    args = [
+        jax.ShapeDtypeStruct(shape(False, "K"), bf16),
+        jax.ShapeDtypeStruct(shape(steps > 1, "K"), bf16),
+        jax.ShapeDtypeStruct(shape(steps > 1, "V"), bf16),
+        *(jax.ShapeDtypeStruct(shape(g.per_step, g.channels), f32) for g in rule.gates),
+    ]
+
+    if impl == "jla":
+        from jla import ops as jla_ops
+
+        _as_if_on_hopper()
+        name, keywords = jla_op
+
+        def forward(q, k, v, *gates):
+            kwargs = dict(zip(keywords, gates, strict=True))
+            return jla_ops.linear_attention(
+                name, q, k, v, impl="mosaic_gpu", use_qk_l2norm=True, output_final_state=True,
+                **kwargs,
+            )[0]  # fmt: skip
+    else:
+        op = getattr(gdn_jax, op_name)
+        kwargs = dict(options, impl=impl, chunk_size=CHUNK, use_qk_l2norm=True)
+        if impl == "chunked":
+            kwargs["schedule"] = schedule
+
+        def forward(q, k, v, *gates):
+            return op(q, k, v, *gates, **kwargs)[0]
+
+    if not backward:
+        return forward, args
+
+    def loss(*arrays):
+        *inputs, do = arrays
+        return jnp.sum(forward(*inputs).astype(jnp.float32) * do.astype(jnp.float32))
+
+    grad = jax.grad(loss, argnums=tuple(range(len(args))))
+    do = jax.ShapeDtypeStruct((batch, seq_len, HEADS, DIM), bf16)
+    return grad, [*args, do]
+
+
+def _as_if_on_hopper():
+    """jax-linear-attention takes its kernels only when this process's first device is an
+    sm_90 GPU; compiled for an H200 from a CPU host, it is told so."""
+    import importlib
+    import pkgutil
+
+    import jla.ops.mosaic_gpu as kernels
+
+    for found in pkgutil.walk_packages(kernels.__path__, f"{kernels.__name__}."):
+        importlib.import_module(found.name)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("jla.") and hasattr(module, "is_hopper"):
+            module.is_hopper = lambda: True
+
+
+def measure(rule_key, impl, schedule, batch, seq_len, target) -> dict:
+    """One row: both programs' reports (in this process)."""
+    from gdn_jax import gpu_compile
+
+    row = dict(rule=rule_key, impl=impl, schedule=schedule, shape=f"{batch}x{seq_len}")
+    for name, backward in (("fwd", False), ("fwd_bwd", True)):
+        fn, args = program(rule_key, impl, schedule, batch, seq_len, backward)
+        start = time.perf_counter()
+        report = gpu_compile.report(fn, *args, target=target)
+        row[f"{name}_compile_s"] = round(time.perf_counter() - start, 1)
+        row[name] = summary(report)
+    return row
+
+
+def summary(report) -> dict:
+    launches = report.launches
+    return dict(
+        error=report.error,
+        launches=None if launches is None else launches.total,
+        loops=[] if launches is None else [[lp.trips, lp.launches_per_trip] for lp in launches.loops],
+        peak_mib=None if report.peak_bytes is None else round(report.peak_bytes / 2**20, 1),
+        temp_mib=None if report.temp_bytes is None else round(report.temp_bytes / 2**20, 1),
+        kernels=[
+            dict(name=k.name, backend=k.backend, registers=k.registers, spill_stores=k.spill_stores,
+                 spill_loads=k.spill_loads, shared_memory=k.shared_memory,
+                 tensor_core_instructions=k.tensor_core_instructions, problem=k.problem)
+            for k in report.kernels
+        ],
+    )  # fmt: skip
+
+
+def in_child(spec: dict) -> dict:
+    """``measure`` in a child process: a crash or a refusal is that row's error."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    command = [sys.executable, __file__, "--child", json.dumps(spec)]
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        return dict(spec, error=f"no result within {CHILD_TIMEOUT_S} s")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return dict(spec, error=f"exit {done.returncode}: {tail[:300]}")
+    return json.loads(lines[-1])
+
+
+def cell_kernels(part: dict) -> str:
+    cells = []
+    for k in part.get("kernels", []):
+        state = "ok" if k["problem"] is None else f"NOT launchable ({k['problem']})"
+        cells.append(
+            f"{k['name']}: {k['registers']} regs, spills {k['spill_stores']}/{k['spill_loads']} B, "
+            f"{k['shared_memory']} B smem, {k['tensor_core_instructions']} tc; {state}"
+        )
+    return "; ".join(cells)
+
+
+def table(rows) -> list[str]:
+    lines = [
+        "| rule | impl | schedule | B x T | fwd launches | fwd+bwd launches | fwd+bwd loops "
+        "(trips x launches) | fwd+bwd peak MiB | Pallas kernels |",
+        "|---|---|---|---|---:|---:|---|---:|---|",
+    ]
+    for row in rows:
+        head = f"| {row['rule']} | {row['impl']} | {row['schedule'] or '-'} | {row['shape']} |"
+        if "error" in row:
+            lines.append(f"{head} | | | | | not measured: {row['error']} |")
+            continue
+        fwd, both = row["fwd"], row["fwd_bwd"]
+        if both["error"]:
+            lines.append(
+                f"{head} {fwd['launches']} | not built | | | {both['error']}; {cell_kernels(both)} |"
+            )
+            continue
+        loops = ", ".join(f"{t}x{n}" for t, n in both["loops"]) or "none"
+        kernels = cell_kernels(both) or "-"
+        lines.append(
+            f"{head} {fwd['launches']} | {both['launches']} | {loops} | {both['peak_mib']:,.0f} "
+            f"| {kernels} |"
+        )
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rules", default="gdn,kda,gdn2,gdp,gla")
+    parser.add_argument(
+        "--forms",
+        default=",".join(f"{i}:{s}" if s else i for i, s in FORMS),
+        help="IMPL[:SCHEDULE],... (chunked:hoisted, chunked:associative, jla)",
+    )
+    parser.add_argument("--shapes", default=",".join(f"{b}x{t}" for b, t in SHAPES))
+    parser.add_argument("--target", default="h200", choices=("h100", "h200"))
+    parser.add_argument("--out", type=Path, help="also write the table (markdown) here")
+    parser.add_argument("--json", type=Path, help="also write every row (JSON lines) here")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        spec = json.loads(args.child)
+        print(json.dumps(measure(**spec)))
+        return 0
+    forms = [tuple((f.split(":") + [""])[:2]) for f in args.forms.split(",")]
+    shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
+    have_jla = importlib.util.find_spec("jla") is not None
+    rows = []
+    for rule_key in args.rules.split(","):
+        for impl, schedule in forms:
+            if impl == "jla" and (not have_jla or RULES[rule_key][1] is None):
+                continue
+            for batch, seq_len in shapes:
+                spec = dict(rule_key=rule_key, impl=impl, schedule=schedule, batch=batch,
+                            seq_len=seq_len, target=args.target)  # fmt: skip
+                row = in_child(spec)
+                row.update(rule=rule_key, impl=impl, schedule=schedule, shape=f"{batch}x{seq_len}")
+                rows.append(row)
+                print(table([row])[-1], flush=True)
+                if args.json:
+                    with args.json.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+    text = "\n".join(table(rows))
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
