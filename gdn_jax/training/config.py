@@ -124,6 +124,11 @@ class Config:
             raise ValueError(f"train.weight_decay={t.weight_decay} must be >= 0")
         if t.target_accuracy is not None and not 0 < t.target_accuracy <= 1:
             raise ValueError(f"train.target_accuracy={t.target_accuracy} must be in (0, 1]")
+        if not t.out_dir.strip():  # "" is the working directory, which holds no run
+            raise ValueError(
+                f"train.out_dir={t.out_dir!r} must name a directory for the run's files, "
+                "e.g. runs/mqar_gdn"
+            )
         if self.model.vocab_size != self.data.vocab_size:
             # A task whose vocabulary follows from its other fields says which it is.
             given = "vocab_size" in {f.name for f in dataclasses.fields(self.data)}

@@ -66,6 +66,9 @@ def test_every_shipped_config_loads():
         ("data.seq_len=33", r"seq_len=33 must be even"),
         ("model.vocab_size=100", r"model.vocab_size=100 must equal data.vocab_size=64"),
         ("train.steps", r"must look like section.field=value"),
+        # It wrote every run file into the working directory ("curves in /curves.png").
+        ("train.out_dir=''", r"train.out_dir='' must name a directory for the run's files"),
+        ("train.out_dir=' '", r"train.out_dir=' ' must name a directory"),
     ],
 )
 def test_bad_overrides_fail_at_start_up(tmp_path, override, message):
