@@ -25,6 +25,7 @@ from gdn_jax.sweep.runner import TRAINERS, Job, Stop, Trainers, run_jobs
 from gdn_jax.sweep.table import best_per_cell, write_plot, write_table
 from gdn_jax.training.cli import (
     OneLineParser,
+    missing_train_extra,
     report_error,
     run_command,
 )
@@ -165,6 +166,8 @@ def _main(argv, trainers) -> int:
         return done.code
 
     fail = functools.partial(report_error, PROG)
+    if (missing := missing_train_extra()) is not None:
+        return fail(missing)
 
     try:
         check_args(args)
