@@ -81,7 +81,14 @@ def parse_args(argv):
         help="train nothing: write the table and the plot from the runs recorded so far, "
         "those not trained yet counted as such (a sweep that spans several sittings)",
     )
-    add("--out", default="docs/sweep", help="results.jsonl, table.md and accuracy.png")
+    # Not docs/sweep, where the repository keeps the sweep it ships: run from a clone, a
+    # default there rewrote the committed table and plot.
+    add(
+        "--out",
+        default="runs/sweep",
+        help="where results.jsonl, table.md and accuracy.png go (default %(default)s; the "
+        "repository's own sweep is docs/sweep)",
+    )
     add("--runs", default="runs/sweep", help="the runs' own directories")
     return parser.parse_args(argv)
 
