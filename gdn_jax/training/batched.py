@@ -250,6 +250,7 @@ class _Lockstep:
                 self._read(*pending)
                 pending = None
                 self._after(step, list(stepped), done, evaluates, saves)
+            loop.end_bar(self.bar, step)
         finally:
             self.bar.close()
 

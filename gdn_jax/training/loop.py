@@ -261,9 +261,18 @@ def _step_loop(run: RunState, start: int, held_out, callbacks, stop_requests) ->
             if stop_requests:
                 ckpt.save(run.checkpoints, step, run.state, run.out_dir)
                 raise Interrupted(stop_requests[0], step, run.out_dir)
+        end_bar(steps.bar, step)
     finally:
         steps.bar.close()
     return steps.book.end(step)
+
+
+def end_bar(bar: tqdm, step: int) -> None:
+    """Show a run that ended at ``step``, before its last (its target accuracy reached), as
+    complete: the bar stayed at, say, 400/700."""
+    if step < bar.total:
+        bar.total = step
+        bar.refresh()
 
 
 @typing.no_type_check  # a public entry point: it names a bad argument itself

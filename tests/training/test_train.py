@@ -231,6 +231,17 @@ def test_the_progress_bar_shows_no_held_out_accuracy_before_the_first_evaluation
         assert held_out == "-" or re.fullmatch(r"[01]\.\d{3}", held_out)
 
 
+def test_a_run_that_stops_at_its_target_ends_its_progress_bar_full(tmp_path, monkeypatch, capsys):
+    """It stayed at 6/12 when the target accuracy stopped the run at step 6."""
+    from gdn_jax.training import loop
+
+    monkeypatch.setattr(loop, "evaluate", lambda *args: (0.5, 1.0))  # the target at step 6
+    summary = run(tiny(tmp_path, "train.progress=true", "train.target_accuracy=0.99"))
+    assert summary["final_step"] == 6 and summary["reason"] == "target"
+    last = capsys.readouterr().err.split("\r")[-1]
+    assert re.search(r"100%\|\S+\| 6/6 ", last), last
+
+
 def test_train_config_defaults_are_valid():
     Config(train=TrainConfig()).validate()
     assert jax.devices()  # the loop runs on whatever JAX finds
