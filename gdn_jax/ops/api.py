@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.dispatch import batched_kernel, one_head_form
+from gdn_jax.ops.forward_mode import reverse_mode_only
 from gdn_jax.ops.normalize import l2_normalize
 from gdn_jax.ops.rule import Rule
 from gdn_jax.ops.single_head import compute_dtype, scaled_outputs
@@ -143,8 +144,9 @@ def batched(
         chunk_size = checks.check_chunk_size(fn, chunk_size)
         checks.check_schedule(fn, schedule)
         if not rule.forward_mode or kernel is not None:
-            arrays = dict(q=q, k=k, v=v, **named, initial_state=initial_state)
-            checks.check_reverse_mode(fn, 'impl="recurrent"', **arrays)
+            q, k, v, gates, initial_state = reverse_mode_only(
+                fn, 'impl="recurrent"', rule.gate_names, q, k, v, gates, initial_state
+            )
     gates = rule.with_defaults(gates, "batched", sizes)
     inputs = prepare_batched(
         q, k, v, gates, initial_state, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from gdn_jax.ops import checks
+from gdn_jax.ops.forward_mode import reverse_mode_only
 from gdn_jax.ops.recurrent import rule_recurrent
 
 
@@ -78,9 +79,8 @@ def chunked_single_head(
     chunk_size = checks.check_chunk_size(fn, chunk_size)
     checks.check_schedule(fn, schedule)
     if not rule.forward_mode:
-        named = dict(zip(rule.gate_names, gates, strict=True))
-        checks.check_reverse_mode(
-            fn, recurrent, q=q, k=k, v=v, **named, initial_state=initial_state
+        q, k, v, gates, initial_state = reverse_mode_only(
+            fn, recurrent, rule.gate_names, q, k, v, gates, initial_state
         )
     return checked_single_head(
         fn, rule, rule.chunked, q, k, v, gates, initial_state, scale=scale,
