@@ -109,6 +109,7 @@ def topology_devices(name: str) -> list[jax.Device]:
         raise ValueError(f"topology {name!r}: {reason}") from None
 
 
+@typing.no_type_check  # a public entry point: it names a bad argument itself
 def quiet_libtpu(topology: Topology, environ=os.environ) -> None:
     """Describe this host to libtpu as the one worker of ``topology``'s slice, unless the
     environment already does, for a process that only compiles for it.
@@ -118,6 +119,11 @@ def quiet_libtpu(topology: Topology, environ=os.environ) -> None:
     either way. Its logs go to a temporary directory removed when the process exits, unless
     ``TPU_LOG_DIR`` names one. Call before the first ``topology_devices``; never in a process
     that runs on TPUs of its own."""
+    if not isinstance(topology, Topology):
+        raise TypeError(
+            f"quiet_libtpu: topology={topology!r:.40} must be a Topology, as "
+            f"parse_topology(name) returns, got {type(topology).__name__}"
+        )
     environ.setdefault("TPU_ACCELERATOR_TYPE", topology.accelerator_type)
     environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     if "TPU_LOG_DIR" not in environ:  # else libtpu leaves its logs in /tmp/tpu_logs
@@ -214,7 +220,13 @@ def _host_flags_hidden():
             os.environ["XLA_FLAGS"] = flags
 
 
+@typing.no_type_check  # a public entry point: it names a bad argument itself
 def devices_per_chip(devices: Sequence[jax.Device]) -> int:
     """How many of ``devices`` share a chip (2 for v4's TensorCores, else 1)."""
+    if isinstance(devices, str) or not isinstance(devices, Sequence) or not devices:
+        raise ValueError(
+            f"devices_per_chip: devices={devices!r:.40} must be a non-empty list of TPU "
+            "devices (topology_devices(name))"
+        )
     chips = {tuple(d.coords) for d in devices}
     return len(devices) // len(chips)

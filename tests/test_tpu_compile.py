@@ -179,3 +179,12 @@ def test_compile_for_names_a_bad_argument():
     for args, kwargs, error, message in cases:
         with pytest.raises(error, match=rf"^compile_for: {message}"):
             tpu_compile.compile_for(*args, **kwargs)
+
+
+def test_the_other_helpers_name_a_bad_argument():
+    """A topology's name was an AttributeError ('str' object has no attribute
+    'accelerator_type'), an int for the devices a TypeError ('int' object is not iterable)."""
+    with pytest.raises(TypeError, match=r"^quiet_libtpu: topology='v5e:1x1' must be a Topology"):
+        tpu_compile.quiet_libtpu("v5e:1x1", {})
+    with pytest.raises(ValueError, match=r"^devices_per_chip: devices=3 must be a non-empty list"):
+        tpu_compile.devices_per_chip(3)

@@ -15,7 +15,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from gdn_jax.layers import input_checks
 from gdn_jax.layers.conv import ShortConvolution, convolve_qkv
-from gdn_jax.layers.params import COLUMNS, ROWS, bias_free_linear
+from gdn_jax.layers.params import COLUMNS, ROWS, bias_free_linear, check_build_args
 from gdn_jax.ops import checks
 from gdn_jax.ops.attention import causal_attention, rotary
 from gdn_jax.ops.varlen import segment_positions
@@ -83,6 +83,7 @@ class SoftmaxAttention(nnx.Module):
             checks.check_positive_int(name, window=window)
         checks.check_positive_number(name, rope_theta=rope_theta)
         checks.check_floating_dtype(name, dtype=dtype, param_dtype=param_dtype)
+        check_build_args(name, rngs=rngs, kernel_init=kernel_init)
         linear = bias_free_linear(
             dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
         )

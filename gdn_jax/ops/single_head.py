@@ -3,6 +3,8 @@ inputs in the compute dtype, and the outputs scaled and cast back."""
 
 from __future__ import annotations
 
+from typing import no_type_check
+
 import jax.numpy as jnp
 
 from gdn_jax.ops import checks
@@ -10,8 +12,11 @@ from gdn_jax.ops.forward_mode import reverse_mode_only
 from gdn_jax.ops.recurrent import rule_recurrent
 
 
+@no_type_check  # a public entry point: checks.py names its bad arguments
 def default_scale(key_dim: int) -> float:
-    """The query scale every op uses when ``scale=None``: ``K ** -0.5``, as in attention."""
+    """The query scale every op uses when ``scale=None``: ``K ** -0.5``, as in attention;
+    ``key_dim`` is a positive integer."""
+    checks.check_positive_int("default_scale", key_dim=key_dim)
     return key_dim**-0.5
 
 

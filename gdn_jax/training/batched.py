@@ -113,6 +113,8 @@ def run(
       OutOfMemory: the runs, their batches or held-out sets do not fit in memory together.
       Interrupted: SIGINT or SIGTERM arrived; every run still training saved a checkpoint.
     """
+    options = dict(resume=resume, overwrite=overwrite, callbacks=callbacks, on_start=on_start)
+    loop.check_run_arguments("batched.run", devices=devices, **options)
     check_group(configs)
     device = (jax.devices() if devices is None else devices)[0]
     mesh = mesh_lib.check_mesh(configs[0], [device])

@@ -275,6 +275,31 @@ def end_bar(bar: tqdm, step: int) -> None:
         bar.refresh()
 
 
+def check_run_arguments(fn: str, *, resume, overwrite, callbacks, devices, on_start) -> None:
+    """``run``'s arguments beside the config (and ``batched.run``'s), each refused with a
+    ``TypeError`` or ``ValueError`` naming it before any work (``devices=[]`` was a
+    ZeroDivisionError in mesh.py, ``overwrite=1`` passed as True)."""
+    for name, flag in (("resume", resume), ("overwrite", overwrite)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{fn}: {name}={flag!r:.60} must be True or False")
+    listed = isinstance(callbacks, Sequence) and not isinstance(callbacks, str)
+    if not (listed and all(callable(c) for c in callbacks)):
+        raise TypeError(
+            f"{fn}: callbacks={callbacks!r:.60} must be a list of functions callback(step, metrics)"
+        )
+    if on_start is not None and not callable(on_start):
+        raise TypeError(f"{fn}: on_start={on_start!r:.60} must be a function or None")
+    if devices is not None and not (
+        isinstance(devices, Sequence)
+        and devices
+        and all(isinstance(device, jax.Device) for device in devices)
+    ):
+        raise ValueError(
+            f"{fn}: devices={devices!r:.60} must be a non-empty list of jax.Device, e.g. "
+            "jax.devices()[:2], or None for all of them"
+        )
+
+
 @typing.no_type_check  # a public entry point: it names a bad argument itself
 def run(
     config: Config,
@@ -316,6 +341,8 @@ def run(
             f"{type(config).__name__} {config!r:.60}"
         )
     config.validate()  # a Config built by hand has not been through load_config's checks
+    options = dict(resume=resume, overwrite=overwrite, callbacks=callbacks, on_start=on_start)
+    check_run_arguments("run", devices=devices, **options)
     mesh = mesh_lib.check_mesh(config, jax.devices() if devices is None else devices)
     with memory_named(config):
         trace_steps(config, mesh)  # what building the model or tracing a step raises, first

@@ -317,3 +317,31 @@ def test_step_takes_python_numbers_as_gates():
         assert_close(y, expected[1], jnp.float32)
     with pytest.raises(ValueError, match="gated_delta_step: beta must be a floating array"):
         gdn_jax.gated_delta_step(state, q, k, v, 0, True)
+
+
+X, X_INT = np.ones((3, 4), np.float32), np.ones((3, 4), np.int32)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        # 0 was a ZeroDivisionError and -4 a complex scale.
+        (lambda: gdn_jax.default_scale(0), r"key_dim=0 must be a positive integer$"),
+        (lambda: gdn_jax.default_scale(-4), r"key_dim=-4 must be a positive integer$"),
+        (lambda: gdn_jax.default_scale(True), r"key_dim=True must be a positive integer$"),
+        (lambda: gdn_jax.default_scale("4"), r"key_dim='4' must be a positive integer$"),
+        # eps=0 made a zero vector NaN.
+        (lambda: gdn_jax.l2_normalize(X, eps=0), r"eps=0 must be a finite number > 0$"),
+        (lambda: gdn_jax.l2_normalize(X, eps=-1e-6), r"eps=-1e-06 must be a finite number > 0$"),
+        (lambda: gdn_jax.l2_normalize([1.0, 2.0]), r"x must be an array, got list$"),
+        (lambda: gdn_jax.l2_normalize(X_INT), r"x must be a floating array, got dtype int32$"),
+        # Outside shard_map: JAX's NameError "unbound axis name: seq".
+        (lambda: gdn_jax.halo_from_previous(X, 1, "seq"),
+         r"axis_name='seq' is not an axis of an enclosing jax.shard_map"),
+    ],
+)  # fmt: skip
+def test_the_public_helpers_name_a_bad_argument(call, message):
+    with pytest.raises(ValueError, match=r"^(default_scale|l2_normalize|halo_from_previous): "):
+        call()
+    with pytest.raises(ValueError, match=message):
+        call()
