@@ -51,7 +51,7 @@ class SoftmaxAttention(nnx.Module):
     With ``use_short_conv`` the projected q, k and v first pass the causal depthwise
     convolution with SiLU that the recurrent mixers have (kernel ``conv_size``): it hands each
     token its predecessors' features, which attention alone must learn to fetch with a
-    previous-token head (see docs/training.md for what that costs on MQAR).
+    previous-token head (see docs/benchmarks.md for what that costs on MQAR).
     """
 
     def __init__(

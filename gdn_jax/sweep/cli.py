@@ -35,7 +35,7 @@ from gdn_jax.training.run_dir import RunLock, check_writable
 
 PROG = "python -m gdn_jax.sweep"
 # Each mixer's own config: the attention mixers' projections, Gated DeltaProduct's steps and
-# eigenvalues and the recurrent mixers' gate laws are chosen per mixer (docs/training.md).
+# eigenvalues and the recurrent mixers' gate laws are chosen per mixer (docs/benchmarks.md).
 MIXER_CONFIG = "mqar_{mixer}.yaml"
 
 
