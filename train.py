@@ -6,12 +6,13 @@
     python train.py --overwrite                       # start again, deleting the earlier run
 
 Runs on whatever ``jax.devices()`` returns, data-parallel over all of them. The command lives
-in ``gdn_jax/training/cli.py`` (also installed as ``gdn-train``).
+in ``gdn_jax/training/cli.py`` (also installed as ``gdn-train``), entered through
+``gdn_train.py``, which takes Ctrl-C over before JAX is imported.
 """
 
 import sys
 
-from gdn_jax.training.cli import main
+from gdn_train import main
 
 if __name__ == "__main__":
     sys.exit(main())

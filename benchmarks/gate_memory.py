@@ -9,7 +9,7 @@ Builds the config's model for each seed (nothing is trained) and reads every dec
 constant ``1 / (A dt)`` tokens. Prints, per seed and layer, the fraction of the gates (heads,
 or value-head x key-channel pairs for the channel-gated mixers) that keep more than 0.1 and
 more than 0.5 of a write after ``--tokens`` tokens, and the largest time constant. MQAR's
-queries come up to ~``seq_len`` tokens after their pair (docs/training.md).
+queries come up to ~``seq_len`` tokens after their pair (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -52,7 +52,10 @@ def predictions(out_dir: Path):
     def predict(params, inputs):
         return jnp.argmax(nnx.merge(graphdef, params)(inputs), axis=-1)
 
-    batches = held_out_batches(config)
+    train = config.train
+    batches = held_out_batches(
+        config.data, seed=train.seed, examples=train.eval_examples, batch_size=train.batch_size
+    )
     inputs = np.concatenate([b["inputs"] for b in batches])
     labels = np.concatenate([b["labels"] for b in batches])
     predicted = np.concatenate([np.asarray(predict(state.params, b["inputs"])) for b in batches])

@@ -8,7 +8,7 @@ examples, as the length changes every one), and prints the accuracy at every pos
 how often the predicted permutation has the label's sign (the parity, ``S_n``'s quotient
 ``S_2``, which one reflection a token can follow). A run's mean at its own length is its
 last logged held-out accuracy; the positions show where a model that does not track the
-state loses it, and a longer length whether it extrapolates (docs/training.md).
+state loses it, and a longer length whether it extrapolates (docs/benchmarks.md).
 """
 
 from __future__ import annotations

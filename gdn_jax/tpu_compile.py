@@ -24,9 +24,11 @@ import os
 import re
 import shutil
 import tempfile
+import typing
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 
 INSTALL_COMMAND = 'pip install "libtpu==0.0.52"'
 # HBM per chip, in GiB (Google Cloud's TPU pages).
@@ -107,6 +109,7 @@ def topology_devices(name: str) -> list[jax.Device]:
         raise ValueError(f"topology {name!r}: {reason}") from None
 
 
+@typing.no_type_check  # a public entry point: it names a bad argument itself
 def quiet_libtpu(topology: Topology, environ=os.environ) -> None:
     """Describe this host to libtpu as the one worker of ``topology``'s slice, unless the
     environment already does, for a process that only compiles for it.
@@ -116,6 +119,11 @@ def quiet_libtpu(topology: Topology, environ=os.environ) -> None:
     either way. Its logs go to a temporary directory removed when the process exits, unless
     ``TPU_LOG_DIR`` names one. Call before the first ``topology_devices``; never in a process
     that runs on TPUs of its own."""
+    if not isinstance(topology, Topology):
+        raise TypeError(
+            f"quiet_libtpu: topology={topology!r:.40} must be a Topology, as "
+            f"parse_topology(name) returns, got {type(topology).__name__}"
+        )
     environ.setdefault("TPU_ACCELERATOR_TYPE", topology.accelerator_type)
     environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     if "TPU_LOG_DIR" not in environ:  # else libtpu leaves its logs in /tmp/tpu_logs
@@ -124,24 +132,65 @@ def quiet_libtpu(topology: Topology, environ=os.environ) -> None:
         environ["TPU_LOG_DIR"] = logs
 
 
+@typing.no_type_check  # it names a bad argument itself
+def place_arguments(fn_name: str, args: tuple, device: jax.Device | None) -> tuple:
+    """``args`` as what a program for ``device`` is compiled with: every leaf a
+    ``jax.ShapeDtypeStruct``, placed on ``device``, except a ``ShapeDtypeStruct`` that
+    carries a sharding of its own, which keeps it. Arrays (JAX or NumPy) give their shapes
+    and dtypes only: a JAX array's own sharding is on this host's devices, so it is replaced.
+
+    Raises ``TypeError`` for a ``device`` that is not a ``jax.Device`` or a leaf that is
+    neither an array nor a ``ShapeDtypeStruct``, and ``ValueError`` for a leaf that has no
+    place without ``device`` or a sharding on another platform than ``device``'s; each names
+    ``fn_name``, the argument and what it got."""
+    if device is not None and not isinstance(device, jax.Device):
+        raise TypeError(
+            f"{fn_name}: device={device!r} must be a jax.Device of the slice to compile for "
+            f"(tpu_compile.topology_devices(name)[i]), got {type(device).__name__}"
+        )
+
+    def place(path, leaf):
+        name = f"args{jax.tree_util.keystr(path)}"
+        if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None:
+            platforms = {d.platform for d in leaf.sharding.device_set}
+            if device is not None and platforms != {device.platform}:
+                raise ValueError(
+                    f"{fn_name}: {name} has a sharding on {', '.join(sorted(platforms))} "
+                    f"devices, not on device={device} ({device.platform})"
+                )
+            return leaf
+        if not isinstance(leaf, jax.ShapeDtypeStruct | jax.Array | np.ndarray | np.generic):
+            raise TypeError(
+                f"{fn_name}: {name} must be an array or a jax.ShapeDtypeStruct, got "
+                f"{type(leaf).__name__} {leaf!r:.40}"
+            )
+        if device is None:
+            raise ValueError(
+                f"{fn_name}: {name} has no sharding of a device to compile for, so device must "
+                "be given (without one it would compile for this host)"
+            )
+        single = jax.sharding.SingleDeviceSharding(device)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=single)
+
+    return jax.tree_util.tree_map_with_path(place, args)
+
+
+@typing.no_type_check  # a public entry point: it names a bad argument itself
 def compile_for(fn: Callable, *args, device: jax.Device | None = None) -> jax.stages.Compiled:
     """``fn`` (a function, or a ``jax.jit`` of one with its own shardings) compiled for the
     devices its arguments are placed on.
 
-    ``args`` are pytrees of ``jax.ShapeDtypeStruct``; a leaf without a sharding is placed on
-    ``device`` (``ValueError`` without one: it would compile for this host).
+    ``args`` are pytrees of arrays (JAX or NumPy: only their shapes and dtypes count) or
+    ``jax.ShapeDtypeStruct``s; each leaf is placed on ``device`` (one of
+    ``topology_devices``), except a ``ShapeDtypeStruct`` with a sharding of its own
+    (``place_arguments``). A leaf with no place raises ``ValueError``: it would compile for
+    this host.
     """
-
-    def placed(x):
-        if x.sharding is not None:
-            return x
-        if device is None:
-            raise ValueError(f"compile_for: {x} has no sharding, so device must be given")
-        single = jax.sharding.SingleDeviceSharding(device)
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=single)
-
+    if not callable(fn):
+        raise TypeError(f"compile_for: fn={fn!r:.60} must be a function, got {type(fn).__name__}")
+    placed = place_arguments("compile_for", args, device)
     jitted = fn if isinstance(fn, jax.stages.Wrapped) else jax.jit(fn)
-    lowered = jitted.trace(*jax.tree.map(placed, args)).lower()
+    lowered = jitted.trace(*placed).lower()
     # A compile-only TPU client cannot load an executable back: with the persistent
     # compilation cache on, a second compile of the same program would read the entry the
     # first wrote and fail. Whether the cache is used is fixed when a process first
@@ -171,7 +220,13 @@ def _host_flags_hidden():
             os.environ["XLA_FLAGS"] = flags
 
 
+@typing.no_type_check  # a public entry point: it names a bad argument itself
 def devices_per_chip(devices: Sequence[jax.Device]) -> int:
     """How many of ``devices`` share a chip (2 for v4's TensorCores, else 1)."""
+    if isinstance(devices, str) or not isinstance(devices, Sequence) or not devices:
+        raise ValueError(
+            f"devices_per_chip: devices={devices!r:.40} must be a non-empty list of TPU "
+            "devices (topology_devices(name))"
+        )
     chips = {tuple(d.coords) for d in devices}
     return len(devices) // len(chips)

@@ -12,6 +12,7 @@ everything it shows.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from support.hlo import count, dots, has_square
@@ -151,3 +152,39 @@ def test_a_program_compiles_twice_with_the_persistent_cache_on():
     finally:
         for name, value in saved.items():
             jax.config.update(name, value)
+
+
+def test_compile_for_places_arrays_of_this_host_on_the_device_it_is_given():
+    """A JAX array kept its own sharding, on this host's CPU, and the program was compiled
+    for the CPU without a word; a NumPy array was an AttributeError from JAX."""
+    device = devices(TOPOLOGY)[0]
+    here, numpy = jax.device_put(np.ones((8, 128), np.float32)), np.ones((8, 128), np.float32)
+    compiled = tpu_compile.compile_for(lambda a, b: jnp.sin(a) + b, here, numpy, device=device)
+    shardings, _ = compiled.input_shardings
+    assert [s.device_set for s in shardings] == [{device}, {device}]
+
+
+def test_compile_for_names_a_bad_argument():
+    device = devices(TOPOLOGY)[0]
+    x = np.ones((8, 128), np.float32)
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    on_cpu = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu)
+    cases = [
+        ((jnp.sin, x), dict(device="tpu"), TypeError, r"device='tpu' must be a jax.Device of"),
+        ((jnp.sin, x), {}, ValueError, r"args\[0\] has no sharding of a device to compile for"),
+        ((jnp.sin, [1.5]), dict(device=device), TypeError, r"args\[0\]\[0\] must be an array or"),
+        ((jnp.sin, on_cpu), dict(device=device), ValueError, r"args\[0\] has a sharding on cpu"),
+        (("sin", x), dict(device=device), TypeError, r"fn='sin' must be a function, got str"),
+    ]
+    for args, kwargs, error, message in cases:
+        with pytest.raises(error, match=rf"^compile_for: {message}"):
+            tpu_compile.compile_for(*args, **kwargs)
+
+
+def test_the_other_helpers_name_a_bad_argument():
+    """A topology's name was an AttributeError ('str' object has no attribute
+    'accelerator_type'), an int for the devices a TypeError ('int' object is not iterable)."""
+    with pytest.raises(TypeError, match=r"^quiet_libtpu: topology='v5e:1x1' must be a Topology"):
+        tpu_compile.quiet_libtpu("v5e:1x1", {})
+    with pytest.raises(ValueError, match=r"^devices_per_chip: devices=3 must be a non-empty list"):
+        tpu_compile.devices_per_chip(3)

@@ -19,12 +19,15 @@ Generation is plain NumPy, vectorised over examples; only the loops over the ``n
 from __future__ import annotations
 
 import dataclasses
+import numbers
+from typing import no_type_check
 
 import numpy as np
 
 IGNORE_INDEX = -100
 
 
+@no_type_check  # data: validate() names a field of the wrong type
 @dataclasses.dataclass(frozen=True)
 class MQARConfig:
     """Shape of an MQAR dataset; see the module docstring for the layout."""
@@ -47,6 +50,14 @@ class MQARConfig:
         Raises:
             ValueError: naming the offending field and its value.
         """
+        for field in ("vocab_size", "seq_len", "num_kv_pairs"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{field}={value!r} must be an integer")
+        if isinstance(self.power_a, bool) or not isinstance(self.power_a, numbers.Real):
+            raise ValueError(f"power_a={self.power_a!r} must be a number")
+        if not isinstance(self.random_non_queries, bool):
+            raise ValueError(f"random_non_queries={self.random_non_queries!r} must be a bool")
         if self.seq_len <= 0 or self.seq_len % 2:
             raise ValueError(f"seq_len={self.seq_len} must be even and positive")
         if self.vocab_size <= self.seq_len:
@@ -88,6 +99,20 @@ def _num_values(vocab_size: int) -> int:
     return vocab_size - vocab_size // 2
 
 
+def check_generation(fn: str, config, config_type: type, num_examples, seed) -> None:
+    """The arguments of task generator ``fn``: a ``config_type`` (validated), a number of
+    examples and a seed (NumPy's), each an integer >= 0; a ``TypeError`` or ``ValueError``
+    names the one that is not."""
+    if not isinstance(config, config_type):
+        raise TypeError(
+            f"{fn}: config must be a {config_type.__name__}, got {type(config).__name__}"
+        )
+    config.validate()
+    for name, value in (("num_examples", num_examples), ("seed", seed)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"{fn}: {name}={value!r} must be an integer >= 0")
+
+
 def split_seeds(seed: int) -> tuple[int, int]:
     """Derives independent train and test seeds from one seed.
 
@@ -108,6 +133,7 @@ def split_seeds(seed: int) -> tuple[int, int]:
     return train_seed, test_seed
 
 
+@no_type_check  # a public entry point: it names a bad argument itself
 def make_mqar(config: MQARConfig, *, num_examples: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Generates MQAR examples following Zoology's ``multiquery_ar``.
 
@@ -123,9 +149,7 @@ def make_mqar(config: MQARConfig, *, num_examples: int, seed: int) -> tuple[np.n
     Raises:
         ValueError: if the config is invalid or ``num_examples`` is negative.
     """
-    config.validate()
-    if num_examples < 0:
-        raise ValueError(f"num_examples={num_examples} must be non-negative")
+    check_generation("make_mqar", config, MQARConfig, num_examples, seed)
     rng = np.random.default_rng(seed)
     n, half = config.num_kv_pairs, config.vocab_size // 2
 
@@ -279,9 +303,20 @@ def mqar_accuracy(predictions: np.ndarray, labels: np.ndarray) -> float:
     return float(scored.mean())
 
 
+@no_type_check  # a public entry point: it names a bad argument itself
 def make_batch(inputs: np.ndarray, labels: np.ndarray) -> dict:
     """Host-side batch: ``inputs``, ``labels [B, T]`` plus the labelled ``positions`` and their
     ``targets`` ``[B, n]`` (MQAR labels the same number of positions in every example)."""
+    for name, x in (("inputs", inputs), ("labels", labels)):
+        if not (isinstance(x, np.ndarray) and x.ndim == 2 and np.issubdtype(x.dtype, np.integer)):
+            shown = (
+                f"shape {x.shape} and dtype {x.dtype}" if hasattr(x, "shape") else type(x).__name__
+            )
+            raise ValueError(f"make_batch: {name} must be integer NumPy arrays [B, T], got {shown}")
+    if inputs.shape != labels.shape:
+        raise ValueError(
+            f"make_batch: inputs {inputs.shape} and labels {labels.shape} must have one shape"
+        )
     rows, cols = np.nonzero(labels != IGNORE_INDEX)
     per_row = np.bincount(rows, minlength=labels.shape[0])
     if per_row.min() != per_row.max():

@@ -60,6 +60,10 @@ def read_safetensors(path: str | os.PathLike, prefix: str = "") -> dict[str, np.
         raise ImportError(
             f'{fn} needs the safetensors package: pip install "gdn_jax[interop]"'
         ) from None
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"{fn}: path={path!r:.60} must be a file or directory name or a Path")
+    if not isinstance(prefix, str):
+        raise TypeError(f"{fn}: prefix={prefix!r:.60} must be a string")
     path = Path(path)
     files, promised = _files(fn, path, prefix)
     out: dict[str, np.ndarray] = {}

@@ -15,7 +15,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from gdn_jax.layers import input_checks
 from gdn_jax.layers.conv import ShortConvolution, convolve_qkv
-from gdn_jax.layers.params import COLUMNS, ROWS, bias_free_linear
+from gdn_jax.layers.params import COLUMNS, ROWS, bias_free_linear, check_build_args
 from gdn_jax.ops import checks
 from gdn_jax.ops.attention import causal_attention, rotary
 from gdn_jax.ops.varlen import segment_positions
@@ -51,7 +51,7 @@ class SoftmaxAttention(nnx.Module):
     With ``use_short_conv`` the projected q, k and v first pass the causal depthwise
     convolution with SiLU that the recurrent mixers have (kernel ``conv_size``): it hands each
     token its predecessors' features, which attention alone must learn to fetch with a
-    previous-token head (see docs/training.md for what that costs on MQAR).
+    previous-token head (see docs/benchmarks.md for what that costs on MQAR).
     """
 
     def __init__(
@@ -83,6 +83,7 @@ class SoftmaxAttention(nnx.Module):
             checks.check_positive_int(name, window=window)
         checks.check_positive_number(name, rope_theta=rope_theta)
         checks.check_floating_dtype(name, dtype=dtype, param_dtype=param_dtype)
+        check_build_args(name, rngs=rngs, kernel_init=kernel_init)
         linear = bias_free_linear(
             dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
         )

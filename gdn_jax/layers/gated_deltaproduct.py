@@ -27,6 +27,7 @@ from gdn_jax.layers.params import (
     a_log_init,
     bias_free_linear,
     dt_bias_init,
+    gate_law,
     param,
 )
 from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer
@@ -83,7 +84,7 @@ class GatedDeltaProduct(RecurrentLayer):
             use_forget_gate or gate_init is None,
             f"gate_init={gate_init} sets the forget gate's initial law; use_forget_gate=False",
         )
-        law = (gate_init or GateInit()).over(HEAD_DECAY, type(self).__name__)
+        law = gate_law(type(self).__name__, gate_init, HEAD_DECAY)
         checks.check_positive_int(type(self).__name__, num_householder=num_householder)
         super().__init__(
             hidden_size, num_heads, head_dim, expand_v=expand_v, num_v_heads=num_v_heads,

@@ -26,6 +26,7 @@ from gdn_jax.layers.params import (
     a_log_init,
     bias_free_linear,
     dt_bias_init,
+    gate_law,
     gate_linear,
     param,
 )
@@ -83,7 +84,7 @@ class GatedDeltaNet2(RecurrentLayer):
         gate_init: GateInit | None = None,
         rngs: nnx.Rngs,
     ):
-        law = (gate_init or GateInit()).over(CHANNEL_DECAY, type(self).__name__)
+        law = gate_law(type(self).__name__, gate_init, CHANNEL_DECAY)
         checks.check_lower_bound(type(self).__name__, "gate_lower_bound", gate_lower_bound)
         super().__init__(
             hidden_size, num_heads, head_dim, expand_v=expand_v, num_v_heads=num_v_heads,

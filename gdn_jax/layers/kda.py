@@ -29,6 +29,7 @@ from gdn_jax.layers.params import (
     a_log_init,
     bias_free_linear,
     dt_bias_init,
+    gate_law,
     gate_linear,
     param,
 )
@@ -113,7 +114,7 @@ class KimiDeltaAttention(RecurrentLayer):
         checks.check_flag(
             type(self).__name__, low_rank_gates=low_rank_gates, output_gate_bias=output_gate_bias
         )
-        law = (gate_init or GateInit()).over(CHANNEL_DECAY, type(self).__name__)
+        law = gate_law(type(self).__name__, gate_init, CHANNEL_DECAY)
         checks.check_lower_bound(type(self).__name__, "gate_lower_bound", gate_lower_bound)
         super().__init__(
             hidden_size, num_heads, head_dim, expand_v=expand_v, num_v_heads=num_v_heads,

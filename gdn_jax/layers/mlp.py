@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from gdn_jax.layers.params import COLUMNS, ROWS, bias_free_linear
+from gdn_jax.layers.params import COLUMNS, ROWS, bias_free_linear, check_build_args
 from gdn_jax.ops import checks
 
 
@@ -16,6 +16,7 @@ class SwiGLU(nnx.Module):
         checks.check_positive_int(
             "SwiGLU", hidden_size=hidden_size, intermediate_size=intermediate_size
         )
+        check_build_args("SwiGLU", rngs=rngs, kernel_init=kernel_init)
         linear = bias_free_linear(
             dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import no_type_check
 
 import jax
@@ -77,6 +78,42 @@ class GateInit:
             if not holds:
                 raise ValueError(f"{fn}: gate_init={law} {rule}")
         return law
+
+
+def gate_law(fn: str, gate_init, default: GateInit) -> GateInit:
+    """The decay gate's initial law of layer ``fn``: ``gate_init`` (a ``GateInit``, a
+    mapping of its fields as ``ModelConfig`` takes it, or None) over ``default``, checked
+    (``GateInit.over``)."""
+    if isinstance(gate_init, Mapping):
+        fields = {f.name for f in dataclasses.fields(GateInit)}
+        unknown = sorted(set(gate_init) - fields, key=str)
+        if unknown:
+            raise ValueError(
+                f"{fn}: gate_init has unknown fields {unknown}; GateInit has {sorted(fields)}"
+            )
+        gate_init = GateInit(**gate_init)
+    if not (gate_init is None or isinstance(gate_init, GateInit)):
+        raise TypeError(
+            f"{fn}: gate_init={gate_init!r:.60} must be a GateInit, a mapping of its fields or "
+            f"None, got {type(gate_init).__name__}"
+        )
+    return (gate_init or GateInit()).over(default, fn)
+
+
+def check_build_args(fn: str, *, rngs, kernel_init=None) -> None:
+    """A layer's or model's random streams are an ``nnx.Rngs`` (``nnx.Rngs(0)``; an int or a
+    bare key reached Flax as an AttributeError), and its ``kernel_init`` None or an
+    initialiser ``init(key, shape, dtype)`` (a name such as ``"normal"`` is not one)."""
+    if not isinstance(rngs, nnx.Rngs):
+        raise TypeError(
+            f"{fn}: rngs={rngs!r:.60} must be an nnx.Rngs, e.g. nnx.Rngs(0), got "
+            f"{type(rngs).__name__}"
+        )
+    if kernel_init is not None and not callable(kernel_init):
+        raise TypeError(
+            f"{fn}: kernel_init={kernel_init!r:.60} must be an initialiser such as "
+            f"nnx.initializers.normal(0.02), or None, got {type(kernel_init).__name__}"
+        )
 
 
 # flash-linear-attention's laws: Gated DeltaNet's (Mamba-2's) for one decay per head, KDA's

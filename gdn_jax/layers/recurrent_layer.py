@@ -19,7 +19,7 @@ from jaxtyping import Array, Float
 
 from gdn_jax.layers import input_checks
 from gdn_jax.layers.conv import ShortConvolution, convolve_qkv
-from gdn_jax.layers.params import COLUMNS, ROWS, SEQ_AXIS, bias_free_linear
+from gdn_jax.layers.params import COLUMNS, ROWS, SEQ_AXIS, bias_free_linear, check_build_args
 from gdn_jax.ops import checks, dispatch
 from gdn_jax.ops.api import batched
 from gdn_jax.ops.rule import Rule
@@ -141,6 +141,7 @@ class RecurrentLayer(nnx.Module):
             conv_size=conv_size,
             norm_eps=norm_eps,
         )
+        check_build_args(name, rngs=rngs, kernel_init=kernel_init)
         switches = dict(use_gate=use_gate, use_short_conv=use_short_conv, conv_bias=conv_bias)
         checks.check_flag(name, allow_neg_eigval=allow_neg_eigval, **switches)
         dispatch.check_impl(name, rule, impl)
@@ -148,9 +149,8 @@ class RecurrentLayer(nnx.Module):
         checks.check_schedule(name, schedule)
         checks.check_floating_dtype(name, dtype=dtype, param_dtype=param_dtype)
 
-        self.hidden_size = hidden_size
+        self.hidden_size, self.head_v_dim = hidden_size, head_v_dim
         self.num_heads, self.num_v_heads, self.head_dim = num_heads, num_v_heads, head_dim
-        self.head_v_dim = head_v_dim
         self.key_dim, self.value_dim = num_heads * head_dim, num_v_heads * head_v_dim
         self.allow_neg_eigval, self.use_gate = allow_neg_eigval, use_gate
         self.impl, self.schedule, self.conv_size = impl, schedule, conv_size

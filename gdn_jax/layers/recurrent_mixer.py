@@ -26,6 +26,7 @@ from gdn_jax.layers.params import (
     a_log_init,
     bias_free_linear,
     dt_bias_init,
+    gate_law,
     param,
 )
 from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer
@@ -102,7 +103,7 @@ class RecurrentMixer(RecurrentLayer):
             self.decay or gate_init is None,
             f"gate_init={gate_init} sets a decay gate's initial law, which {name} does not have",
         )
-        law = (gate_init or GateInit()).over(HEAD_DECAY, name)
+        law = gate_law(name, gate_init, HEAD_DECAY)
         checks.check_flag(name, allow_neg_eigval=allow_neg_eigval)  # before its truthiness
         checks.require(
             name,

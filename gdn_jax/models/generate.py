@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gdn_jax.layers import input_checks
+from gdn_jax.models.lm import LanguageModel
 from gdn_jax.ops import checks
 
 
@@ -57,6 +58,11 @@ def generate(model, prompt, *, mask=None, max_new_tokens: int, temperature: floa
       The generated tokens ``[B, max_new_tokens]`` (int32). One compilation per model
       structure, prompt shape, ``max_new_tokens`` and ``temperature``.
     """
+    if not isinstance(model, LanguageModel):  # a layer has no vocabulary to decode from
+        raise TypeError(
+            f"generate: model must be a LanguageModel, got {type(model).__name__} (a layer "
+            "decodes with its prefill and step)"
+        )
     checks.require(
         "generate",
         isinstance(max_new_tokens, numbers.Integral)

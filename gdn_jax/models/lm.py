@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+from typing import no_type_check
 
 import jax.numpy as jnp
 from flax import nnx
 
 from gdn_jax.layers import SwiGLU, input_checks
 from gdn_jax.layers.dense import projection_dot_general
+from gdn_jax.layers.params import check_build_args
 from gdn_jax.models.config import ModelConfig
 from gdn_jax.models.mixers import build_mixer
 from gdn_jax.ops import checks
@@ -74,7 +76,14 @@ class LanguageModel(nnx.Module):
     ``init_cache``, ``prefill`` a (left-padded) prompt, then ``step`` one token at a time.
     """
 
+    @no_type_check  # it names a bad argument itself
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        if not isinstance(config, ModelConfig):
+            raise TypeError(
+                f"LanguageModel: config must be a ModelConfig, got {type(config).__name__} "
+                f"{config!r:.60}; build one with ModelConfig(**fields)"
+            )
+        check_build_args("LanguageModel", rngs=rngs)
         self.config = config.validate()
         self.embed = nnx.Embed(
             config.vocab_size,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import no_type_check
 
 from flax import nnx
 
@@ -25,6 +26,7 @@ from gdn_jax.layers import (
     SoftmaxAttention,
     TokenMixer,
 )
+from gdn_jax.layers.params import check_build_args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +166,14 @@ def common_kwargs(config, rngs: nnx.Rngs) -> dict:
     )
 
 
+@no_type_check  # a public entry point: it names a bad argument itself
 def build_mixer(config, name: str, *, rngs: nnx.Rngs) -> TokenMixer:
-    """The mixer ``name`` (a key of ``MIXERS``) built from ``config``."""
+    """The mixer ``name`` (a key of ``MIXERS``) built from ``config`` (a ``ModelConfig``)."""
+    from gdn_jax.models.config import ModelConfig  # which imports this module's MIXERS
+
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"build_mixer: config must be a ModelConfig, got {type(config).__name__}")
+    if not isinstance(name, str) or name not in MIXERS:
+        raise ValueError(f"build_mixer: name={name!r} is not a mixer; allowed: {tuple(MIXERS)}")
+    check_build_args("build_mixer", rngs=rngs)
     return MIXERS[name].build(config, common_kwargs(config, rngs))

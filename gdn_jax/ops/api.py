@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from gdn_jax.ops import checks, dispatch
+from gdn_jax.ops.forward_mode import reverse_mode_only
 from gdn_jax.ops.normalize import l2_normalize
 from gdn_jax.ops.rule import Rule
 from gdn_jax.ops.single_head import compute_dtype, scaled_outputs
@@ -143,8 +144,9 @@ def batched(
         checks.check_schedule(fn, schedule)
         kernel_possible = impl not in ("auto", "chunked") or any(k.auto for k in rule.kernels)
         if not rule.forward_mode or kernel_possible:
-            arrays = dict(q=q, k=k, v=v, **named, initial_state=initial_state)
-            checks.check_reverse_mode(fn, 'impl="recurrent"', **arrays)
+            q, k, v, gates, initial_state = reverse_mode_only(
+                fn, 'impl="recurrent"', rule.gate_names, q, k, v, gates, initial_state
+            )
     gates = rule.with_defaults(gates, "batched", sizes)
     inputs = prepare_batched(
         q, k, v, gates, initial_state, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens

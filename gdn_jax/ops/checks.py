@@ -189,25 +189,12 @@ def check_scale(fn: str, scale) -> None:
 
 
 def forward_traced(x) -> bool:
-    """Whether forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``) traces ``x``: reverse
-    mode traces with other tracers, and forward over reverse reaches a ``custom_vjp`` as
-    reverse mode."""
+    """Whether forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``) traces ``x`` itself:
+    reverse mode traces with other tracers, and forward over reverse reaches a
+    ``custom_vjp`` as reverse mode. A trace-time test: under ``jax.jit``, ``nnx.jit`` or
+    ``jax.linearize`` the program is differentiated after it was traced, with no such
+    tracer (the ops refuse forward mode on every route: ``forward_mode.py``)."""
     return isinstance(x, jax.interpreters.ad.JVPTracer)
-
-
-def check_reverse_mode(fn: str, instead: str, **arrays) -> None:
-    """No input is traced by forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``): the chunked
-    forms' gradient is a hand-written reverse-mode rule (a ``jax.custom_vjp``), which JAX
-    cannot run forward. ``instead`` names what to use for forward mode. Reverse mode, and
-    forward over reverse (``jax.hessian``), work."""
-    forward = [name for name, x in arrays.items() if forward_traced(x)]
-    if forward:
-        raise ValueError(
-            f"{fn}: forward-mode autodiff (jax.jvp, jax.jacfwd) reaches {', '.join(forward)}, "
-            "but the chunked form differentiates in reverse mode only (a hand-written "
-            f"custom_vjp); for forward mode use {instead} (jax.grad, jax.vjp and "
-            "jax.hessian work with either)"
-        )
 
 
 def check_chunk_size(fn: str, chunk_size) -> int:

@@ -84,7 +84,13 @@ def halo_from_previous(x: Shaped[Array, "T ..."], width: int, axis_name: str):
             f"{fn}: width={width} must be at most the tokens per shard, x.shape[0], got "
             f"x.shape={x.shape}"
         )
-    size = jax.lax.axis_size(axis_name)
+    try:
+        size = jax.lax.axis_size(axis_name)
+    except NameError:  # JAX's "unbound axis name"
+        raise ValueError(
+            f"{fn}: axis_name={axis_name!r} is not an axis of an enclosing jax.shard_map; call "
+            "it inside one that maps that axis"
+        ) from None
     to_next = [(i, i + 1) for i in range(size - 1)]
     return jax.lax.ppermute(x[x.shape[0] - width :], axis_name, to_next)
 

@@ -49,6 +49,7 @@ from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.api import over_batch_and_heads, prepare_batched
+from gdn_jax.ops.forward_mode import reverse_mode_only
 from gdn_jax.ops.rule import Rule
 from gdn_jax.ops.single_head import scaled_outputs
 
@@ -253,8 +254,10 @@ def seq_parallel(
     checks.check_flag(fn, use_qk_l2norm=use_qk_l2norm)
     chunk_size = checks.check_chunk_size(fn, chunk_size)
     checks.check_schedule(fn, schedule)
-    arrays = dict(q=q, k=k, v=v, **named, initial_state=initial_state)
-    checks.check_reverse_mode(fn, 'the one-device op with impl="recurrent"', **arrays)
+    instead = 'the one-device op with impl="recurrent"'
+    q, k, v, gates, initial_state = reverse_mode_only(
+        fn, instead, rule.gate_names, q, k, v, gates, initial_state
+    )
     gates = rule.with_defaults(gates, "batched", sizes)
     q, k, v, gates, states = prepare_batched(
         q, k, v, gates, initial_state, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens

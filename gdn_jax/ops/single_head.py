@@ -3,14 +3,20 @@ inputs in the compute dtype, and the outputs scaled and cast back."""
 
 from __future__ import annotations
 
+from typing import no_type_check
+
 import jax.numpy as jnp
 
 from gdn_jax.ops import checks
+from gdn_jax.ops.forward_mode import reverse_mode_only
 from gdn_jax.ops.recurrent import rule_recurrent
 
 
+@no_type_check  # a public entry point: checks.py names its bad arguments
 def default_scale(key_dim: int) -> float:
-    """The query scale every op uses when ``scale=None``: ``K ** -0.5``, as in attention."""
+    """The query scale every op uses when ``scale=None``: ``K ** -0.5``, as in attention;
+    ``key_dim`` is a positive integer."""
+    checks.check_positive_int("default_scale", key_dim=key_dim)
     return key_dim**-0.5
 
 
@@ -78,9 +84,8 @@ def chunked_single_head(
     chunk_size = checks.check_chunk_size(fn, chunk_size)
     checks.check_schedule(fn, schedule)
     if not rule.forward_mode:
-        named = dict(zip(rule.gate_names, gates, strict=True))
-        checks.check_reverse_mode(
-            fn, recurrent, q=q, k=k, v=v, **named, initial_state=initial_state
+        q, k, v, gates, initial_state = reverse_mode_only(
+            fn, recurrent, rule.gate_names, q, k, v, gates, initial_state
         )
     return checked_single_head(
         fn, rule, rule.chunked, q, k, v, gates, initial_state, scale=scale,

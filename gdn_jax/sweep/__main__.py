@@ -1,5 +1,8 @@
 import sys
 
 from gdn_jax.sweep.cli import main
+from gdn_train import interrupts_delivered
 
-sys.exit(main())
+with interrupts_delivered():  # a Ctrl-C is never lost in a garbage-collection callback
+    status = main()
+sys.exit(status)

@@ -25,6 +25,7 @@ from gdn_jax.sweep.runner import TRAINERS, Job, Stop, Trainers, run_jobs
 from gdn_jax.sweep.table import best_per_cell, write_plot, write_table
 from gdn_jax.training.cli import (
     OneLineParser,
+    missing_train_extra,
     report_error,
     run_command,
 )
@@ -34,7 +35,7 @@ from gdn_jax.training.run_dir import RunLock, check_writable
 
 PROG = "python -m gdn_jax.sweep"
 # Each mixer's own config: the attention mixers' projections, Gated DeltaProduct's steps and
-# eigenvalues and the recurrent mixers' gate laws are chosen per mixer (docs/training.md).
+# eigenvalues and the recurrent mixers' gate laws are chosen per mixer (docs/benchmarks.md).
 MIXER_CONFIG = "mqar_{mixer}.yaml"
 
 
@@ -80,7 +81,14 @@ def parse_args(argv):
         help="train nothing: write the table and the plot from the runs recorded so far, "
         "those not trained yet counted as such (a sweep that spans several sittings)",
     )
-    add("--out", default="docs/sweep", help="results.jsonl, table.md and accuracy.png")
+    # Not docs/sweep, where the repository keeps the sweep it ships: run from a clone, a
+    # default there rewrote the committed table and plot.
+    add(
+        "--out",
+        default="runs/sweep",
+        help="where results.jsonl, table.md and accuracy.png go (default %(default)s; the "
+        "repository's own sweep is docs/sweep)",
+    )
     add("--runs", default="runs/sweep", help="the runs' own directories")
     return parser.parse_args(argv)
 
@@ -165,6 +173,8 @@ def _main(argv, trainers) -> int:
         return done.code
 
     fail = functools.partial(report_error, PROG)
+    if (missing := missing_train_extra()) is not None:
+        return fail(missing)
 
     try:
         check_args(args)

@@ -42,12 +42,11 @@ from gdn_jax.training.config import Config, to_dict
 from gdn_jax.training.errors import (
     Interrupted,
     NonFiniteLossError,
-    OutOfMemory,
     RunError,
     SaveError,
-    is_out_of_memory,
 )
-from gdn_jax.training.evaluation import evaluate, final_evaluation, held_out_set
+from gdn_jax.training.evaluation import evaluate, final_evaluation
+from gdn_jax.training.state import trace_steps
 
 # The resolved-config fields in which the runs of one process may differ.
 VARYING = ("train.seed", "train.learning_rate", "train.out_dir")
@@ -114,24 +113,28 @@ def run(
       OutOfMemory: the runs, their batches or held-out sets do not fit in memory together.
       Interrupted: SIGINT or SIGTERM arrived; every run still training saved a checkpoint.
     """
+    options = dict(resume=resume, overwrite=overwrite, callbacks=callbacks, on_start=on_start)
+    loop.check_run_arguments("batched.run", devices=devices, **options)
     check_group(configs)
     device = (jax.devices() if devices is None else devices)[0]
     mesh = mesh_lib.check_mesh(configs[0], [device])
-    locks = run_dir.claim_all(list(configs), resume=resume, overwrite=overwrite)
+    with loop.memory_named(configs[0]):
+        trace_steps(configs[0], mesh)  # the runs share their model: one trace checks them all
+    resolved = [to_dict(config) for config in configs]
+    claims = [(c.train.out_dir, r) for c, r in zip(configs, resolved, strict=True)]
+    locks = run_dir.claim_all(claims, resume=resume, overwrite=overwrite)
     try:
         out_dirs = [lock.path.parent for lock in locks]
         outcomes = [
-            run_dir.finished_summary(config, out_dir) if resume else None
-            for config, out_dir in zip(configs, out_dirs, strict=True)
+            run_dir.finished_summary(out_dir, c.train.steps, c.train.target_accuracy)
+            if resume
+            else None
+            for c, out_dir in zip(configs, out_dirs, strict=True)
         ]
         todo = [i for i, outcome in enumerate(outcomes) if outcome is None]
-        chosen = [configs[i] for i in todo], [out_dirs[i] for i in todo]
-        try:
-            trained = _train(*chosen, mesh, resume, callbacks, on_start)
-        except Exception as error:
-            if is_out_of_memory(error):
-                raise OutOfMemory(configs[0], error) from error
-            raise
+        chosen = [(configs[i], resolved[i], out_dirs[i]) for i in todo]
+        with loop.memory_named(configs[0]):
+            trained = _train(chosen, mesh, resume, callbacks, on_start)
         for i, outcome in zip(todo, trained, strict=True):
             outcomes[i] = outcome
         return outcomes
@@ -152,7 +155,7 @@ class _Member:
 
     def __post_init__(self):
         self.train_seed, _ = split_seeds(self.run.config.train.seed)
-        self.held_out = held_out_set(self.run.config, self.run.batch_shardings)
+        self.held_out = loop.held_out_of(self.run.config, self.run.batch_shardings)
 
     def takes(self, step: int) -> bool:
         """Whether the run takes the step after ``step`` (it is at ``step`` and training)."""
@@ -161,10 +164,9 @@ class _Member:
     def dispatch(self, step: int):
         """Dispatch the step after ``step`` as ``loop`` does; returns its metrics (device
         arrays)."""
-        run = self.run
-        batch = mesh_lib.place(
-            loop.train_batch(run.config, self.train_seed, step), run.batch_shardings
-        )
+        run, config = self.run, self.run.config
+        host = loop.train_batch(config.data, config.train.batch_size, self.train_seed, step)
+        batch = mesh_lib.place(host, run.batch_shardings)
         run.state, metrics = run.train_step(run.state, batch)
         return metrics
 
@@ -178,15 +180,16 @@ class _Member:
         loop.plot(self.run)
 
 
-def _train(configs, out_dirs, mesh, resume, callbacks, on_start) -> list[Outcome]:
-    """Build, restore or start every run, train them together; the plots whatever happens."""
+def _train(chosen, mesh, resume, callbacks, on_start) -> list[Outcome]:
+    """Build, restore or start every run of ``chosen`` (``(config, resolved, out_dir)``s),
+    train them together; the plots whatever happens."""
     runs, members = [], []
     try:
-        for config, out_dir in zip(configs, out_dirs, strict=True):
+        for config, resolved, out_dir in chosen:
             runs.append(loop.build(config, mesh, out_dir))
             run = runs[-1]
             run.state, start = ckpt.restore_or_start(
-                config, out_dir, run.checkpoints, run.log, run.state, resume
+                resolved, out_dir, run.checkpoints, run.log, run.state, resume
             )
             members.append(_Member(run, start, loop.RunBook(run, start)))
             if start == config.train.steps:  # stopped after its last checkpoint
@@ -249,6 +252,7 @@ class _Lockstep:
                 self._read(*pending)
                 pending = None
                 self._after(step, list(stepped), done, evaluates, saves)
+            loop.end_bar(self.bar, step)
         finally:
             self.bar.close()
 

@@ -22,7 +22,6 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from gdn_jax.training import run_dir
-from gdn_jax.training.config import Config, to_dict
 from gdn_jax.training.errors import RunError, SaveError, is_out_of_memory, reason
 from gdn_jax.training.metrics_log import MetricsLog
 from gdn_jax.training.step import TrainState
@@ -147,7 +146,7 @@ def shapes(tree) -> dict[str, tuple]:
 
 
 def restore_or_start(
-    config: Config,
+    resolved: dict,
     out_dir: Path,
     checkpoints: ocp.CheckpointManager,
     log: MetricsLog,
@@ -155,11 +154,12 @@ def restore_or_start(
     resume: bool,
 ) -> tuple[TrainState, int]:
     """``(state, step)`` to train on from: the newest checkpoint that restores (with
-    ``resume``), or ``state`` at step 0 with the run's ``config.yaml`` written."""
+    ``resume``), or ``state`` at step 0; either way with the run's ``config.yaml`` written
+    from ``resolved`` (``config.to_dict``)."""
     primary = is_primary()
     if not resume:
         if primary:
-            run_dir.write_config(out_dir, to_dict(config))
+            run_dir.write_config(out_dir, resolved)
         return state, 0
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
@@ -193,6 +193,6 @@ def restore_or_start(
         log.truncate(step)
         if primary:
             (out_dir / run_dir.SUMMARY).unlink(missing_ok=True)  # the run goes on
-            run_dir.write_config(out_dir, to_dict(config))
+            run_dir.write_config(out_dir, resolved)
         return restored, step
     raise RunError(f"--resume: no checkpoint in {out_dir / run_dir.CHECKPOINTS} restores")

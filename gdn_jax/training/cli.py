@@ -3,20 +3,26 @@
 Argument parsing and everything the user reads: every user error is one line,
 ``<prog>: error: ...``, with exit status 2 and no traceback, and so is a run that fails (a
 NaN loss, a failed save, out of memory, a filesystem error), with exit status 1; an
-interrupted run says how to resume it and exits 130 (SIGINT) or 143 (SIGTERM).
+interrupted run says how to resume it and exits 130 (SIGINT) or 143 (SIGTERM). The commands
+enter through ``gdn_train.main``, which handles a Ctrl-C before this module is imported.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import os
 import shlex
 import sys
-from pathlib import Path
 
 from gdn_jax.training.config_paths import DEFAULT_CONFIG, resolve_config
 from gdn_jax.training.xla_flags import add_cpu_flags
+from gdn_train import program_name
+
+# What the train extra installs, by the modules the commands import (a core install lacks
+# tqdm and matplotlib; Flax itself requires the others).
+TRAIN_EXTRA = ("optax", "orbax.checkpoint", "yaml", "tqdm", "matplotlib")
 
 
 def report_error(prog: str, message, status: int = 2) -> int:
@@ -45,9 +51,23 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def program_name() -> str:
-    """``train.py`` when run as the repository's script, else the installed command's name."""
-    return "train.py" if Path(sys.argv[0]).name == "train.py" else "gdn-train"
+def missing_train_extra() -> str | None:
+    """The reason this install cannot run a training command, one line naming the extra and
+    the modules it lacks; None when it can."""
+
+    def found(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a parent missing, or a module set to None
+            return False
+
+    missing = [name for name in TRAIN_EXTRA if not found(name)]
+    if not missing:
+        return None
+    return (
+        f"training needs the train extra, which this install lacks (no module "
+        f'{", ".join(missing)}): pip install "gdn_jax[train]"'
+    )
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +124,8 @@ def _main(argv) -> int:
     add_cpu_flags()  # before the first JAX computation starts the backend
 
     fail = functools.partial(report_error, parser.prog)
+    if (missing := missing_train_extra()) is not None:
+        return fail(missing)
 
     if args.compile_only or args.topology is not None:
         return _compile_only(args, fail)
@@ -252,4 +274,6 @@ def _mesh_text(config, devices) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from gdn_train import main as launch
+
+    sys.exit(launch())

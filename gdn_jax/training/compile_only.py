@@ -14,13 +14,11 @@ import re
 
 import jax
 
-from gdn_jax.data.mqar import make_batch
-from gdn_jax.data.tasks import make_examples
 from gdn_jax.tpu_compile import Topology, compile_for, devices_per_chip
 from gdn_jax.training import mesh as mesh_lib
 from gdn_jax.training.config import Config
 from gdn_jax.training.errors import is_out_of_memory, reason
-from gdn_jax.training.state import train_setup
+from gdn_jax.training.state import abstract_batch, train_setup
 
 MIB = 2**20
 
@@ -44,25 +42,13 @@ class StepMemory:
         return self.total is not None and self.total <= self.hbm
 
 
-def abstract_batch(config: Config) -> dict:
-    """One step's batch as ``jax.ShapeDtypeStruct``s: the shapes of a generated example."""
-    example = make_batch(*make_examples(config.data, num_examples=1, seed=0))
-    size = config.train.batch_size
-    return {k: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype) for k, x in example.items()}
-
-
 def train_step_inputs(config: Config, devices):
     """``(train_step, state, batch, mesh)``: the train step of ``config`` jitted for
     ``train.mesh`` over ``devices`` and its abstract arguments, placed (``train_setup`` with
     ``abstract``: shapes only). Raises ``RunError`` when the mesh does not fit the devices."""
     mesh = mesh_lib.check_mesh(config, devices)
     steps, state = train_setup(config, mesh, abstract=True)
-    batch = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        abstract_batch(config),
-        steps.batch_shardings,
-    )
-    return steps.train_step, state, batch, mesh
+    return steps.train_step, state, abstract_batch(config, steps.batch_shardings), mesh
 
 
 def shard_bytes(tree) -> int:

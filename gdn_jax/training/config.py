@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import numbers
 import types
 import typing
 from collections.abc import Hashable, Sequence
@@ -26,6 +27,7 @@ from gdn_jax.models.lm import check_buildable
 from gdn_jax.training.config_paths import resolve_config
 
 
+@typing.no_type_check  # data: validate() names a field of the wrong type
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Device mesh axis sizes; -1 (on at most one axis) takes the devices the others leave."""
@@ -38,6 +40,7 @@ class MeshConfig:
     seq: int = 1
 
 
+@typing.no_type_check  # data: validate() names a field of the wrong type
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Optimisation, evaluation and bookkeeping of one run."""
@@ -81,6 +84,7 @@ class TrainConfig:
     mesh: MeshConfig = MeshConfig()
 
 
+@typing.no_type_check  # data: validate() names a field of the wrong type
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Everything a run needs: the model, the task and the training loop."""
@@ -91,6 +95,7 @@ class Config:
     train: TrainConfig = TrainConfig()
 
     def validate(self) -> Config:
+        _check_sections(self)
         for section in ("model", "data", "train"):
             for field in dataclasses.fields(getattr(self, section)):
                 value = getattr(getattr(self, section), field.name)
@@ -124,6 +129,11 @@ class Config:
             raise ValueError(f"train.weight_decay={t.weight_decay} must be >= 0")
         if t.target_accuracy is not None and not 0 < t.target_accuracy <= 1:
             raise ValueError(f"train.target_accuracy={t.target_accuracy} must be in (0, 1]")
+        if not t.out_dir.strip():  # "" is the working directory, which holds no run
+            raise ValueError(
+                f"train.out_dir={t.out_dir!r} must name a directory for the run's files, "
+                "e.g. runs/mqar_gdn"
+            )
         if self.model.vocab_size != self.data.vocab_size:
             # A task whose vocabulary follows from its other fields says which it is.
             given = "vocab_size" in {f.name for f in dataclasses.fields(self.data)}
@@ -133,6 +143,43 @@ class Config:
                 + ("" if given else f" ({self.data.describe()})")
             )
         return self
+
+
+def _check_sections(config: Config) -> None:
+    """What a hand-built ``Config`` holds is of the types ``load_config`` gives it: each
+    section's dataclass, and every train and mesh field of its annotated type (a string
+    learning rate failed deep in optax). The model and the task check their own fields."""
+    if not isinstance(config.model, ModelConfig):
+        raise ValueError(f"model={config.model!r:.60} must be a ModelConfig")
+    task_name(config.data)  # a ValueError naming the registered task configs
+    _check_types(config.train, TrainConfig, "train.")
+
+
+def _type_ok(value, annotation) -> bool:
+    """Whether ``value`` is of ``annotation``'s type, as ``_convert`` would give it: an int
+    is no bool, a float is any real number (YAML writes 1 for 1.0)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_type_ok(value, arg) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return isinstance(value, annotation)
+
+
+def _check_types(section, cls, prefix: str) -> None:
+    if not isinstance(section, cls):
+        raise ValueError(f"{prefix[:-1]}={section!r:.60} must be a {cls.__name__}")
+    hints = inspect.get_annotations(cls, eval_str=True)
+    for field in dataclasses.fields(cls):
+        value, annotation = getattr(section, field.name), hints[field.name]
+        if dataclasses.is_dataclass(annotation):
+            _check_types(value, annotation, f"{prefix}{field.name}.")
+        elif not _type_ok(value, annotation):
+            shown = getattr(annotation, "__name__", str(annotation))
+            raise ValueError(f"{prefix}{field.name}={value!r} must be of type {shown}")
 
 
 def _convert(value, annotation, name):

@@ -65,16 +65,15 @@ class SaveError(RuntimeError):
 
 
 class OutOfMemory(RuntimeError):
-    """Building, compiling or running the model ran out of memory (host or device)."""
+    """Building, compiling or running the model ran out of memory (host or device):
+    ``error`` says where, ``sizes`` (``{"model.d_model": 64, ...}``) are the settings that
+    decide how much memory a run takes, each named as the user sets it."""
 
-    def __init__(self, config, error: BaseException):
-        model, data, train = config.model, config.data, config.train
+    def __init__(self, error: BaseException, sizes: dict[str, object]):
+        given = ", ".join(f"{name}={value}" for name, value in sizes.items())
         super().__init__(
-            f"out of memory ({reason(error)}) with model.d_model={model.d_model}, "
-            f"{len(model.mixers)} layers, data.seq_len={data.seq_len}, "
-            f"train.batch_size={train.batch_size}, train.eval_examples={train.eval_examples}; "
-            "shrink model.d_model, model.mixers, data.seq_len, train.batch_size or "
-            "train.eval_examples"
+            f"out of memory ({reason(error)}) with {given}; shrink "
+            f"{', '.join(list(sizes)[:-1])} or {list(sizes)[-1]}"
         )
 
 

@@ -7,28 +7,29 @@ import math
 import numpy as np
 
 from gdn_jax.data.mqar import make_batch, split_seeds
-from gdn_jax.data.tasks import make_examples
+from gdn_jax.data.tasks import TaskConfig, make_examples
 from gdn_jax.training import mesh as mesh_lib
-from gdn_jax.training.config import Config
 from gdn_jax.training.metrics_log import MetricsLog
 from gdn_jax.training.state import EvalStep
 
 
-def held_out_batches(config: Config) -> list[dict]:
-    """The fixed held-out batches on the host (``make_batch``'s arrays), from the test seed."""
-    train = config.train
-    _, test_seed = split_seeds(train.seed)
-    num_batches = math.ceil(train.eval_examples / train.batch_size)
-    inputs, labels = make_examples(
-        config.data, num_examples=num_batches * train.batch_size, seed=test_seed
-    )
-    rows = (slice(i * train.batch_size, (i + 1) * train.batch_size) for i in range(num_batches))
+def held_out_batches(data: TaskConfig, *, seed: int, examples: int, batch_size: int) -> list[dict]:
+    """The fixed held-out batches of task ``data`` on the host (``make_batch``'s arrays):
+    ``examples`` (``train.eval_examples``) rounded up to whole batches of ``batch_size``,
+    from the test seed of ``seed`` (``train.seed``, ``split_seeds``)."""
+    _, test_seed = split_seeds(seed)
+    num_batches = math.ceil(examples / batch_size)
+    inputs, labels = make_examples(data, num_examples=num_batches * batch_size, seed=test_seed)
+    rows = (slice(i * batch_size, (i + 1) * batch_size) for i in range(num_batches))
     return [make_batch(inputs[r], labels[r]) for r in rows]
 
 
-def held_out_set(config: Config, batch_shardings) -> list[dict]:
-    """The fixed held-out batches, placed once."""
-    return [mesh_lib.place(batch, batch_shardings) for batch in held_out_batches(config)]
+def held_out_set(
+    data: TaskConfig, *, seed: int, examples: int, batch_size: int, batch_shardings
+) -> list[dict]:
+    """``held_out_batches``, placed once by ``batch_shardings``."""
+    batches = held_out_batches(data, seed=seed, examples=examples, batch_size=batch_size)
+    return [mesh_lib.place(batch, batch_shardings) for batch in batches]
 
 
 def evaluate(eval_step: EvalStep, params, held_out: list[dict]) -> tuple[float, float]:

@@ -27,16 +27,16 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from gdn_jax.data.mqar import make_batch, split_seeds
-from gdn_jax.data.tasks import make_examples
+from gdn_jax.data.tasks import TaskConfig, make_examples
 from gdn_jax.training import checkpoints as ckpt
 from gdn_jax.training import mesh as mesh_lib
 from gdn_jax.training import run_dir
-from gdn_jax.training.config import Config
+from gdn_jax.training.config import Config, to_dict
 from gdn_jax.training.errors import Interrupted, NonFiniteLossError, OutOfMemory, is_out_of_memory
 from gdn_jax.training.evaluation import evaluate, final_evaluation, held_out_set
 from gdn_jax.training.metrics_log import MetricsLog
 from gdn_jax.training.plots import plot_or_warn
-from gdn_jax.training.state import EvalStep, TrainStep, on_mesh, train_setup
+from gdn_jax.training.state import EvalStep, TrainStep, on_mesh, trace_steps, train_setup
 from gdn_jax.training.step import TrainState
 
 Callback = Callable[[int, dict], None]  # (step, host-side metrics), after each step
@@ -77,13 +77,43 @@ def build(config: Config, mesh: Mesh, out_dir: Path) -> RunState:
     )
 
 
-def train_batch(config: Config, train_seed: int, step: int) -> dict:
-    """The host batch of the step after ``step`` (``make_batch``'s arrays), of the stream of
-    ``train_seed`` (``split_seeds``)."""
-    inputs, labels = make_examples(
-        config.data, num_examples=config.train.batch_size, seed=batch_seed(train_seed, step)
-    )
+def train_batch(data: TaskConfig, batch_size: int, train_seed: int, step: int) -> dict:
+    """The host batch of task ``data`` for the step after ``step`` (``make_batch``'s arrays,
+    ``batch_size`` examples), of the stream of ``train_seed`` (``split_seeds``)."""
+    inputs, labels = make_examples(data, num_examples=batch_size, seed=batch_seed(train_seed, step))
     return make_batch(inputs, labels)
+
+
+def held_out_of(config: Config, batch_shardings) -> list[dict]:
+    """The run's held-out batches, placed (``evaluation.held_out_set``)."""
+    train = config.train
+    return held_out_set(
+        config.data,
+        seed=train.seed,
+        examples=train.eval_examples,
+        batch_size=train.batch_size,
+        batch_shardings=batch_shardings,
+    )
+
+
+@contextlib.contextmanager
+def memory_named(config: Config):
+    """Running out of memory (host or device) inside is ``OutOfMemory``, naming the settings
+    of ``config`` that decide how much memory a run takes."""
+    try:
+        yield
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        model, train = config.model, config.train
+        sizes = {
+            "model.d_model": model.d_model,
+            "model.mixers": f"[{', '.join(model.mixers)}]",
+            "data.seq_len": config.data.seq_len,
+            "train.batch_size": train.batch_size,
+            "train.eval_examples": train.eval_examples,
+        }
+        raise OutOfMemory(error, sizes) from error
 
 
 def plot(run: RunState) -> None:
@@ -207,7 +237,8 @@ def _step_loop(run: RunState, start: int, held_out, callbacks, stop_requests) ->
         )
     try:
         while step < train.steps:
-            batch = mesh_lib.place(train_batch(run.config, train_seed, step), run.batch_shardings)
+            host = train_batch(run.config.data, train.batch_size, train_seed, step)
+            batch = mesh_lib.place(host, run.batch_shardings)
             tick = time.perf_counter()
             run.state, metrics = run.train_step(run.state, batch)
             step += 1
@@ -230,9 +261,43 @@ def _step_loop(run: RunState, start: int, held_out, callbacks, stop_requests) ->
             if stop_requests:
                 ckpt.save(run.checkpoints, step, run.state, run.out_dir)
                 raise Interrupted(stop_requests[0], step, run.out_dir)
+        end_bar(steps.bar, step)
     finally:
         steps.bar.close()
     return steps.book.end(step)
+
+
+def end_bar(bar: tqdm, step: int) -> None:
+    """Show a run that ended at ``step``, before its last (its target accuracy reached), as
+    complete: the bar stayed at, say, 400/700."""
+    if step < bar.total:
+        bar.total = step
+        bar.refresh()
+
+
+def check_run_arguments(fn: str, *, resume, overwrite, callbacks, devices, on_start) -> None:
+    """``run``'s arguments beside the config (and ``batched.run``'s), each refused with a
+    ``TypeError`` or ``ValueError`` naming it before any work (``devices=[]`` was a
+    ZeroDivisionError in mesh.py, ``overwrite=1`` passed as True)."""
+    for name, flag in (("resume", resume), ("overwrite", overwrite)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{fn}: {name}={flag!r:.60} must be True or False")
+    listed = isinstance(callbacks, Sequence) and not isinstance(callbacks, str)
+    if not (listed and all(callable(c) for c in callbacks)):
+        raise TypeError(
+            f"{fn}: callbacks={callbacks!r:.60} must be a list of functions callback(step, metrics)"
+        )
+    if on_start is not None and not callable(on_start):
+        raise TypeError(f"{fn}: on_start={on_start!r:.60} must be a function or None")
+    if devices is not None and not (
+        isinstance(devices, Sequence)
+        and devices
+        and all(isinstance(device, jax.Device) for device in devices)
+    ):
+        raise ValueError(
+            f"{fn}: devices={devices!r:.60} must be a non-empty list of jax.Device, e.g. "
+            "jax.devices()[:2], or None for all of them"
+        )
 
 
 @typing.no_type_check  # a public entry point: it names a bad argument itself
@@ -276,38 +341,41 @@ def run(
             f"{type(config).__name__} {config!r:.60}"
         )
     config.validate()  # a Config built by hand has not been through load_config's checks
+    options = dict(resume=resume, overwrite=overwrite, callbacks=callbacks, on_start=on_start)
+    check_run_arguments("run", devices=devices, **options)
     mesh = mesh_lib.check_mesh(config, jax.devices() if devices is None else devices)
+    with memory_named(config):
+        trace_steps(config, mesh)  # what building the model or tracing a step raises, first
+    resolved, train = to_dict(config), config.train
     # With several processes, process 0 alone owns the run directory (lock, config, metrics,
     # plot, summary); every process writes its shards of each checkpoint.
     primary = ckpt.is_primary()
-    lock = run_dir.claim(config, resume=resume, overwrite=overwrite) if primary else None
+    claim = dict(resume=resume, overwrite=overwrite)
+    lock = run_dir.claim(train.out_dir, resolved, **claim) if primary else None
     ckpt.sync("run directory claimed")
-    out_dir = Path(config.train.out_dir).absolute() if lock is None else lock.path.parent
+    out_dir = Path(train.out_dir).absolute() if lock is None else lock.path.parent
     try:
-        finished = run_dir.finished_summary(config, out_dir) if resume else None
-        if finished is not None:
-            return finished
-        try:
-            return _train(config, mesh, out_dir, resume, callbacks, on_start)
-        except Exception as error:
-            if is_out_of_memory(error):
-                raise OutOfMemory(config, error) from error
-            raise
+        if resume:
+            finished = run_dir.finished_summary(out_dir, train.steps, train.target_accuracy)
+            if finished is not None:
+                return finished
+        with memory_named(config):
+            return _train(config, resolved, mesh, out_dir, resume, callbacks, on_start)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(config: Config, mesh: Mesh, out_dir: Path, resume: bool, callbacks, on_start) -> dict:
+def _train(config: Config, resolved, mesh, out_dir: Path, resume, callbacks, on_start) -> dict:
     """Build the state, restore or start, run the steps; the plot whatever happens."""
     run = build(config, mesh, out_dir)
     try:
         run.state, start = ckpt.restore_or_start(
-            config, out_dir, run.checkpoints, run.log, run.state, resume
+            resolved, out_dir, run.checkpoints, run.log, run.state, resume
         )
         if on_start is not None:
             on_start()
-        held_out = held_out_set(config, run.batch_shardings)
+        held_out = held_out_of(config, run.batch_shardings)
         with stop_requests() as requests:
             try:
                 summary = _step_loop(run, start, held_out, callbacks, requests)

@@ -5,7 +5,9 @@ A run directory holds ``config.yaml`` (the resolved config), ``metrics.jsonl``,
 ``config.yaml`` is the run's identity: ``--resume`` refuses a config that would continue a
 different run, and refuses to guess when ``config.yaml`` is missing or unreadable. A fresh
 run refuses a directory that holds an earlier run unless told to overwrite it, except one
-whose run died before its first checkpoint (nothing there can be resumed). A lock refuses a
+whose run died before its first checkpoint (nothing there can be resumed): that one is
+replaced only when its ``config.yaml`` begins with ``MARKER``, the line every run writes
+first, since a file of that name without it is the user's own. A lock refuses a
 second writer while a run is live (the kernel drops the lock when its process dies, however
 it dies, so a stale lock file is simply taken over). A run file that cannot be read is a
 ``RunError`` naming the file.
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from gdn_jax.training.config import Config, parse_yaml, to_dict
+from gdn_jax.training.config import parse_yaml
 from gdn_jax.training.errors import NothingToResume, RunError, unreadable
 from gdn_jax.training.files import read_text
 from gdn_jax.training.metrics_log import MetricsLog
@@ -33,6 +35,9 @@ CONFIG, METRICS, PLOT, SUMMARY, CHECKPOINTS, LOCK = (
     "config.yaml", "metrics.jsonl", "curves.png", "summary.json", "checkpoints", ".lock",
 )  # fmt: skip
 RUN_FILES = (CONFIG, METRICS, PLOT, SUMMARY, CHECKPOINTS)
+# The first line of every config.yaml a run writes (a YAML comment): what tells a run's own
+# file from a user's file of the same name.
+MARKER = "# gdn_jax run: the resolved config of the run in this directory"
 
 # Fields that may differ between a run and its resumption: they decide how long it goes on
 # and how it reports, not what any step computes. (train.steps also sets the span of the
@@ -94,13 +99,29 @@ def earlier_run(out_dir: Path) -> list[str]:
     return found
 
 
-def died_before_first_save(out_dir: Path) -> bool:
-    """Whether ``out_dir`` holds only what a run leaves when it dies before its first
-    checkpoint and first logged step: ``config.yaml`` and at most an empty ``metrics.jsonl``.
-    Nothing there can be resumed, and nothing was measured."""
+def written_by_a_run(path: Path) -> bool:
+    """Whether the file ``path`` begins with ``MARKER``: a run wrote it."""
+    try:
+        with path.open() as handle:
+            return handle.readline().rstrip("\n") == MARKER
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def nothing_measured(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds at most ``config.yaml`` and an empty ``metrics.jsonl``:
+    what a run leaves when it dies before its first checkpoint and first logged step."""
     metrics = out_dir / METRICS
     logged = metrics.exists() and metrics.stat().st_size > 0
     return set(earlier_run(out_dir)) <= {CONFIG, METRICS} and not logged
+
+
+def died_before_first_save(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds what a run left when it died before its first checkpoint
+    and first logged step (``nothing_measured``), with its own ``config.yaml``
+    (``MARKER``): nothing there can be resumed, nothing was measured, and nothing is the
+    user's."""
+    return nothing_measured(out_dir) and written_by_a_run(out_dir / CONFIG)
 
 
 def clear(out_dir: Path) -> list[str]:
@@ -160,8 +181,9 @@ def read_config(out_dir: Path) -> dict:
     return saved
 
 
-def write_config(out_dir: Path, config: dict) -> None:
-    (out_dir / CONFIG).write_text(yaml.safe_dump(config, sort_keys=False))
+def write_config(out_dir: Path, resolved: dict) -> None:
+    """``config.yaml``: ``MARKER``, then ``resolved`` (``config.to_dict``) as YAML."""
+    (out_dir / CONFIG).write_text(f"{MARKER}\n{yaml.safe_dump(resolved, sort_keys=False)}")
 
 
 def read_summary(out_dir: Path) -> dict | None:
@@ -237,32 +259,36 @@ class RunLock:
         self.release()
 
 
-def claim(config: Config, *, resume: bool, overwrite: bool) -> RunLock:
-    """Check ``train.out_dir`` against ``resume``/``overwrite`` and lock it; returns the held
-    lock.
+def claim(out_dir: str | Path, resolved: dict, *, resume: bool, overwrite: bool) -> RunLock:
+    """Check ``out_dir`` (``train.out_dir``) against ``resume``/``overwrite`` and lock it;
+    returns the held lock. ``resolved`` is the run's config as ``config.to_dict`` gives it,
+    what a resumed run's ``config.yaml`` must match.
 
     Raises ``RunError`` before anything is written when the run must not start. With
     ``overwrite`` the earlier run's files are deleted (and named on stderr).
     """
-    return claim_all([config], resume=resume, overwrite=overwrite)[0]
+    return claim_all([(out_dir, resolved)], resume=resume, overwrite=overwrite)[0]
 
 
-def claim_all(configs: list[Config], *, resume: bool, overwrite: bool) -> list[RunLock]:
-    """``claim`` for several runs (distinct ``train.out_dir``): every directory is checked
-    before any is changed, so a refusal of one leaves them all as they were."""
+def claim_all(
+    runs: list[tuple[str | Path, dict]], *, resume: bool, overwrite: bool
+) -> list[RunLock]:
+    """``claim`` for several runs, each ``(out_dir, resolved)`` (distinct directories): every
+    directory is checked before any is changed, so a refusal of one leaves them all as they
+    were."""
     if resume and overwrite:
         raise RunError("--resume and --overwrite contradict each other; choose one")
-    out_dirs = [Path(config.train.out_dir).absolute() for config in configs]
+    out_dirs = [Path(out_dir).absolute() for out_dir, _ in runs]
     for out_dir in out_dirs:
         check_writable(out_dir)
     locks, created = [], []
     try:
-        for config, out_dir in zip(configs, out_dirs, strict=True):
+        for (_, resolved), out_dir in zip(runs, out_dirs, strict=True):
             if not out_dir.exists():
                 out_dir.mkdir(parents=True)
                 created.append(out_dir)
             locks.append(RunLock(out_dir).acquire())
-            _check_claim(config, out_dir, resume=resume, overwrite=overwrite)
+            _check_claim(resolved, out_dir, resume=resume, overwrite=overwrite)
     except BaseException:
         for lock in locks:
             lock.release()
@@ -280,13 +306,19 @@ def claim_all(configs: list[Config], *, resume: bool, overwrite: bool) -> list[R
     return locks
 
 
-def _check_claim(config: Config, out_dir: Path, *, resume: bool, overwrite: bool) -> None:
+def _check_claim(resolved: dict, out_dir: Path, *, resume: bool, overwrite: bool) -> None:
     earlier = earlier_run(out_dir)
     stranded = bool(earlier) and died_before_first_save(out_dir)
     if resume:
-        check_resumable(config, out_dir, earlier, stranded)
+        check_resumable(resolved, out_dir, earlier, stranded)
     elif earlier and not stranded and not overwrite:
         resumable = checkpoint_steps(out_dir)
+        config = out_dir / CONFIG
+        if nothing_measured(out_dir) and config.exists():  # not a run's config.yaml
+            raise RunError(
+                f"{config} does not begin with the line a run writes first ({MARKER!r}), so "
+                "it may be a file of your own; move it away, or delete it with --overwrite"
+            )
         raise RunError(
             f"{out_dir} holds an earlier run ({', '.join(earlier)}); "
             + ("continue it with --resume or " if resumable else "it has no checkpoint; ")
@@ -307,8 +339,8 @@ def _clear_earlier(out_dir: Path) -> None:
         print(f"overwrite: deleted {', '.join(clear(out_dir))} in {out_dir}", file=sys.stderr)
 
 
-def check_resumable(config: Config, out_dir: Path, earlier: list[str], stranded: bool) -> None:
-    """``--resume`` needs a checkpoint, a readable ``config.yaml`` that matches ``config``
+def check_resumable(resolved: dict, out_dir: Path, earlier: list[str], stranded: bool) -> None:
+    """``--resume`` needs a checkpoint, a readable ``config.yaml`` that matches ``resolved``
     but for ``RESUMABLE_FIELDS``, and a readable ``metrics.jsonl``; nothing is written."""
     if not checkpoint_steps(out_dir):
         if stranded:
@@ -321,7 +353,7 @@ def check_resumable(config: Config, out_dir: Path, earlier: list[str], stranded:
             f"--resume: nothing to resume in {out_dir} ({why})",
             overwrite=bool(earlier) and not stranded,
         )
-    differences = resume_differences(read_config(out_dir), to_dict(config))
+    differences = resume_differences(read_config(out_dir), resolved)
     if differences:
         raise RunError(
             f"--resume would continue {out_dir} with a different setup "
@@ -330,17 +362,19 @@ def check_resumable(config: Config, out_dir: Path, earlier: list[str], stranded:
     MetricsLog(out_dir / METRICS).read()
 
 
-def finished_summary(config: Config, out_dir: Path) -> dict | None:
-    """With ``--resume``: the summary of a run with nothing left to do under ``config``, or
-    None when it goes on. A run cannot go on to a ``train.steps`` below its newest checkpoint.
+def finished_summary(out_dir: Path, steps: int, target: float | None) -> dict | None:
+    """With ``--resume``: the summary of a run with nothing left to do when it trains to
+    ``steps`` or the held-out accuracy ``target`` (``train.steps``,
+    ``train.target_accuracy``), or None when it goes on. A run cannot go on to a
+    ``train.steps`` below its newest checkpoint.
     """
     summary = read_summary(out_dir)
-    if is_finished(summary, config.train.steps, config.train.target_accuracy):
+    if is_finished(summary, steps, target):
         return dict(summary, already_finished=True)
     newest = max(checkpoint_steps(out_dir), default=0)
-    if config.train.steps < newest:
+    if steps < newest:
         raise RunError(
-            f"--resume: train.steps={config.train.steps} is below step {newest} of the newest "
+            f"--resume: train.steps={steps} is below step {newest} of the newest "
             f"checkpoint in {out_dir}; give train.steps >= {newest}"
         )
     return None

@@ -1,7 +1,9 @@
 """What a run trains: the model and optimizer state on the mesh, and the jitted steps.
 
 The training loop builds it for real and ``--compile-only`` as shapes only (``abstract``),
-through the same function, so that what is compiled for a TPU slice is what would train.
+through the same function, so that what is compiled for a TPU slice is what would train. A
+run traces its steps on those shapes (``trace_steps``) before it touches its directory, so
+that what building the model or tracing a step would raise comes before anything is written.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gdn_jax.data.mqar import make_batch
+from gdn_jax.data.tasks import make_examples
 from gdn_jax.models import LanguageModel, ModelConfig
 from gdn_jax.training import mesh as mesh_lib
 from gdn_jax.training.config import Config, TrainConfig
+from gdn_jax.training.errors import RunError
 from gdn_jax.training.optim import learning_rate_schedule, make_optimizer
 from gdn_jax.training.step import TrainState, make_eval_step, make_train_step
 
@@ -109,6 +114,32 @@ def train_setup(config: Config, mesh: Mesh, *, abstract: bool = False) -> tuple[
         )
     state = TrainState(jnp.zeros((), jnp.int32), pure, optimizer.init(pure))
     return steps, jax.device_put(state, steps.state_shardings)
+
+
+def abstract_batch(config: Config, shardings: dict) -> dict:
+    """One step's batch as ``jax.ShapeDtypeStruct``s placed by ``shardings``: the shapes of
+    a generated example, ``train.batch_size`` of them."""
+    example = make_batch(*make_examples(config.data, num_examples=1, seed=0))
+    size = config.train.batch_size
+    return {
+        k: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype, sharding=shardings[k])
+        for k, x in example.items()
+    }
+
+
+def trace_steps(config: Config, mesh: Mesh) -> None:
+    """Build ``config``'s model and optimizer state as shapes and trace its train and eval
+    steps on ``mesh``; nothing is allocated or compiled, and the jitted steps keep the traces
+    for the run. What building the model or tracing a step raises (a layer's or an op's
+    ``ValueError`` or ``TypeError`` naming its argument) is raised here as a ``RunError``."""
+    try:
+        steps, state = train_setup(config, mesh, abstract=True)
+        batch = abstract_batch(config, steps.batch_shardings)
+        with jax.set_mesh(mesh):
+            steps.train_step.trace(state, batch)
+            steps.eval_step.trace(state.params, batch)
+    except (ValueError, TypeError) as error:
+        raise RunError(str(error)) from error
 
 
 def on_mesh(mesh: Mesh, fn: Callable) -> Callable:

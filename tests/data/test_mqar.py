@@ -7,7 +7,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from gdn_jax.data import IGNORE_INDEX, MQARConfig, make_mqar, mqar_accuracy
+from gdn_jax.data import (
+    IGNORE_INDEX,
+    MQARConfig,
+    make_batch,
+    make_mqar,
+    make_state_tracking,
+    mqar_accuracy,
+)
 from gdn_jax.data.mqar import _row_membership, per_example_accuracy, split_seeds
 
 SMALL = MQARConfig(vocab_size=128, seq_len=64, num_kv_pairs=8)
@@ -44,6 +51,30 @@ def test_zero_examples():
 def test_negative_num_examples_rejected():
     with pytest.raises(ValueError, match="num_examples=-1"):
         make_mqar(SMALL, num_examples=-1, seed=0)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        # A string count was a TypeError from '<', a negative seed NumPy's "expected
+        # non-negative integer", a dict config an AttributeError.
+        (lambda: make_mqar(SMALL, num_examples="2", seed=0), ValueError,
+         r"^make_mqar: num_examples='2' must be an integer >= 0$"),
+        (lambda: make_mqar(SMALL, num_examples=2, seed=-1), ValueError,
+         r"^make_mqar: seed=-1 must be an integer >= 0$"),
+        (lambda: make_mqar({}, num_examples=2, seed=0), TypeError,
+         r"^make_mqar: config must be a MQARConfig, got dict$"),
+        (lambda: make_state_tracking(SMALL, num_examples=2, seed=0), TypeError,
+         r"^make_state_tracking: config must be a StateTrackingConfig, got MQARConfig$"),
+        (lambda: make_batch([[1, 2]], [[1, 2]]), ValueError,
+         r"^make_batch: inputs must be integer NumPy arrays \[B, T\], got list$"),
+        (lambda: make_batch(np.zeros((2, 4), np.int32), np.zeros((2, 5), np.int32)), ValueError,
+         r"^make_batch: inputs \(2, 4\) and labels \(2, 5\) must have one shape$"),
+    ],
+)  # fmt: skip
+def test_the_generators_name_a_bad_argument(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
 
 
 @pytest.mark.parametrize("random_non_queries", [False, True])

@@ -77,7 +77,11 @@ def test_examples_depend_on_the_seed_alone():
         (StateTrackingConfig(group="S6"), 1, r"group='S6' is not a group; allowed: \('S2'"),
         (StateTrackingConfig(seq_len=0), 1, r"seq_len=0 must be positive"),
         (StateTrackingConfig(seq_len=4.0), 1, r"seq_len=4.0 must be an integer"),
-        (StateTrackingConfig(), -1, r"num_examples=-1 must be non-negative"),
+        (
+            StateTrackingConfig(),
+            -1,
+            r"^make_state_tracking: num_examples=-1 must be an integer >= 0$",
+        ),
     ],
 )
 def test_bad_config_names_the_field(config, num_examples, message):

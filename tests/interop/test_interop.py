@@ -498,6 +498,11 @@ def test_read_safetensors_errors(tmp_path):
     )
     with pytest.raises(ValueError, match=r"the index names gone.safetensors"):
         read_safetensors(tmp_path, "a.")
+    # 123 was pathlib's TypeError naming neither the function nor the argument.
+    with pytest.raises(TypeError, match=r"^read_safetensors: path=123 must be a file or dir"):
+        read_safetensors(123)
+    with pytest.raises(TypeError, match=r"^read_safetensors: prefix=1 must be a string$"):
+        read_safetensors(tmp_path, 1)
 
 
 def test_bfloat16_checkpoint_keeps_its_dtype(tmp_path):

@@ -20,7 +20,18 @@ from gdn_jax import (
     ModelConfig,
     SoftmaxAttention,
 )
-from gdn_jax.layers import DeltaNet, GatedDeltaProduct, GatedLinearAttention, RecurrentMixer
+from gdn_jax.layers import (
+    CHANNEL_DECAY,
+    HEAD_DECAY,
+    DeltaNet,
+    GatedDeltaNet2,
+    GatedDeltaProduct,
+    GatedLinearAttention,
+    GateInit,
+    RecurrentMixer,
+    SwiGLU,
+)
+from gdn_jax.layers.params import gate_law
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +257,46 @@ def test_baselines_are_siblings_not_kinds_of_gated_deltanet():
         assert isinstance(layer, RecurrentMixer) and not isinstance(layer, GatedDeltaNet)
     with pytest.raises(ValueError, match=r"RecurrentMixer: build GatedDeltaNet, DeltaNet"):
         RecurrentMixer(16, 2, 8, rngs=nnx.Rngs(0))
+
+
+ALL_LAYERS = (
+    GatedDeltaNet, KimiDeltaAttention, GatedDeltaNet2, GatedDeltaProduct, DeltaNet,
+    GatedLinearAttention, LinearAttention, SoftmaxAttention,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("cls", ALL_LAYERS, ids=lambda cls: cls.__name__)
+def test_every_layer_names_bad_random_streams_and_initialisers(cls):
+    """An int or a bare key as ``rngs`` reached Flax as an AttributeError ('int' object has
+    no attribute 'params'), an initialiser's name as a TypeError from Flax."""
+    name = cls.__name__
+    for rngs, shown in ((0, "0"), (np.zeros(2, np.uint32), r"array\(\[0, 0\]")):
+        with pytest.raises(TypeError, match=rf"^{name}: rngs={shown}.* must be an nnx.Rngs"):
+            cls(16, 2, 8, rngs=rngs)
+    with pytest.raises(TypeError, match=rf"^{name}: kernel_init='normal' must be an initialiser"):
+        cls(16, 2, 8, kernel_init="normal", rngs=nnx.Rngs(0))
+
+
+def test_swiglu_names_bad_random_streams():
+    with pytest.raises(TypeError, match=r"^SwiGLU: rngs=0 must be an nnx.Rngs"):
+        SwiGLU(16, 32, dtype=jnp.float32, param_dtype=jnp.float32, kernel_init=None, rngs=0)
+
+
+@pytest.mark.parametrize(
+    "cls", [GatedDeltaNet, KimiDeltaAttention, GatedDeltaNet2, GatedDeltaProduct]
+)
+def test_a_gate_law_is_a_gate_init_or_a_mapping_of_its_fields(cls):
+    """ModelConfig took a mapping of GateInit's fields; the layers raised AttributeError
+    ('dict' object has no attribute 'over')."""
+    name, default = (
+        cls.__name__,
+        CHANNEL_DECAY if cls in (KimiDeltaAttention, GatedDeltaNet2) else HEAD_DECAY,
+    )
+    assert gate_law(name, {"a_max": 4.0}, default) == gate_law(name, GateInit(a_max=4.0), default)
+    nnx.eval_shape(lambda: cls(16, 2, 8, gate_init={"a_max": 4.0}, rngs=nnx.Rngs(0)))
+    with pytest.raises(
+        TypeError, match=rf"^{name}: gate_init='fast' must be a GateInit, a mapping"
+    ):
+        cls(16, 2, 8, gate_init="fast", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=rf"^{name}: gate_init has unknown fields \['a_mn'\]"):
+        cls(16, 2, 8, gate_init={"a_mn": 1.0}, rngs=nnx.Rngs(0))

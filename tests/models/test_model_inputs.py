@@ -16,8 +16,9 @@ from support.small_model import tokens
 from support.tolerance import assert_close
 
 import gdn_jax
-from gdn_jax import GatedDeltaNet, KimiDeltaAttention, ModelConfig, generate
+from gdn_jax import GatedDeltaNet, KimiDeltaAttention, LanguageModel, ModelConfig, generate
 from gdn_jax.layers import GateInit, input_checks
+from gdn_jax.models import build_mixer
 from gdn_jax.models.lm import check_buildable
 
 
@@ -183,3 +184,25 @@ def test_numpy_numbers_are_taken_wherever_python_numbers_are(model):
     assert ModelConfig(d_model=np.int64(16), num_heads=np.int64(2)).validate().d_model == 16
     with pytest.raises(ValueError, match=r"chunk_size=np.True_ must be one of"):
         gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, chunk_size=np.True_)
+
+
+def test_the_model_generate_and_build_mixer_name_what_they_are_given(model):
+    """Each was an AttributeError: ``LanguageModel(dict)`` ('dict' object has no attribute
+    'validate'), ``generate(layer, ...)`` ('GatedDeltaNet' object has no attribute
+    'config'), ``build_mixer({}, ...)``; a mixer name not in MIXERS was a KeyError."""
+    config = ModelConfig(vocab_size=64, d_model=16, mixers=("gdn",))
+    cases = [
+        (lambda: LanguageModel({"vocab_size": 64}, rngs=nnx.Rngs(0)), TypeError,
+         r"^LanguageModel: config must be a ModelConfig, got dict"),
+        (lambda: LanguageModel(config, rngs=0), TypeError, r"^LanguageModel: rngs=0 must be"),
+        (lambda: generate(model.blocks[0].mixer, tokens(1, 3), max_new_tokens=2), TypeError,
+         r"^generate: model must be a LanguageModel, got GatedDeltaNet"),
+        (lambda: build_mixer({}, "gdn", rngs=nnx.Rngs(0)), TypeError,
+         r"^build_mixer: config must be a ModelConfig, got dict"),
+        (lambda: build_mixer(config, "rnn", rngs=nnx.Rngs(0)), ValueError,
+         r"^build_mixer: name='rnn' is not a mixer; allowed: \('gdn', "),
+        (lambda: build_mixer(config, "gdn", rngs=3), TypeError, r"^build_mixer: rngs=3 must be"),
+    ]  # fmt: skip
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()

@@ -1,8 +1,6 @@
 """Bad arguments to the ops raise ValueError at trace time, naming the argument and showing
-its shape or value: shapes, dtypes, options (chunk_size, scale, impl, schedule), Python lists
-where arrays go, and forward-mode autodiff through the chunked form, which says what to use."""
-
-import functools
+its shape or value: shapes, dtypes, options (chunk_size, scale, impl, schedule) and Python
+lists where arrays go (forward-mode autodiff through the chunked forms: test_forward_mode.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -320,28 +318,29 @@ def test_step_takes_python_numbers_as_gates():
         gdn_jax.gated_delta_step(state, q, k, v, 0, True)
 
 
-@pytest.mark.parametrize("impl", ["chunked", "recurrent"])
-def test_forward_mode_autodiff_through_the_chunked_form_says_what_to_use(impl):
-    q, k, v, la, b = (x[None, :, None] for x in random_inputs(0, 20, 4, 4))
+X, X_INT = np.ones((3, 4), np.float32), np.ones((3, 4), np.int32)
 
-    def out(q):
-        return gdn_jax.gated_delta_rule(q, k, v, la, b, impl=impl, chunk_size=16)[0]
 
-    if impl == "recurrent":  # forward mode runs through the recurrent form
-        jax.jvp(out, (q,), (q,))
-        return
-    message = (
-        r"gated_delta_rule: forward-mode autodiff \(jax.jvp, jax.jacfwd\) reaches q, but the "
-        r"chunked form differentiates in reverse mode only \(a hand-written custom_vjp\); for "
-        r"forward mode use impl=\"recurrent\""
-    )
-    for forward in (lambda: jax.jvp(out, (q,), (q,)), lambda: jax.jacfwd(out)(q)):
-        with pytest.raises(ValueError, match=message):
-            forward()
-    one_head = functools.partial(gdn_jax.gated_delta_rule_chunked, chunk_size=16)
-    with pytest.raises(ValueError, match=r"for forward mode use gated_delta_rule_recurrent"):
-        jax.jvp(lambda q: one_head(q, k[0, :, 0], v[0, :, 0], la[0, :, 0], b[0, :, 0])[0],
-                (q[0, :, 0],), (q[0, :, 0],))  # fmt: skip
-    # Forward over reverse needs no forward-mode rule of the op: the Hessian works.
-    hessian = jax.jit(jax.hessian(lambda q: jnp.sum(out(q) ** 2)))(q)
-    assert np.isfinite(hessian).all()
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        # 0 was a ZeroDivisionError and -4 a complex scale.
+        (lambda: gdn_jax.default_scale(0), r"key_dim=0 must be a positive integer$"),
+        (lambda: gdn_jax.default_scale(-4), r"key_dim=-4 must be a positive integer$"),
+        (lambda: gdn_jax.default_scale(True), r"key_dim=True must be a positive integer$"),
+        (lambda: gdn_jax.default_scale("4"), r"key_dim='4' must be a positive integer$"),
+        # eps=0 made a zero vector NaN.
+        (lambda: gdn_jax.l2_normalize(X, eps=0), r"eps=0 must be a finite number > 0$"),
+        (lambda: gdn_jax.l2_normalize(X, eps=-1e-6), r"eps=-1e-06 must be a finite number > 0$"),
+        (lambda: gdn_jax.l2_normalize([1.0, 2.0]), r"x must be an array, got list$"),
+        (lambda: gdn_jax.l2_normalize(X_INT), r"x must be a floating array, got dtype int32$"),
+        # Outside shard_map: JAX's NameError "unbound axis name: seq".
+        (lambda: gdn_jax.halo_from_previous(X, 1, "seq"),
+         r"axis_name='seq' is not an axis of an enclosing jax.shard_map"),
+    ],
+)  # fmt: skip
+def test_the_public_helpers_name_a_bad_argument(call, message):
+    with pytest.raises(ValueError, match=r"^(default_scale|l2_normalize|halo_from_previous): "):
+        call()
+    with pytest.raises(ValueError, match=message):
+        call()

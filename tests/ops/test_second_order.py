@@ -1,5 +1,6 @@
-"""Second order through the chunked forms: ``jax.hessian`` and Hessian-vector products
-(``jax.jvp`` of ``jax.grad``, forward over reverse) against the recurrent form's, in float64,
+"""Second order through the chunked forms: ``jax.hessian``, Hessian-vector products
+(``jax.jvp`` of ``jax.grad``, forward over reverse) and mixed products (forward mode along
+one input of the gradient of the others) against the recurrent form's, in float64,
 with respect to every input of every rule, and through a batched op on packed sequences. Forward over reverse differentiates the hand-written backward forward, and with it
 the triangular inverse that the forward and backward call (``triangular.py``)."""
 
@@ -57,7 +58,9 @@ def inputs_and_tangents(name, form, **sizes):
 
 def hessian_and_hvp(fn):
     """``run(inputs, tangents) -> (the Hessian's blocks [i][j], the Hessian-vector product
-    of every input)`` of a loss of ``fn(*inputs) -> (y, final)``, jitted."""
+    of every input, the mixed product)`` of a loss of ``fn(*inputs) -> (y, final)``, jitted.
+    The mixed product is ``jax.jvp`` along q's tangent of the gradient of the other inputs:
+    forward mode reaches q, which reverse mode does not differentiate (it was refused)."""
 
     def loss(*inputs):
         y, final = fn(*inputs)
@@ -67,7 +70,9 @@ def hessian_and_hvp(fn):
         argnums = tuple(range(len(inputs)))
         hessian = jax.hessian(loss, argnums=argnums)(*inputs)
         hvp = jax.jvp(jax.grad(loss, argnums=argnums), inputs, tangents)[1]
-        return hessian, hvp
+        others = jax.grad(loss, argnums=argnums[1:])
+        mixed = jax.jvp(lambda q: others(q, *inputs[1:]), inputs[:1], tangents[:1])[1]
+        return hessian, hvp, mixed
 
     return jax.jit(run)
 
@@ -83,11 +88,13 @@ def one_head_results(name, impl, schedule=None):
 
 
 def assert_second_order_equal(name, got, want, label):
-    (hessian, hvp), (want_hessian, want_hvp) = got, want
+    (hessian, hvp, mixed), (want_hessian, want_hvp, want_mixed) = got, want
     names = ("q", "k", "v", *RULES[name].gate_names, "initial_state")
     for i, a in enumerate(names):
         assert np.any(np.asarray(want_hvp[i]) != 0), f"{label}: the HVP of {a} is zero"
         assert_close(hvp[i], want_hvp[i], F64, f"{label}: HVP, {a}")
+        if i > 0:
+            assert_close(mixed[i - 1], want_mixed[i - 1], F64, f"{label}: along q, {a}")
         for j, b in enumerate(names):
             assert_close(hessian[i][j], want_hessian[i][j], F64, f"{label}: Hessian, {a}, {b}")
 

@@ -190,6 +190,15 @@ def test_table_only_trains_nothing_and_counts_the_runs_not_trained_yet(sweep):
     assert Path("out", "table.md").read_text() == table
 
 
+def test_the_default_out_is_no_folder_of_the_repository(sweep, tmp_path):
+    """--out was docs/sweep: from a clone, --table-only rewrote the committed table.md and
+    accuracy.png, and every sweep read the shipped results.jsonl."""
+    status, out, err, trained = sweep("--table-only", *GRID)
+    assert status == 0 and not trained, err
+    assert sorted(os.listdir(tmp_path)) == ["runs"]  # the stand-in's log aside: none yet
+    assert {"table.md", "accuracy.png"} <= set(os.listdir(tmp_path / "runs" / "sweep"))
+
+
 def test_other_settings_train_their_own_runs_and_the_table_shows_them(sweep):
     assert sweep(*GRID, "--out", "out")[0] == 0
     status, _, err, trained = sweep(*GRID, "--out", "out", "--set", "train.eval_every=4")

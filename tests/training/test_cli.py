@@ -18,7 +18,6 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 from support.runs import INTERRUPTED, REPO, TINY, command_args, logged, train
 
 
@@ -90,6 +89,7 @@ def fake_run(out_dir, *, steps=(4,), summary=None, **config_changes):
     """A run directory as a finished or interrupted run leaves it, without training: the
     refusals under test read only its names, config.yaml and summary.json."""
     from gdn_jax.training.config import load_config, to_dict
+    from gdn_jax.training.run_dir import write_config
 
     config = to_dict(
         load_config(REPO / "configs" / "mqar_gdn.yaml", [*TINY, f"train.out_dir={out_dir}"])
@@ -98,7 +98,7 @@ def fake_run(out_dir, *, steps=(4,), summary=None, **config_changes):
         section, field = dotted.split("__")
         config[section][field] = value
     out_dir.mkdir(parents=True)
-    (out_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    write_config(out_dir, config)
     (out_dir / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 4.0}\n')
     for step in steps:
         (out_dir / "checkpoints" / str(step)).mkdir(parents=True)
@@ -153,6 +153,43 @@ def test_an_empty_config_file_is_refused_not_trained_as_the_defaults(tmp_path, c
     one_line_error(
         result, r"empty.yaml: the file holds no settings \(it is empty or only comments\)"
     )
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_users_own_config_yaml_in_out_dir_is_refused_and_kept(tmp_path, command):
+    """It was deleted as what a run leaves when it dies before its first checkpoint: that
+    rule read the file names only."""
+    out = tmp_path / "proj"
+    out.mkdir()
+    (out / "config.yaml").write_text("my_setting: 42\n")
+    (out / "notes.txt").write_text("mine too")
+    before = snapshot(out)
+    one_line_error(
+        command(out),
+        r"proj/config.yaml does not begin with the line a run writes first \('# gdn_jax run: "
+        r".*so it may be a file of your own; move it away, or delete it with --overwrite$",
+    )
+    assert snapshot(out) == before
+
+
+def test_an_error_that_tracing_the_model_raises_comes_before_any_write(tmp_path, command):
+    """Config.validate passes it; tracing the model raised it after the run directory, its
+    config.yaml and checkpoints/ were made, as a 57-line traceback."""
+    result = command(tmp_path / "run", sets=["model.mixers=[kda]", "model.impl=pallas"])
+    one_line_error(result, r'kda: impl="pallas" has a kernel for gated_delta_rule only')
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_error_that_building_the_model_raises_comes_before_any_write(
+    tmp_path, monkeypatch, command
+):
+    from gdn_jax.training import state
+
+    def refuses(*args, **kwargs):
+        raise TypeError("GatedDeltaNet: rngs=0 must be an nnx.Rngs")
+
+    monkeypatch.setattr(state, "LanguageModel", refuses)
+    one_line_error(command(tmp_path / "run"), r"GatedDeltaNet: rngs=0 must be an nnx.Rngs$")
     assert not (tmp_path / "run").exists()
 
 
@@ -448,7 +485,7 @@ def test_a_run_that_died_before_its_first_checkpoint_is_replaced_by_a_fresh_star
 ):
     import jax
 
-    from gdn_jax.training import state
+    from gdn_jax.training import loop
 
     out = tmp_path / "run"
     fake_run(out, steps=())
@@ -465,7 +502,7 @@ def test_a_run_that_died_before_its_first_checkpoint_is_replaced_by_a_fresh_star
     def too_big(*args, **kwargs):  # stop the fresh start just after it took the directory
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4e12 B")
 
-    monkeypatch.setattr(state, "LanguageModel", too_big)
+    monkeypatch.setattr(loop, "build", too_big)
     result = command(out)
     replaced, error = result.stderr.strip().splitlines()
     assert replaced.startswith("replacing the run in ") and "config.yaml, metrics.jsonl" in replaced

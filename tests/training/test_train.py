@@ -16,7 +16,7 @@ from support.tolerance import assert_close
 from gdn_jax.data.mqar import MQARConfig, make_batch, make_mqar
 from gdn_jax.layers import NoWeightDecay
 from gdn_jax.models import LanguageModel, ModelConfig
-from gdn_jax.training.config import Config, TrainConfig, load_config
+from gdn_jax.training.config import Config, MeshConfig, TrainConfig, load_config
 from gdn_jax.training.config_paths import CONFIG_DIR
 from gdn_jax.training.errors import NonFiniteLossError, RunError
 from gdn_jax.training.loop import run
@@ -66,6 +66,9 @@ def test_every_shipped_config_loads():
         ("data.seq_len=33", r"seq_len=33 must be even"),
         ("model.vocab_size=100", r"model.vocab_size=100 must equal data.vocab_size=64"),
         ("train.steps", r"must look like section.field=value"),
+        # It wrote every run file into the working directory ("curves in /curves.png").
+        ("train.out_dir=''", r"train.out_dir='' must name a directory for the run's files"),
+        ("train.out_dir=' '", r"train.out_dir=' ' must name a directory"),
     ],
 )
 def test_bad_overrides_fail_at_start_up(tmp_path, override, message):
@@ -228,6 +231,17 @@ def test_the_progress_bar_shows_no_held_out_accuracy_before_the_first_evaluation
         assert held_out == "-" or re.fullmatch(r"[01]\.\d{3}", held_out)
 
 
+def test_a_run_that_stops_at_its_target_ends_its_progress_bar_full(tmp_path, monkeypatch, capsys):
+    """It stayed at 6/12 when the target accuracy stopped the run at step 6."""
+    from gdn_jax.training import loop
+
+    monkeypatch.setattr(loop, "evaluate", lambda *args: (0.5, 1.0))  # the target at step 6
+    summary = run(tiny(tmp_path, "train.progress=true", "train.target_accuracy=0.99"))
+    assert summary["final_step"] == 6 and summary["reason"] == "target"
+    last = capsys.readouterr().err.split("\r")[-1]
+    assert re.search(r"100%\|\S+\| 6/6 ", last), last
+
+
 def test_train_config_defaults_are_valid():
     Config(train=TrainConfig()).validate()
     assert jax.devices()  # the loop runs on whatever JAX finds
@@ -242,3 +256,44 @@ def test_runs_that_differ_only_in_seed_and_directory_share_their_jitted_steps(tm
     assert jit_steps(tiny(tmp_path / "b", "train.seed=3"), mesh) is steps
     assert jit_steps(tiny(tmp_path / "a", "train.learning_rate=1e-2"), mesh) is not steps
     assert jit_steps(tiny(tmp_path / "a", "model.d_model=32"), mesh) is not steps
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        # A string learning rate failed inside optax; out_dir=3 as an AttributeError.
+        (Config(train=TrainConfig(learning_rate="3e-3")), r"^train.learning_rate='3e-3' must be of type float$"),
+        (Config(train=TrainConfig(steps="5")), r"^train.steps='5' must be of type int$"),
+        (Config(train=TrainConfig(steps=True)), r"^train.steps=True must be of type int$"),
+        (Config(train=TrainConfig(progress="no")), r"^train.progress='no' must be of type bool$"),
+        (Config(train=TrainConfig(out_dir=3)), r"^train.out_dir=3 must be of type str$"),
+        (Config(train=TrainConfig(target_accuracy="0.9")), r"^train.target_accuracy='0.9' must be of type"),
+        (Config(train=TrainConfig(mesh={"data": 1})), r"^train.mesh=\{'data': 1\} must be a MeshConfig$"),
+        (Config(train=TrainConfig(mesh=MeshConfig(seq=2.0))), r"^train.mesh.seq=2.0 must be of type int$"),
+        (Config(model={"d_model": 16}), r"^model=\{'d_model': 16\} must be a ModelConfig$"),
+        (Config(data={"seq_len": 8}), r"^data=dict is not the config of a task"),
+        (Config(data=MQARConfig(seq_len="8")), r"^seq_len='8' must be an integer$"),
+    ],
+)  # fmt: skip
+def test_a_config_built_by_hand_names_a_value_of_the_wrong_type(config, message):
+    with pytest.raises(ValueError, match=message):
+        config.validate()
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        # devices=[] was a ZeroDivisionError in mesh.py; overwrite=1 passed as True.
+        (dict(devices=[]), ValueError, r"^run: devices=\[\] must be a non-empty list of jax.Device"),
+        (dict(devices="cpu"), ValueError, r"^run: devices='cpu' must be a non-empty list"),
+        (dict(overwrite=1), TypeError, r"^run: overwrite=1 must be True or False$"),
+        (dict(resume="yes"), TypeError, r"^run: resume='yes' must be True or False$"),
+        (dict(callbacks=print), TypeError, r"^run: callbacks=<built-in function print> must be a list"),
+        (dict(callbacks=[1]), TypeError, r"^run: callbacks=\[1\] must be a list of functions"),
+        (dict(on_start=3), TypeError, r"^run: on_start=3 must be a function or None$"),
+    ],
+)  # fmt: skip
+def test_run_names_a_bad_argument_before_any_work(tmp_path, options, error, message):
+    with pytest.raises(error, match=message):
+        run(tiny(tmp_path / "run"), **options)
+    assert not (tmp_path / "run").exists()
