@@ -1,0 +1,195 @@
+"""What the Mosaic GPU kernels (``chunked_mosaic.py``) do inside one chunk, on one
+warpgroup's register tiles and shared-memory operands: the decays of a chunk, the inverse of
+its intra-chunk system and the products on the tensor cores.
+
+Every product is a Hopper ``wgmma``: operands in shared memory as bf16, accumulated in
+float32. An operand is held as its bf16 *pieces* (``Pieces``): one piece for bf16 inputs
+(the operand rounded to bf16, as the field's kernels do), two for float32 inputs (``hi =
+bf16(x)``, ``lo = bf16(x - hi)``, about 17 bits of the mantissa), whose products ``hi hi +
+hi lo + lo hi`` come within about 1e-5 of the float32 product. The gates' segment sums take
+three pieces, which hold a float32 exactly, against a matrix of ones: the log-decays are then
+sums of the gates themselves, as ``decays.py``'s are, not differences of running sums, which
+a -1e4 reset would round away.
+
+Register tiles have a layout: ``WGMMA`` for ``[64 m, n]`` tiles (a wgmma accumulator's),
+``ROWS`` for a vector with one entry a row of such a tile, ``COLS`` one entry a column. A
+vector is read from shared memory in whichever of the two a product needs, so no tile is
+ever transposed in registers; a transposed operand is a transposed view of shared memory.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+CHUNK = 64  # a warpgroup's wgmma rows: the chunk's tokens
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+WGMMA = plgpu.Layout.WGMMA
+ROWS = WGMMA.reduce(1)
+COLS = WGMMA.reduce(0)
+SEGMENT_PIECES = 3  # bf16 pieces that hold a float32 gate exactly
+
+
+def swizzled(dtype) -> tuple:
+    """The shared-memory transforms of a ``[rows, n]`` tile that TMA and wgmma read: 128-byte
+    swizzle over tiles of 8 rows by 128 bytes (``n`` a multiple of 64 bf16 or 32 float32)."""
+    return (
+        plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
+        plgpu.SwizzleTransform(128),
+    )
+
+
+def smem(shape, dtype=BF16):
+    """A swizzled shared-memory tile."""
+    return plgpu.SMEM(shape, dtype, transforms=swizzled(dtype))
+
+
+class Pieces(NamedTuple):
+    """An operand in shared memory: the refs of its bf16 pieces, largest first."""
+
+    refs: tuple
+
+    @property
+    def T(self) -> Pieces:  # noqa: N802 (the transposed view, as an array's .T)
+        return Pieces(tuple(ref.T for ref in self.refs))
+
+    def at(self, *index) -> Pieces:
+        return Pieces(tuple(ref.at[index] for ref in self.refs))
+
+
+def split(x, count: int) -> list:
+    """``x`` (float32) as ``count`` bf16 pieces that sum to it, largest first."""
+    pieces = []
+    for _ in range(count - 1):
+        piece = x.astype(BF16)
+        pieces.append(piece)
+        x = x - piece.astype(F32)
+    return [*pieces, x.astype(BF16)]
+
+
+def store(pieces: Pieces, x) -> None:
+    """``x [m, n]`` (float32, WGMMA layout) into ``pieces``; ``commit`` before a product
+    reads it."""
+    for ref, piece in zip(pieces.refs, split(x, len(pieces.refs)), strict=True):
+        ref[...] = piece
+
+
+def commit() -> None:
+    """Make the warpgroup's writes to shared memory visible to the tensor cores and TMA."""
+    plgpu.commit_smem()
+
+
+def load(pieces: Pieces):
+    """The float32 sum of an operand's pieces, as a WGMMA-layout tile."""
+    total = None
+    for ref in pieces.refs:
+        part = ref[...].astype(F32)
+        total = part if total is None else total + part
+    return total
+
+
+def mma(acc, a: Pieces, b: Pieces) -> None:
+    """Issue ``acc += a @ b`` over the pieces whose product is above the pieces' precision:
+    ``i + j < max(len(a), len(b))`` (one piece: one product; ``hi, lo`` by ``hi, lo``:
+    three; three pieces against an exact operand of one: three)."""
+    count = max(len(a.refs), len(b.refs))
+    for i, a_ref in enumerate(a.refs):
+        for j, b_ref in enumerate(b.refs):
+            if i + j < count:
+                plgpu.wgmma(acc, a_ref, b_ref)
+
+
+def product(shape, *terms):
+    """``sum(a @ b for a, b in terms)`` as a float32 ``[m, n]`` tile (WGMMA layout), each a
+    wgmma over the pieces, awaited."""
+
+    def run(acc):
+        for a, b in terms:
+            mma(acc, a, b)
+        return acc[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, F32))
+
+
+def iotas(shape):
+    """``(rows, cols)``: each entry's row and column index, ``[m, n]`` int32 tiles."""
+    return tuple(plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=WGMMA) for axis in (0, 1))
+
+
+def by_row(vector, shape):
+    """A ``ROWS`` vector ``[m]`` down the rows of an ``[m, n]`` tile: ``x[t, i] = v[t]``."""
+    return jax.lax.broadcast_in_dim(vector, shape, (0,))
+
+
+def by_col(vector, shape):
+    """A ``COLS`` vector ``[n]`` across the columns of an ``[m, n]`` tile: ``x[t, i] =
+    v[i]``."""
+    return jax.lax.broadcast_in_dim(vector, shape, (1,))
+
+
+class Decays(NamedTuple):
+    """One chunk's decays (``decays.ChunkDecays``), as register tiles: ``within [C, C]``
+    (WGMMA), ``from_start``, ``to_end`` and ``whole`` (every entry ``exp(g_C)``) ``[C]``
+    (ROWS)."""
+
+    within: jax.Array
+    from_start: jax.Array
+    to_end: jax.Array
+    whole: jax.Array
+
+
+def chunk_decays(log_alpha_ref, terms: Pieces, ones: Pieces) -> Decays:
+    """The decays of one chunk from its gates ``log_alpha [C]`` (float32, shared memory).
+
+    ``seg[t, i] = sum(log_alpha[i+1 : t+1])`` is the product of a lower-triangular matrix of
+    ones with ``terms[r, i] = log_alpha[r] (r > i)``, in ``SEGMENT_PIECES`` pieces (exact);
+    the sums from the start and to the end are sums of one row of gates each, in float32.
+    ``terms`` and ``ones`` are scratch ``[C, C]`` bf16 tiles.
+    """
+    shape = (CHUNK, CHUNK)
+    rows, cols = iotas(shape)
+    gates_down = by_row(plgpu.load(log_alpha_ref, layout=ROWS), shape)  # [t, i] = la[t]
+    gates_across = by_col(plgpu.load(log_alpha_ref, layout=COLS), shape)  # [t, i] = la[i]
+    store(terms, jnp.where(rows > cols, gates_down, 0.0))
+    ones.refs[0][...] = jnp.where(rows >= cols, 1.0, 0.0).astype(BF16)
+    commit()
+    seg = product(shape, (ones, terms))
+    # seg is 0 above the diagonal (no term there), so exp never meets an inf.
+    within = jnp.where(rows >= cols, jnp.exp(seg), 0.0)
+    from_start = jnp.sum(jnp.where(cols <= rows, gates_across, 0.0), axis=1)
+    to_end = jnp.sum(jnp.where(cols > rows, gates_across, 0.0), axis=1)
+    whole = jnp.sum(gates_across, axis=1)
+    return Decays(within, jnp.exp(from_start), jnp.exp(to_end), jnp.exp(whole))
+
+
+def unit_lower_inverse(strict, off: Pieces, inverse: Pieces, half: Pieces):
+    """``(I + strict)^{-1}`` of a strictly lower-triangular ``[C, C]`` tile by doubling
+    blocks on the tensor cores (``triangular.py``): with ``D`` the inverse of the diagonal
+    blocks of size ``s`` and ``L`` the blocks just below them in blocks of ``2 s``,
+
+        D' = D - D (L D),
+
+    which is ``[[X11, 0], [-X22 A21 X11, X22]]`` block by block. Blocks of 1 are 1 and those
+    of 2 need no product. ``off``, ``inverse`` and ``half`` are scratch ``[C, C]`` operands.
+    """
+    shape = strict.shape
+    rows, cols = iotas(shape)
+    apart = rows ^ cols  # < s exactly when (t, i) share a diagonal block of size s
+    eye = jnp.where(rows == cols, 1.0, 0.0)
+    d = eye - jnp.where(apart < 2, strict, 0.0)
+    size = 2
+    while size < shape[0]:
+        below = (apart >= size) & (apart < 2 * size)
+        store(off, jnp.where(below, strict, 0.0))
+        store(inverse, d)
+        commit()
+        store(half, product(shape, (off, inverse)))
+        commit()
+        d = d - product(shape, (inverse, half))
+        size *= 2
+    return d
