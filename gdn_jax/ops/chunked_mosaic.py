@@ -215,7 +215,7 @@ def _states_kernel(table, *refs, group: int, keep_starts: bool, **s):
         fetch(first, 0)
 
     def step(i, state):
-        slot = jax.lax.rem(i, slots)
+        slot = jax.lax.rem(i, jnp.int32(slots))
         if slots > 1:  # the next chunk's tiles stream in while this one computes
 
             @pl.when(i + 1 < count)

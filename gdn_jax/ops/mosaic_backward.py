@@ -2,7 +2,7 @@
 hand-derived backward in XLA, run from the chunk start states that the forward kernel
 wrote, over every value head at once.
 
-Its stages are the XLA form's hoisted ones (``chunked._hoisted_backward``): stage 1 again
+Its stages are the XLA form's hoisted ones (``chunked.SCHEDULES["hoisted"]``): stage 1 again
 for every chunk, the reverse state pass carrying the state's cotangent over the chunks
 (with the resets of each sequence's first and last chunk, ``blocks.scan_blocks_backward``),
 then every input's gradient chunk by chunk. Its inputs are the kernels' token layout
@@ -24,7 +24,8 @@ def _one_head(resets, q, k, v, log_alpha, beta, starts, d_y, d_finals):
     """One value head: chunks ``[NC, C, ...]`` in, ``(dq, dk, dv, d log_alpha, d beta,
     d initial)`` out."""
     inputs = (q, k, v, log_alpha, beta)
-    (d_q, d_k, d_v, d_beta, d_log_alpha), d_initial = chunked._hoisted_backward(
+    _, backward = chunked.SCHEDULES["hoisted"]
+    (d_q, d_k, d_v, d_beta, d_log_alpha), d_initial = backward(
         DELTA, inputs, starts, resets, d_y, d_finals
     )
     return d_q, d_k, d_v, d_log_alpha, d_beta, d_initial
