@@ -1,12 +1,22 @@
-"""The backward of the Mosaic GPU forward (``chunked_mosaic.py``): ``chunked.py``'s
-hand-derived backward in XLA, run from the chunk start states that the forward kernel
-wrote, over every value head at once.
+"""The backward kernels of ``impl="mosaic"`` (``chunked_mosaic.py``): ``chunked.py``'s
+hand-derived backward (its docstring and ``wy.py``'s give the derivation) as two Mosaic GPU
+kernels, on the forward's residuals: the inputs' pieces, ``w`` and each chunk's start state.
 
-Its stages are the XLA form's hoisted ones (``chunked.SCHEDULES["hoisted"]``): stage 1 again
-for every chunk, the reverse state pass carrying the state's cotangent over the chunks
-(with the resets of each sequence's first and last chunk, ``blocks.scan_blocks_backward``),
-then every input's gradient chunk by chunk. Its inputs are the kernels' token layout
-(``mosaic_layout.py``), so one call covers batch rows and packed sequences alike.
+1. ``reverse``, a program per (sequence, value head, block of 64 value channels), walks the
+   sequence's chunks last to first with its block of the state's cotangent ``dS [64, K]``
+   in registers (starting from the final state's), and per chunk writes the cotangent of
+   the chunk's end state and carries
+
+       dU = (Q K^T * Gamma)^T dY + diag(exp(g_C - g)) K dS'^T,
+       dS = exp(g_C) dS' + dY^T diag(exp(g)) Q - dU^T w,
+
+   ending with the initial state's cotangent.
+2. ``grads``, a program per (chunk, value head, value block), has a chunk's start state and
+   end cotangent and needs nothing carried: stage 1 again (``mosaic_chunk.chunk_factors``),
+   ``U = u - w S^T``, ``dU`` again, ``dVb = T^T dU`` and every input's gradient
+   (``chunked.chunk_grads``, ``wy.delta_factors_bwd``, ``decays.chunk_decays_bwd``). The
+   gradients of q, k and the gates sum over a key head's value heads and over value
+   blocks: a program writes its share, summed after the kernel.
 """
 
 from __future__ import annotations
@@ -15,64 +25,292 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gdn_jax.ops import chunked
-from gdn_jax.ops.wy import DELTA
+from gdn_jax.ops import mosaic_chunk as mc
+from gdn_jax.ops.mosaic_chunk import CHUNK, F32, Pieces
+from gdn_jax.ops.mosaic_forward import VALUE_BLOCK, factor_scratch
 
 
-def _one_head(resets, q, k, v, log_alpha, beta, starts, d_y, d_finals):
-    """One value head: chunks ``[NC, C, ...]`` in, ``(dq, dk, dv, d log_alpha, d beta,
-    d initial)`` out."""
-    inputs = (q, k, v, log_alpha, beta)
-    _, backward = chunked.SCHEDULES["hoisted"]
-    (d_q, d_k, d_v, d_beta, d_log_alpha), d_initial = backward(
-        DELTA, inputs, starts, resets, d_y, d_finals
+def _fetch_reverse(hbm, s, chunk, slot, *, head, group, block):
+    """Start the TMA copies of one chunk's q, k, w, value block of dY and gates."""
+    tokens = pl.ds(chunk * CHUNK, CHUNK)
+    values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
+    sources = (
+        *(ref.at[tokens, head // group] for ref in (*hbm["q"], *hbm["k"])),
+        *(ref.at[tokens, head] for ref in hbm["w"]),
+        *(ref.at[tokens, head, values] for ref in hbm["d_y"]),
+        hbm["gates"].at[:, head, tokens],
     )
-    return d_q, d_k, d_v, d_log_alpha, d_beta, d_initial
+    tiles = (*s["q"].refs, *s["k"].refs, *s["w"].refs, *s["d_y"].refs, s["gates"])
+    for src, dst in zip(sources, tiles, strict=True):
+        plgpu.copy_gmem_to_smem(src, dst.at[slot], s["loaded"].at[slot])
 
 
-def xla_backward(inputs, starts, resets, d_y, d_finals):
-    """The gradients of the token-layout inputs ``q, k [tokens, H, K]``, ``v [tokens, HV,
-    V]``, ``log_alpha, beta [tokens, HV]`` and of the initial states ``[N, HV, V, K]``, from
-    the chunk start states ``[chunks, HV, V, K]`` (float32) and the cotangents of ``y
-    [tokens, HV, V]`` and of the final states. The gradients of q and k sum over their
-    value heads; q, k and v's are in their own dtype, the rest in the states'."""
-    q, k, v, log_alpha, beta = inputs
-    tokens, heads, key_dim = q.shape
-    v_heads, value_dim = v.shape[1:]
-    group = v_heads // heads
-    chunks = starts.shape[0]
-    chunk = tokens // chunks
+def _square_pair(s, count: int):
+    """Two ``[C, C]`` operands out of the decays' scratch, free once the decays are made."""
+    terms = s["terms"].refs
+    if count == 1:
+        return Pieces(terms[:1]), Pieces(terms[1:2])
+    return Pieces(terms[:2]), Pieces((terms[2], s["extra"]))
 
-    def by_group(x):  # [tokens, HV, ...] -> [chunks, C, H, group, ...]
-        return x.reshape(chunks, chunk, heads, group, *x.shape[2:])
 
-    q, k = (x.reshape(chunks, chunk, heads, key_dim) for x in (q, k))
-    v, log_alpha, beta, d_y = (by_group(x) for x in (v, log_alpha, beta, d_y))
-    starts = starts.reshape(chunks, heads, group, value_dim, key_dim)
-    d_finals = d_finals.reshape(d_finals.shape[0], heads, group, value_dim, key_dim)
-    one = functools.partial(_one_head, resets)
-    over_group = jax.vmap(one, in_axes=(None, None, 2, 2, 2, 1, 2, 1))
-    over_heads = jax.vmap(over_group, in_axes=(2, 2, 2, 2, 2, 1, 2, 1))
-    # Each gradient comes out [H, group, ...] (a value head's own, before the sums).
-    d_q, d_k, d_v, d_log_alpha, d_beta, d_initial = over_heads(
-        q, k, v, log_alpha, beta, starts, d_y, d_finals
+def _reverse_step(out, s, chunk, slot, d_state, *, head, block):
+    """One chunk, last to first: writes the cotangent of its end state and returns that of
+    its start state."""
+    q, k, w, d_y = (s[name].at(slot) for name in ("q", "k", "w", "d_y"))
+    decays = mc.chunk_decays(s["gates"].at[slot, 0], s["terms"], s["ones"])
+    values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    mc.store(s["state"], d_state)
+    mc.commit()
+    for src, dst in zip(s["state"].refs, out["d_ends"], strict=True):
+        plgpu.copy_smem_to_gmem(src, dst.at[chunk, head, values])
+    attn, negated = _square_pair(s, len(q.refs))
+    mc.store(attn, mc.product((CHUNK, CHUNK), (q, k.T)) * decays.within)
+    key_shape = (CHUNK, d_state.shape[1])
+    # q's and k's tiles are read no more as they came: they hold the decayed ones now.
+    mc.store(k, mc.load(k) * mc.by_row(decays.to_end, key_shape))
+    mc.store(q, mc.load(q) * mc.by_row(decays.from_start, key_shape))
+    mc.commit()
+    d_u = mc.product((CHUNK, VALUE_BLOCK), (attn.T, d_y), (k, s["state"].T))
+    mc.store(negated, -d_u)
+    mc.commit()
+    faded = mc.by_row(decays.whole, d_state.shape) * d_state
+    return faded + mc.product(d_state.shape, (d_y.T, q), (negated.T, w))
+
+
+def _reverse_kernel(table, *refs, group: int, slots: int, **s):
+    """One sequence, value head and value block over the sequence's chunks, last first."""
+    names = ("q", "k", "w", "d_y", "gates", "d_finals", "d_initial", "d_ends")
+    hbm = dict(zip(names, refs, strict=True))
+    out = {name: hbm.pop(name) for name in names[5:]}
+    seq, head, block = (jax.lax.axis_index(axis) for axis in ("seq", "head", "block"))
+    values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
+    fetch = functools.partial(_fetch_reverse, hbm, s, head=head, group=group, block=block)
+    step = functools.partial(_reverse_step, out, s, head=head, block=block)
+    d_final = out["d_finals"].at[seq, head, values]
+    d_final = plgpu.load(d_final, layout=mc.WGMMA, optimized=False)
+    first, count = table[seq, 0], table[seq, 1]
+    d_initial = mc.stream_chunks(
+        first, count, fetch, step, d_final, loaded=s["loaded"], slots=slots, reverse=True
     )
+    out["d_initial"].at[seq, head, values][...] = d_initial
+    plgpu.wait_smem_to_gmem(0)
 
-    def tokens_first(x, trailing):  # [H, group, chunks, C, *trailing] -> [tokens, HV, ...]
-        x = jnp.moveaxis(x, (0, 1), (2, 3))
-        return x.reshape(tokens, v_heads, *trailing)
 
-    def key_grad(x):  # summed over each key head's value heads, in float32
-        summed = x.astype(jnp.float32).sum(1).astype(x.dtype)
-        return jnp.moveaxis(summed, 0, 2).reshape(tokens, heads, key_dim)
-
-    d_initial = jnp.moveaxis(d_initial, (0, 1), (1, 2))
-    return (
-        key_grad(d_q),
-        key_grad(d_k),
-        tokens_first(d_v, (value_dim,)),
-        tokens_first(d_log_alpha, ()),
-        tokens_first(d_beta, ()),
-        d_initial.reshape(d_initial.shape[0], v_heads, value_dim, key_dim),
+def reverse(table, q, k, w, d_y, gates, d_finals, *, interpret=None):
+    """The reverse state pass: ``d_y`` pieces ``[tokens, HV, V]``, ``d_finals [N, HV, V,
+    K]`` float32, the rest as the forward's. Returns ``(d_initial [N, HV, V, K] float32,
+    d_ends)``, ``d_ends`` the pieces of every chunk's end-state cotangent ``[chunks, HV, V,
+    K]``."""
+    count = len(q)
+    tokens, heads, key_dim = q[0].shape
+    v_heads, value_dim = d_y[0].shape[1:]
+    slots = 2 if count == 1 else 1
+    square = (CHUNK, CHUNK)
+    tile = (slots, CHUNK, key_dim)
+    scratch = dict(
+        q=mc.pieces(count, tile),
+        k=mc.pieces(count, tile),
+        w=mc.pieces(count, tile),
+        d_y=mc.pieces(count, (slots, CHUNK, VALUE_BLOCK)),
+        gates=plgpu.SMEM((slots, 2, CHUNK), F32),
+        terms=mc.pieces(mc.SEGMENT_PIECES, square),
+        ones=mc.pieces(1, square),
+        extra=mc.smem(square),
+        state=mc.pieces(count, (VALUE_BLOCK, key_dim)),
+        loaded=plgpu.Barrier(num_arrivals=4 * count + 1, num_barriers=slots),
     )
+    shape = (tokens // CHUNK, v_heads, value_dim, key_dim)
+    out_type = (
+        jax.ShapeDtypeStruct(d_finals.shape, F32),
+        tuple(jax.ShapeDtypeStruct(shape, mc.BF16) for _ in range(count)),
+    )
+    call = mc.kernel_call(
+        functools.partial(_reverse_kernel, group=v_heads // heads, slots=slots),
+        name="gdn_mosaic_reverse",
+        out_type=out_type,
+        scratch=scratch,
+        grid=dict(seq=d_finals.shape[0], head=v_heads, block=value_dim // VALUE_BLOCK),
+        interpret=interpret,
+    )
+    return call(table, tuple(q), tuple(k), tuple(w), tuple(d_y), gates, d_finals)
+
+
+def _load_grads_tiles(hbm, s, *, head, group, block, value_block):
+    """Copy one chunk's tiles in and wait for them: q, k, v and dY (value block), gates,
+    start state and end-state cotangent (value block)."""
+    chunk = jax.lax.axis_index("chunk")
+    tokens = pl.ds(chunk * CHUNK, CHUNK)
+    values = pl.ds(block * value_block, value_block)
+    sources = (
+        *(ref.at[tokens, head // group] for ref in (*hbm["q"], *hbm["k"])),
+        *(ref.at[tokens, head, values] for ref in (*hbm["v"], *hbm["d_y"])),
+        *(ref.at[chunk, head, values] for ref in (*hbm["starts"], *hbm["d_ends"])),
+        hbm["gates"].at[:, head, tokens],
+    )
+    names = ("q", "k", "v", "d_y", "start", "d_end")
+    tiles = (*(ref for name in names for ref in s[name].refs), s["gates"])
+    for src, dst in zip(sources, tiles, strict=True):
+        plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
+    plgpu.barrier_wait(s["loaded"])
+
+
+def _value_grads(s, out, factors, index):
+    """``U``, ``dU`` and ``dVb = T^T dU``: writes dv, leaves ``U`` in ``write`` and ``dVb``
+    in ``du``, and returns the share of d beta from the writes, ``rowsum(dVb * V)``."""
+    shape = factors.u.shape
+    decays = factors.decays
+    mc.store(s["erase"], factors.w)
+    mc.commit()
+    mc.store(s["write"], factors.u - mc.product(shape, (s["erase"], s["start"].T)))
+    attn = Pieces(s["terms"].refs[: len(s["q"].refs)])
+    scores = mc.product((CHUNK, CHUNK), (s["q"], s["k"].T))
+    mc.store(attn, scores * decays.within)
+    k = mc.load(s["k"])
+    mc.store(s["erase"], k * mc.by_row(decays.to_end, k.shape))  # w is read no more
+    mc.commit()
+    d_u = mc.product(shape, (attn.T, s["d_y"]), (s["erase"], s["d_end"].T))
+    mc.store(s["du"], d_u)
+    mc.commit()
+    d_write = mc.product(shape, (s["inverse"].T, s["du"]))
+    tokens, head, values = index
+    out["d_v"].at[tokens, head, values][...] = d_write * mc.by_row(factors.beta, shape)
+    d_beta = jnp.sum(d_write * mc.load(s["v"]), axis=1)
+    mc.store(s["du"], d_write)
+    mc.commit()
+    return d_beta
+
+
+def _square_grads(s, factors):
+    """The ``[C, C]`` cotangents: of ``Q K^T * Gamma`` (into ``sq_attn``), of ``k k^T``
+    (into ``sq_gram``) and of the decays within the chunk times them (into ``sq_within``);
+    returns the share of d beta from the system, ``rowsum(dA * Gamma * K K^T)``."""
+    shape = (CHUNK, CHUNK)
+    rows, cols = mc.iotas(shape)
+    within, beta = factors.decays.within, mc.by_row(factors.beta, shape)
+    d_y_u = mc.product(shape, (s["d_y"], s["write"].T))  # dY U^T
+    d_strict = jnp.where(rows > cols, -mc.product(shape, (s["du"], s["write"].T)), 0.0)
+    gram = mc.product(shape, (s["k"], s["k"].T))
+    qk = mc.product(shape, (s["q"], s["k"].T))
+    mc.store(s["sq_gram"], d_strict * within * beta)
+    mc.store(s["sq_attn"], d_y_u * within)
+    mc.store(s["sq_within"], (d_y_u * qk + d_strict * beta * gram) * within)
+    mc.commit()
+    return jnp.sum(d_strict * within * gram, axis=1)
+
+
+def _key_grads(s, out, factors, index):
+    """dq and dk (this program's shares); returns the rows' ``(d from_start, d to_end,
+    d k_proj)`` cotangents: ``rowsum(dY S * Q)``, ``rowsum(U dS' * K)`` and ``rowsum(dw_k
+    * K)`` with ``dw_k = -dVb S``."""
+    decays, beta = factors.decays, factors.beta
+    tokens, head, _ = index
+    key_shape = s["erase"].refs[0].shape
+    d_y_start = mc.product(key_shape, (s["d_y"], s["start"]))
+    d_from_start = jnp.sum(d_y_start * mc.load(s["q"]), axis=1)
+    d_q = d_y_start * mc.by_row(decays.from_start, key_shape)
+    d_q = d_q + mc.product(key_shape, (s["sq_attn"], s["k"]))
+    out["d_q"].at[tokens, head][...] = d_q
+    k = mc.load(s["k"])
+    d_erase = -mc.product(key_shape, (s["du"], s["start"]))
+    d_k_proj = jnp.sum(d_erase * k, axis=1)
+    d_k = d_erase * mc.by_row(beta * decays.from_start, key_shape)
+    d_k_to_end = mc.product(key_shape, (s["write"], s["d_end"]))  # U dS'
+    d_to_end = jnp.sum(d_k_to_end * k, axis=1)
+    d_k = d_k + d_k_to_end * mc.by_row(decays.to_end, key_shape)
+    gram = s["sq_gram"]
+    d_k = d_k + mc.product(key_shape, (s["sq_attn"].T, s["q"]), (gram, s["k"]), (gram.T, s["k"]))
+    out["d_k"].at[tokens, head][...] = d_k
+    return d_from_start, d_to_end, d_k_proj
+
+
+def _gate_grads(s, factors, d_from_start, d_to_end):
+    """``decays.chunk_decays_bwd`` for the chunk's ``log_alpha`` (COLS): each gate's terms
+    summed over the segments that hold it. ``sq_within`` holds the cotangent of the decays
+    within the chunk times them; ``ones`` the lower-triangular ones of ``chunk_decays``."""
+    shape = (CHUNK, CHUNK)
+    rows, cols = mc.iotas(shape)
+    decays = factors.decays
+    # [t, s]: the sum over i < s of row t, as (i <= s) less the diagonal term.
+    rows_before = mc.product(shape, (s["sq_within"], s["ones"].T)) - mc.load(s["sq_within"])
+    held = rows_before + mc.by_row(d_from_start * decays.from_start, shape)
+    d_log_alpha = jnp.sum(jnp.where(rows >= cols, held, 0.0), axis=0)
+    to_end = mc.by_row(d_to_end * decays.to_end, shape)
+    d_log_alpha = d_log_alpha + jnp.sum(jnp.where(rows < cols, to_end, 0.0), axis=0)
+    state_shape = s["start"].refs[0].shape
+    d_whole = jnp.sum(mc.load(s["d_end"]) * mc.load(s["start"]), axis=1)
+    d_whole = jnp.sum(mc.by_row(d_whole, (state_shape[0], CHUNK)), axis=0)
+    gates = mc.by_row(plgpu.load(s["gates"].at[0], layout=mc.ROWS), shape)
+    return d_log_alpha + d_whole * jnp.exp(jnp.sum(gates, axis=0))
+
+
+def _grads_kernel(*refs, group: int, **s):
+    """One chunk, value head and value block: every input's gradient (shares of those of
+    q, k and the gates)."""
+    names = ("q", "k", "v", "d_y", "gates", "starts", "d_ends", "d_q", "d_k", "d_v", "d_gates")
+    hbm = dict(zip(names, refs, strict=True))
+    # Free once the factors are made: the inverse's scratch holds two square cotangents.
+    s = dict(s, sq_gram=s["off"], sq_within=s["half"])
+    out = {name: hbm.pop(name) for name in names[7:]}
+    chunk, head, block = (jax.lax.axis_index(axis) for axis in ("chunk", "head", "block"))
+    value_block = s["v"].refs[0].shape[-1]
+    _load_grads_tiles(hbm, s, head=head, group=group, block=block, value_block=value_block)
+    factors = mc.chunk_factors(s, s["k"], s["v"], s["gates"])
+    tokens = pl.ds(chunk * CHUNK, CHUNK)
+    index = (tokens, head, pl.ds(block * value_block, value_block))
+    d_beta = _value_grads(s, out, factors, index)
+    d_beta = d_beta + _square_grads(s, factors)
+    shares = dict(d_q=out["d_q"].at[block], d_k=out["d_k"].at[block])
+    d_from_start, d_to_end, d_k_proj = _key_grads(s, shares, factors, index)
+    beta = factors.beta
+    d_from_start = d_from_start + beta * d_k_proj
+    d_log_alpha = _gate_grads(s, factors, d_from_start, d_to_end)
+    d_beta = d_beta + factors.decays.from_start * d_k_proj
+    out["d_gates"].at[block, 0, head, tokens][...] = d_log_alpha
+    out["d_gates"].at[block, 1, head, tokens][...] = d_beta
+
+
+def grads(q, k, v, d_y, gates, starts, d_ends, *, interpret=None):
+    """Every chunk's gradients from its start state and end-state cotangent (pieces
+    ``[chunks, HV, V, K]``): returns ``(d_q, d_k [blocks, tokens, HV, K], d_v [tokens, HV,
+    V], d_gates [blocks, 2, HV, tokens])`` in float32, the shares of each value head and
+    block of value channels (a whole value head of up to 128 with bf16 operands)."""
+    count = len(q)
+    tokens, heads, key_dim = q[0].shape
+    v_heads, value_dim = v[0].shape[1:]
+    value_block = value_dim if count == 1 and value_dim <= 128 else VALUE_BLOCK
+    blocks = value_dim // value_block
+    square = (CHUNK, CHUNK)
+    state = (value_block, key_dim)
+    scratch = dict(
+        q=mc.pieces(count, (CHUNK, key_dim)),
+        k=mc.pieces(count, (CHUNK, key_dim)),
+        v=mc.pieces(count, (CHUNK, value_block)),
+        d_y=mc.pieces(count, (CHUNK, value_block)),
+        start=mc.pieces(count, state),
+        d_end=mc.pieces(count, state),
+        gates=plgpu.SMEM((2, CHUNK), F32),
+        du=mc.pieces(count, (CHUNK, value_block)),
+        sq_attn=mc.pieces(count, square),
+        loaded=plgpu.Barrier(num_arrivals=6 * count + 1),
+        **factor_scratch(count, key_dim, value_block),
+    )
+    key_share = jax.ShapeDtypeStruct((blocks, tokens, v_heads, key_dim), F32)
+    out_type = (
+        key_share,
+        key_share,
+        jax.ShapeDtypeStruct((tokens, v_heads, value_dim), F32),
+        jax.ShapeDtypeStruct((blocks, 2, v_heads, tokens), F32),
+    )
+    call = mc.kernel_call(
+        functools.partial(_grads_kernel, group=v_heads // heads),
+        name="gdn_mosaic_grads",
+        out_type=out_type,
+        scratch=scratch,
+        grid=dict(chunk=tokens // CHUNK, head=v_heads, block=blocks),
+        interpret=interpret,
+    )
+    return call(tuple(q), tuple(k), tuple(v), tuple(d_y), gates, tuple(starts), tuple(d_ends))

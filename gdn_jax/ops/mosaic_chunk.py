@@ -193,3 +193,107 @@ def unit_lower_inverse(strict, off: Pieces, inverse: Pieces, half: Pieces):
         d = d - product(shape, (inverse, half))
         size *= 2
     return d
+
+
+class Factors(NamedTuple):
+    """Stage 1 of one chunk: its decays, ``beta`` (ROWS) and the WY factors ``w [C, K]``,
+    ``u [C, V]`` (WGMMA tiles); the inverse ``T`` is left in the scratch ``inverse``."""
+
+    decays: Decays
+    beta: jax.Array
+    w: jax.Array
+    u: jax.Array
+
+
+def chunk_factors(s: dict, k: Pieces, v: Pieces, gates) -> Factors:
+    """The decays, ``A = tril(diag(beta) (K K^T * Gamma), -1)``, ``T = (I + A)^{-1}`` and
+    ``w = T diag(beta exp(g)) K``, ``u = T diag(beta) V`` (``wy.delta_factors``) of one
+    chunk whose tiles ``k [C, K]``, ``v [C, V]`` and ``gates [2, C]`` are in shared memory.
+    Scratch in ``s``: ``terms``, ``ones``, ``off``, ``inverse``, ``half`` ``[C, C]``,
+    ``erase [C, K]``, ``write [C, V]``."""
+    decays = chunk_decays(gates.at[0], s["terms"], s["ones"])
+    beta = plgpu.load(gates.at[1], layout=ROWS)
+    shape = (CHUNK, CHUNK)
+    rows, cols = iotas(shape)
+    gram = product(shape, (k, k.T))
+    strict = jnp.where(rows > cols, by_row(beta, shape) * gram * decays.within, 0.0)
+    inverse = unit_lower_inverse(strict, s["off"], s["inverse"], s["half"])
+    k, v = load(k), load(v)
+    store(s["erase"], k * by_row(beta * decays.from_start, k.shape))
+    store(s["write"], v * by_row(beta, v.shape))
+    store(s["inverse"], inverse)
+    commit()
+    w = product(k.shape, (s["inverse"], s["erase"]))
+    u = product(v.shape, (s["inverse"], s["write"]))
+    return Factors(decays, beta, w, u)
+
+
+def stream_chunks(first, count, fetch, step, init, *, loaded, slots: int, reverse=False):
+    """``step(chunk, slot, carry) -> carry`` over a sequence's ``count`` chunks from
+    ``first`` (last to first with ``reverse``), each chunk's tiles copied into ``slot`` by
+    ``fetch(chunk, slot)`` (TMA copies arriving on ``loaded.at[slot]``). With two slots the
+    next chunk's tiles stream in while this one computes; a slot is refilled only after the
+    step that read it has returned (every product awaited)."""
+
+    def chunk_at(i):
+        return first + count - 1 - i if reverse else first + i
+
+    @pl.when(count > 0)
+    def _():
+        fetch(chunk_at(0), 0)
+
+    def body(i, carry):
+        slot = jax.lax.rem(i, jnp.int32(slots))
+        if slots > 1:
+
+            @pl.when(i + 1 < count)
+            def _():
+                fetch(chunk_at(i + 1), 1 - slot)
+
+        plgpu.barrier_wait(loaded.at[slot])
+        carry = step(chunk_at(i), slot, carry)
+        if slots == 1:
+
+            @pl.when(i + 1 < count)
+            def _():
+                fetch(chunk_at(i + 1), 0)
+
+        return carry
+
+    return jax.lax.fori_loop(0, count, body, init)
+
+
+def pieces(count: int, shape) -> Pieces:
+    """Scratch for an operand of ``count`` pieces, each a swizzled bf16 tile."""
+    return Pieces(tuple(smem(shape) for _ in range(count)))
+
+
+def operand(x, count: int) -> tuple:
+    """``x`` (an XLA array) as its ``count`` bf16 pieces (``split``)."""
+    if count == 1:
+        return (x.astype(BF16),)
+    return tuple(split(x.astype(F32), count))
+
+
+def kernel_call(body, *, name: str, out_type, scratch, grid: dict, interpret):
+    """``plgpu.kernel`` of one warpgroup a program over ``grid`` (axis name: size), in Lane
+    semantics (explicit layouts: Mosaic GPU's layout inference, its default from jax 0.11,
+    found no solution for these kernels)."""
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=tuple(grid.values()),
+        grid_names=tuple(grid),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret_params(interpret),
+        kernel_name=name,
+    )
+
+
+def interpret_params(interpret):
+    """Pallas's ``interpret=`` for the kernels: None runs them compiled on a GPU and in
+    Mosaic GPU's interpret mode anywhere else; True and False force one or the other."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    return plgpu.InterpretGPUParams() if interpret else None
