@@ -140,25 +140,25 @@ def reverse(table, q, k, w, d_y, gates, d_finals, *, interpret=None):
 
 
 def _load_grads_tiles(hbm, s, *, head, group, block, value_block):
-    """Copy one chunk's tiles in and wait for them: q, k, v and dY (value block), gates,
-    start state and end-state cotangent (value block)."""
+    """Copy one chunk's tiles in and wait for them: q, k, dY (value block), gates, start
+    state and end-state cotangent (value block)."""
     chunk = jax.lax.axis_index("chunk")
     tokens = pl.ds(chunk * CHUNK, CHUNK)
     values = pl.ds(block * value_block, value_block)
     sources = (
         *(ref.at[tokens, head // group] for ref in (*hbm["q"], *hbm["k"])),
-        *(ref.at[tokens, head, values] for ref in (*hbm["v"], *hbm["d_y"])),
+        *(ref.at[tokens, head, values] for ref in hbm["d_y"]),
         *(ref.at[chunk, head, values] for ref in (*hbm["starts"], *hbm["d_ends"])),
         hbm["gates"].at[:, head, tokens],
     )
-    names = ("q", "k", "v", "d_y", "start", "d_end")
+    names = ("q", "k", "d_y", "start", "d_end")
     tiles = (*(ref for name in names for ref in s[name].refs), s["gates"])
     for src, dst in zip(sources, tiles, strict=True):
         plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
     plgpu.barrier_wait(s["loaded"])
 
 
-def _value_grads(s, out, factors, index):
+def _value_grads(s, out, factors, index, load_v):
     """``U``, ``dU`` and ``dVb = T^T dU``: writes dv, leaves ``U`` in ``write`` and ``dVb``
     in ``du``, and returns the share of d beta from the writes, ``rowsum(dVb * V)``."""
     shape = factors.u.shape
@@ -178,7 +178,7 @@ def _value_grads(s, out, factors, index):
     d_write = mc.product(shape, (s["inverse"].T, s["du"]))
     tokens, head, values = index
     out["d_v"].at[tokens, head, values][...] = d_write * mc.by_row(factors.beta, shape)
-    d_beta = jnp.sum(d_write * mc.load(s["v"]), axis=1)
+    d_beta = jnp.sum(d_write * load_v(), axis=1)
     mc.store(s["du"], d_write)
     mc.commit()
     return d_beta
@@ -247,21 +247,23 @@ def _gate_grads(s, factors, d_from_start, d_to_end):
     return d_log_alpha + d_whole * jnp.exp(jnp.sum(gates, axis=0))
 
 
-def _grads_kernel(*refs, group: int, **s):
+def _grads_kernel(*refs, group: int, count: int, **s):
     """One chunk, value head and value block: every input's gradient (shares of those of
     q, k and the gates)."""
     names = ("q", "k", "v", "d_y", "gates", "starts", "d_ends", "d_q", "d_k", "d_v", "d_gates")
     hbm = dict(zip(names, refs, strict=True))
-    # Free once the factors are made: the inverse's scratch holds two square cotangents.
-    s = dict(s, sq_gram=s["off"], sq_within=s["half"])
+    # Free once the factors are made: their scratch holds the square cotangents.
+    s = dict(s, sq_gram=s["off"], sq_within=s["half"], sq_attn=Pieces(s["terms"].refs[-count:]))
     out = {name: hbm.pop(name) for name in names[7:]}
     chunk, head, block = (jax.lax.axis_index(axis) for axis in ("chunk", "head", "block"))
-    value_block = s["v"].refs[0].shape[-1]
+    value_block = s["d_y"].refs[0].shape[-1]
     _load_grads_tiles(hbm, s, head=head, group=group, block=block, value_block=value_block)
-    factors = mc.chunk_factors(s, s["k"], s["v"], s["gates"])
     tokens = pl.ds(chunk * CHUNK, CHUNK)
     index = (tokens, head, pl.ds(block * value_block, value_block))
-    d_beta = _value_grads(s, out, factors, index)
+    # v is read twice, straight from HBM: a tile of it in shared memory would not fit.
+    load_v = functools.partial(mc.load_global, [ref.at[index] for ref in hbm["v"]])
+    factors = mc.chunk_factors(s, s["k"], load_v, s["gates"])
+    d_beta = _value_grads(s, out, factors, index, load_v)
     d_beta = d_beta + _square_grads(s, factors)
     shares = dict(d_q=out["d_q"].at[block], d_k=out["d_k"].at[block])
     d_from_start, d_to_end, d_k_proj = _key_grads(s, shares, factors, index)
@@ -283,19 +285,16 @@ def grads(q, k, v, d_y, gates, starts, d_ends, *, interpret=None):
     v_heads, value_dim = v[0].shape[1:]
     value_block = value_dim if count == 1 and value_dim <= 128 else VALUE_BLOCK
     blocks = value_dim // value_block
-    square = (CHUNK, CHUNK)
     state = (value_block, key_dim)
     scratch = dict(
         q=mc.pieces(count, (CHUNK, key_dim)),
         k=mc.pieces(count, (CHUNK, key_dim)),
-        v=mc.pieces(count, (CHUNK, value_block)),
         d_y=mc.pieces(count, (CHUNK, value_block)),
         start=mc.pieces(count, state),
         d_end=mc.pieces(count, state),
         gates=plgpu.SMEM((2, CHUNK), F32),
         du=mc.pieces(count, (CHUNK, value_block)),
-        sq_attn=mc.pieces(count, square),
-        loaded=plgpu.Barrier(num_arrivals=6 * count + 1),
+        loaded=plgpu.Barrier(num_arrivals=5 * count + 1),
         **factor_scratch(count, key_dim, value_block),
     )
     key_share = jax.ShapeDtypeStruct((blocks, tokens, v_heads, key_dim), F32)
@@ -306,7 +305,7 @@ def grads(q, k, v, d_y, gates, starts, d_ends, *, interpret=None):
         jax.ShapeDtypeStruct((blocks, 2, v_heads, tokens), F32),
     )
     call = mc.kernel_call(
-        functools.partial(_grads_kernel, group=v_heads // heads),
+        functools.partial(_grads_kernel, group=v_heads // heads, count=count),
         name="gdn_mosaic_grads",
         out_type=out_type,
         scratch=scratch,

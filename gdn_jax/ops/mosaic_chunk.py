@@ -84,13 +84,22 @@ def commit() -> None:
     plgpu.commit_smem()
 
 
-def load(pieces: Pieces):
-    """The float32 sum of an operand's pieces, as a WGMMA-layout tile."""
+def _sum(parts):
     total = None
-    for ref in pieces.refs:
-        part = ref[...].astype(F32)
+    for part in parts:
         total = part if total is None else total + part
     return total
+
+
+def load(pieces: Pieces):
+    """The float32 sum of an operand's pieces, as a WGMMA-layout tile."""
+    return _sum(ref[...].astype(F32) for ref in pieces.refs)
+
+
+def load_global(refs):
+    """The float32 sum of an operand's pieces read straight from HBM (no shared memory),
+    as a WGMMA-layout tile."""
+    return _sum(plgpu.load(ref, layout=WGMMA, optimized=False).astype(F32) for ref in refs)
 
 
 def mma(acc, a: Pieces, b: Pieces) -> None:
@@ -205,12 +214,13 @@ class Factors(NamedTuple):
     u: jax.Array
 
 
-def chunk_factors(s: dict, k: Pieces, v: Pieces, gates) -> Factors:
+def chunk_factors(s: dict, k: Pieces, load_v, gates) -> Factors:
     """The decays, ``A = tril(diag(beta) (K K^T * Gamma), -1)``, ``T = (I + A)^{-1}`` and
     ``w = T diag(beta exp(g)) K``, ``u = T diag(beta) V`` (``wy.delta_factors``) of one
-    chunk whose tiles ``k [C, K]``, ``v [C, V]`` and ``gates [2, C]`` are in shared memory.
-    Scratch in ``s``: ``terms``, ``ones``, ``off``, ``inverse``, ``half`` ``[C, C]``,
-    ``erase [C, K]``, ``write [C, V]``."""
+    chunk whose tiles ``k [C, K]`` and ``gates [2, C]`` are in shared memory; ``load_v()``
+    reads ``v [C, V]`` into registers (float32) once the inverse is made. Scratch in ``s``:
+    ``terms``, ``ones``, ``off``, ``inverse``, ``half`` ``[C, C]``, ``erase [C, K]``,
+    ``write [C, V]``."""
     decays = chunk_decays(gates.at[0], s["terms"], s["ones"])
     beta = plgpu.load(gates.at[1], layout=ROWS)
     shape = (CHUNK, CHUNK)
@@ -218,7 +228,7 @@ def chunk_factors(s: dict, k: Pieces, v: Pieces, gates) -> Factors:
     gram = product(shape, (k, k.T))
     strict = jnp.where(rows > cols, by_row(beta, shape) * gram * decays.within, 0.0)
     inverse = unit_lower_inverse(strict, s["off"], s["inverse"], s["half"])
-    k, v = load(k), load(v)
+    k, v = load(k), load_v()
     store(s["erase"], k * by_row(beta * decays.from_start, k.shape))
     store(s["write"], v * by_row(beta, v.shape))
     store(s["inverse"], inverse)

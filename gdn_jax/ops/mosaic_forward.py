@@ -44,7 +44,7 @@ def _factors_kernel(k_hbm, v_hbm, gates_hbm, w_hbm, u_hbm, *, group: int, **s):
     for src, dst in zip(sources, (*s["k"].refs, *s["v"].refs, s["gates"]), strict=True):
         plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
     plgpu.barrier_wait(s["loaded"])
-    factors = mc.chunk_factors(s, s["k"], s["v"], s["gates"])
+    factors = mc.chunk_factors(s, s["k"], lambda: mc.load(s["v"]), s["gates"])
     mc.store(s["erase"], factors.w)
     mc.store(s["write"], factors.u)
     mc.commit()
