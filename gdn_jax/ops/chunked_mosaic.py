@@ -16,7 +16,8 @@ float32), any other dtype two pieces an operand, about float32's accuracy at thr
 products. The state, the decays and every sum outside the products are float32.
 
 The inputs are laid out in XLA first (``mosaic_layout.py``): every sequence's chunks on one
-token axis, channels padded with zeros to multiples of 64, gates as ``[2, HV, tokens]``.
+token axis, channels padded with zeros to multiples of 64, gates and the decays from
+them as ``[5, HV, tokens]`` (``mosaic_chunk.gate_rows``).
 Off a GPU the kernels run in Mosaic GPU's interpret mode (jax >= 0.11).
 """
 
@@ -47,10 +48,10 @@ def _padded(x, axis: int):
 
 def _operands(q, k, v, log_alpha, beta):
     """The kernels' operands: q, k, v padded and as pieces (one each when v is bf16, else
-    two), and the gates ``[2, HV, tokens]``."""
+    two), and the gates with the decays ``[GATES, HV, tokens]``."""
     count = 1 if v.dtype == mc.BF16 else 2
     q, k, v = (mc.operand(_padded(x, 2), count) for x in (q, k, v))
-    return q, k, v, jnp.stack([log_alpha.T, beta.T]).astype(F32)
+    return q, k, v, mc.gate_rows(log_alpha.T.astype(F32), beta.T.astype(F32))
 
 
 def _forward(q, k, v, log_alpha, beta, initial_states, table, *, keep_starts, interpret):

@@ -48,26 +48,18 @@ def _fetch_reverse(hbm, s, chunk, slot, *, head, group, block):
         plgpu.copy_gmem_to_smem(src, dst.at[slot], s["loaded"].at[slot])
 
 
-def _square_pair(s, count: int):
-    """Two ``[C, C]`` operands out of the decays' scratch, free once the decays are made."""
-    terms = s["terms"].refs
-    if count == 1:
-        return Pieces(terms[:1]), Pieces(terms[1:2])
-    return Pieces(terms[:2]), Pieces((terms[2], s["extra"]))
-
-
 def _reverse_step(out, s, chunk, slot, d_state, *, head, block):
     """One chunk, last to first: writes the cotangent of its end state and returns that of
     its start state."""
     q, k, w, d_y = (s[name].at(slot) for name in ("q", "k", "w", "d_y"))
-    decays = mc.chunk_decays(s["gates"].at[slot, 0], s["terms"], s["ones"])
+    decays = mc.chunk_decays(s["gates"].at[slot], s["terms"], s["ones"])
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     mc.store(s["state"], d_state)
     mc.commit()
     for src, dst in zip(s["state"].refs, out["d_ends"], strict=True):
         plgpu.copy_smem_to_gmem(src, dst.at[chunk, head, values])
-    attn, negated = _square_pair(s, len(q.refs))
+    attn, negated = mc.square_pair(s)
     mc.store(attn, mc.product((CHUNK, CHUNK), (q, k.T)) * decays.within)
     key_shape = (CHUNK, d_state.shape[1])
     # q's and k's tiles are read no more as they came: they hold the decayed ones now.
@@ -116,7 +108,7 @@ def reverse(table, q, k, w, d_y, gates, d_finals, *, interpret=None):
         k=mc.pieces(count, tile),
         w=mc.pieces(count, tile),
         d_y=mc.pieces(count, (slots, CHUNK, VALUE_BLOCK)),
-        gates=plgpu.SMEM((slots, 2, CHUNK), F32),
+        gates=plgpu.SMEM((slots, mc.GATES, CHUNK), F32),
         terms=mc.pieces(mc.SEGMENT_PIECES, square),
         ones=mc.pieces(1, square),
         extra=mc.smem(square),
@@ -243,8 +235,7 @@ def _gate_grads(s, factors, d_from_start, d_to_end):
     state_shape = s["start"].refs[0].shape
     d_whole = jnp.sum(mc.load(s["d_end"]) * mc.load(s["start"]), axis=1)
     d_whole = jnp.sum(mc.by_row(d_whole, (state_shape[0], CHUNK)), axis=0)
-    gates = mc.by_row(plgpu.load(s["gates"].at[0], layout=mc.ROWS), shape)
-    return d_log_alpha + d_whole * jnp.exp(jnp.sum(gates, axis=0))
+    return d_log_alpha + d_whole * plgpu.load(s["gates"].at[4], layout=mc.COLS)
 
 
 def _grads_kernel(*refs, group: int, count: int, **s):
@@ -292,7 +283,7 @@ def grads(q, k, v, d_y, gates, starts, d_ends, *, interpret=None):
         d_y=mc.pieces(count, (CHUNK, value_block)),
         start=mc.pieces(count, state),
         d_end=mc.pieces(count, state),
-        gates=plgpu.SMEM((2, CHUNK), F32),
+        gates=plgpu.SMEM((mc.GATES, CHUNK), F32),
         du=mc.pieces(count, (CHUNK, value_block)),
         loaded=plgpu.Barrier(num_arrivals=5 * count + 1),
         **factor_scratch(count, key_dim, value_block),

@@ -33,6 +33,7 @@ WGMMA = plgpu.Layout.WGMMA
 ROWS = WGMMA.reduce(1)
 COLS = WGMMA.reduce(0)
 SEGMENT_PIECES = 3  # bf16 pieces that hold a float32 gate exactly
+GATES = 5  # gate_rows: log_alpha, beta, and the decays from the start, to the end and whole
 
 
 def swizzled(dtype) -> tuple:
@@ -152,28 +153,42 @@ class Decays(NamedTuple):
     whole: jax.Array
 
 
-def chunk_decays(log_alpha_ref, terms: Pieces, ones: Pieces) -> Decays:
-    """The decays of one chunk from its gates ``log_alpha [C]`` (float32, shared memory).
+def chunk_decays(gates, terms: Pieces, ones: Pieces) -> Decays:
+    """The decays of one chunk from its ``gates [GATES, C]`` (float32, shared memory).
 
     ``seg[t, i] = sum(log_alpha[i+1 : t+1])`` is the product of a lower-triangular matrix of
-    ones with ``terms[r, i] = log_alpha[r] (r > i)``, in ``SEGMENT_PIECES`` pieces (exact);
-    the sums from the start and to the end are sums of one row of gates each, in float32.
-    ``terms`` and ``ones`` are scratch ``[C, C]`` bf16 tiles.
+    ones with ``terms[r, i] = log_alpha[r] (r > i)``, in ``SEGMENT_PIECES`` pieces (exact).
+    The decays from the start and to the end and over the chunk, sums of one row of gates
+    each, come with the gates (``gate_rows``). ``terms`` and ``ones`` are scratch ``[C, C]``
+    bf16 tiles; ``ones`` keeps the ones.
     """
     shape = (CHUNK, CHUNK)
     rows, cols = iotas(shape)
-    gates_down = by_row(plgpu.load(log_alpha_ref, layout=ROWS), shape)  # [t, i] = la[t]
-    gates_across = by_col(plgpu.load(log_alpha_ref, layout=COLS), shape)  # [t, i] = la[i]
+    gates_down = by_row(plgpu.load(gates.at[0], layout=ROWS), shape)  # [t, i] = la[t]
     store(terms, jnp.where(rows > cols, gates_down, 0.0))
     ones.refs[0][...] = jnp.where(rows >= cols, 1.0, 0.0).astype(BF16)
     commit()
     seg = product(shape, (ones, terms))
     # seg is 0 above the diagonal (no term there), so exp never meets an inf.
     within = jnp.where(rows >= cols, jnp.exp(seg), 0.0)
-    from_start = jnp.sum(jnp.where(cols <= rows, gates_across, 0.0), axis=1)
-    to_end = jnp.sum(jnp.where(cols > rows, gates_across, 0.0), axis=1)
-    whole = jnp.sum(gates_across, axis=1)
-    return Decays(within, jnp.exp(from_start), jnp.exp(to_end), jnp.exp(whole))
+    vectors = (plgpu.load(gates.at[row], layout=ROWS) for row in (2, 3, 4))
+    return Decays(within, *vectors)
+
+
+def gate_rows(log_alpha, beta):
+    """The gates of every chunk as the kernels read them, ``[GATES, HV, tokens]`` float32:
+    ``log_alpha``, ``beta`` (``[HV, tokens]`` each) and each token's decays from its chunk's
+    start, ``exp(g_t)``, and to its end, ``exp(g_C - g_t)``, and the chunk's, ``exp(g_C)``.
+    Each is the exp of a sum of the gates of its own segment (a sum from the end of the
+    gates shifted by one), never a difference of running sums (``decays.py``)."""
+    heads, tokens = log_alpha.shape
+    chunks = log_alpha.reshape(heads, tokens // CHUNK, CHUNK)
+    from_start = jnp.cumsum(chunks, axis=-1)
+    after = jnp.pad(chunks[..., 1:], [(0, 0), (0, 0), (0, 1)])  # log_alpha[t + 1], 0 last
+    to_end = jnp.flip(jnp.cumsum(jnp.flip(after, -1), axis=-1), -1)
+    whole = jnp.broadcast_to(from_start[..., -1:], chunks.shape)
+    decays = (jnp.exp(x).reshape(heads, tokens) for x in (from_start, to_end, whole))
+    return jnp.stack([log_alpha, beta, *decays]).astype(F32)
 
 
 def unit_lower_inverse(strict, off: Pieces, inverse: Pieces, half: Pieces):
@@ -217,11 +232,11 @@ class Factors(NamedTuple):
 def chunk_factors(s: dict, k: Pieces, load_v, gates) -> Factors:
     """The decays, ``A = tril(diag(beta) (K K^T * Gamma), -1)``, ``T = (I + A)^{-1}`` and
     ``w = T diag(beta exp(g)) K``, ``u = T diag(beta) V`` (``wy.delta_factors``) of one
-    chunk whose tiles ``k [C, K]`` and ``gates [2, C]`` are in shared memory; ``load_v()``
+    chunk whose tiles ``k [C, K]`` and ``gates [GATES, C]`` are in shared memory; ``load_v()``
     reads ``v [C, V]`` into registers (float32) once the inverse is made. Scratch in ``s``:
     ``terms``, ``ones``, ``off``, ``inverse``, ``half`` ``[C, C]``, ``erase [C, K]``,
     ``write [C, V]``."""
-    decays = chunk_decays(gates.at[0], s["terms"], s["ones"])
+    decays = chunk_decays(gates, s["terms"], s["ones"])
     beta = plgpu.load(gates.at[1], layout=ROWS)
     shape = (CHUNK, CHUNK)
     rows, cols = iotas(shape)
@@ -271,6 +286,16 @@ def stream_chunks(first, count, fetch, step, init, *, loaded, slots: int, revers
         return carry
 
     return jax.lax.fori_loop(0, count, body, init)
+
+
+def square_pair(s: dict) -> tuple[Pieces, Pieces]:
+    """Two ``[C, C]`` operands of the state passes, of as many pieces as ``s["q"]``, in the
+    scratch of ``chunk_decays`` (``terms``, and ``extra`` for two pieces), free once the
+    decays are made."""
+    terms = s["terms"].refs
+    if len(s["q"].refs) == 1:
+        return Pieces(terms[:1]), Pieces(terms[1:2])
+    return Pieces(terms[:2]), Pieces((terms[2], s["extra"]))
 
 
 def pieces(count: int, shape) -> Pieces:

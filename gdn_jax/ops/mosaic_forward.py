@@ -13,7 +13,7 @@ chunk, then the state pass with the outputs.
    backward, the start state as the pieces its products read.
 
 HBM layouts (``mosaic_layout.py``): q, k pieces ``[tokens, H, K]``, v, u pieces ``[tokens,
-HV, V]``, w ``[tokens, HV, K]``, ``gates [2, HV, tokens]`` (``log_alpha``, ``beta``),
+HV, V]``, w ``[tokens, HV, K]``, ``gates [GATES, HV, tokens]`` (``mosaic_chunk.gate_rows``),
 states ``[N or chunks, HV, V, K]``, ``table [N, 2]`` (each sequence's first chunk and count).
 """
 
@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gdn_jax.ops import mosaic_chunk as mc
-from gdn_jax.ops.mosaic_chunk import CHUNK, F32, Pieces
+from gdn_jax.ops.mosaic_chunk import CHUNK, F32
 
 # The value channels of one program of the state pass: a wgmma's 64 rows of the state.
 VALUE_BLOCK = 64
@@ -71,7 +71,7 @@ def factor_scratch(count: int, key_dim: int, value_dim: int) -> dict:
 
 def factors(k, v, gates, *, interpret=None):
     """The WY factors of every chunk: ``k`` pieces ``[tokens, H, K]``, ``v`` pieces
-    ``[tokens, HV, V]``, ``gates [2, HV, tokens]`` float32 (``tokens`` a multiple of the
+    ``[tokens, HV, V]``, ``gates [GATES, HV, tokens]`` float32 (``tokens`` a multiple of the
     chunk, ``K`` and ``V`` of 64). Returns ``(w, u)``, pieces like ``k`` and ``v`` per value
     head."""
     count = len(k)
@@ -80,7 +80,7 @@ def factors(k, v, gates, *, interpret=None):
     scratch = dict(
         k=mc.pieces(count, (CHUNK, key_dim)),
         v=mc.pieces(count, (CHUNK, value_dim)),
-        gates=plgpu.SMEM((2, CHUNK), F32),
+        gates=plgpu.SMEM((mc.GATES, CHUNK), F32),
         loaded=plgpu.Barrier(num_arrivals=2 * count + 1),
         **factor_scratch(count, key_dim, value_dim),
     )
@@ -115,10 +115,11 @@ def _fetch(hbm, s, chunk, slot, *, head, group, block):
 
 def _state_step(out, s, chunk, slot, state, *, head, block):
     """One chunk of the state pass on tiles already in ``slot``: writes the chunk's outputs
-    (and start state, where ``out["starts"]`` is there) and returns the state after it."""
+    (and start state, where ``out["starts"]`` is there) and returns the state after it.
+    Each register tile is stored as soon as it is made, so that few are live at once: the
+    state and one or two products (ptxas's registers, ``benchmarks/mosaic_sm90.py``)."""
     q, k, w, u = (s[name].at(slot) for name in ("q", "k", "w", "u"))
-    decays = mc.chunk_decays(s["gates"].at[slot, 0], s["terms"], s["ones"])
-    key_dim = state.shape[1]
+    decays = mc.chunk_decays(s["gates"].at[slot], s["terms"], s["ones"])
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
     # The state's operand: every wgmma below reads it, and the backward its start state.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -127,20 +128,16 @@ def _state_step(out, s, chunk, slot, state, *, head, block):
     if "starts" in out:
         for src, dst in zip(s["state"].refs, out["starts"], strict=True):
             plgpu.copy_smem_to_gmem(src, dst.at[chunk, head, values])
+    attn, corr = mc.square_pair(s)
+    mc.store(attn, mc.product((CHUNK, CHUNK), (q, k.T)) * decays.within)
+    key_shape = (CHUNK, state.shape[1])
+    # q's and k's tiles are read no more as they came: they hold the decayed ones now.
+    mc.store(k, mc.load(k) * mc.by_row(decays.to_end, key_shape))
+    mc.store(q, mc.load(q) * mc.by_row(decays.from_start, key_shape))
     shape = (CHUNK, VALUE_BLOCK)
-    corrections = mc.load(u) - mc.product(shape, (w, s["state"].T))
-    y_start = mc.product(shape, (q, s["state"].T))
-    scores = mc.product((CHUNK, CHUNK), (q, k.T)) * decays.within
-    attn, corr = Pieces(s["terms"].refs[:1]), Pieces(s["terms"].refs[1:2])
-    if len(q.refs) > 1:  # float32 operands: two pieces each
-        attn, corr = Pieces(s["terms"].refs[:2]), Pieces((s["terms"].refs[2], s["extra"]))
-    mc.store(attn, scores)
-    mc.store(corr, corrections)
-    k_to_end = mc.load(k) * mc.by_row(decays.to_end, (CHUNK, key_dim))
-    mc.store(k, k_to_end)  # k's tile is read no more this chunk
+    mc.store(corr, mc.load(u) - mc.product(shape, (w, s["state"].T)))  # U = u - w S^T
     mc.commit()
-    y = mc.by_row(decays.from_start, shape) * y_start + mc.product(shape, (attn, corr))
-    s["y"][...] = y
+    s["y"][...] = mc.product(shape, (q, s["state"].T), (attn, corr))
     mc.commit()
     tokens = pl.ds(chunk * CHUNK, CHUNK)
     plgpu.copy_smem_to_gmem(s["y"], out["y"].at[tokens, head, values])
@@ -181,7 +178,7 @@ def states(table, q, k, w, u, gates, h0, *, keep_starts: bool, interpret=None):
         k=mc.pieces(count, tile),
         w=mc.pieces(count, tile),
         u=mc.pieces(count, (slots, CHUNK, VALUE_BLOCK)),
-        gates=plgpu.SMEM((slots, 2, CHUNK), F32),
+        gates=plgpu.SMEM((slots, mc.GATES, CHUNK), F32),
         terms=mc.pieces(mc.SEGMENT_PIECES, square),
         ones=mc.pieces(1, square),
         extra=mc.smem(square),
