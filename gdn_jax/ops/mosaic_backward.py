@@ -30,7 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gdn_jax.ops import mosaic_chunk as mc
 from gdn_jax.ops.mosaic_chunk import CHUNK, F32, Pieces
-from gdn_jax.ops.mosaic_forward import VALUE_BLOCK, factor_scratch
+from gdn_jax.ops.mosaic_forward import VALUE_BLOCK, factor_scratch, with_strict_mask
 
 
 def _fetch_reverse(hbm, s, chunk, slot, *, head, group, block):
@@ -50,24 +50,24 @@ def _fetch_reverse(hbm, s, chunk, slot, *, head, group, block):
 
 def _reverse_step(out, s, chunk, slot, d_state, *, head, block):
     """One chunk, last to first: writes the cotangent of its end state and returns that of
-    its start state."""
+    its start state. The decays scale ``[C, 64]`` tiles, not ``[C, K]`` ones (registers)."""
     q, k, w, d_y = (s[name].at(slot) for name in ("q", "k", "w", "d_y"))
-    decays = mc.chunk_decays(s["gates"].at[slot], s["terms"], s["ones"])
+    decays = mc.chunk_decays(s["gates"].at[slot], s)
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     mc.store(s["state"], d_state)
     mc.commit()
     for src, dst in zip(s["state"].refs, out["d_ends"], strict=True):
         plgpu.copy_smem_to_gmem(src, dst.at[chunk, head, values])
-    attn, negated = mc.square_pair(s)
+    attn, negated = mc.squares(s, 2)
     mc.store(attn, mc.product((CHUNK, CHUNK), (q, k.T)) * decays.within)
-    key_shape = (CHUNK, d_state.shape[1])
-    # q's and k's tiles are read no more as they came: they hold the decayed ones now.
-    mc.store(k, mc.load(k) * mc.by_row(decays.to_end, key_shape))
-    mc.store(q, mc.load(q) * mc.by_row(decays.from_start, key_shape))
     mc.commit()
-    d_u = mc.product((CHUNK, VALUE_BLOCK), (attn.T, d_y), (k, s["state"].T))
+    shape = (CHUNK, VALUE_BLOCK)
+    d_u = mc.by_row(decays.to_end, shape) * mc.product(shape, (k, s["state"].T))
+    d_u = d_u + mc.product(shape, (attn.T, d_y))
     mc.store(negated, -d_u)
+    # dY's tile is read no more as it came: it holds dY diag(exp(g)) now.
+    mc.store(d_y, mc.load(d_y) * mc.by_row(decays.from_start, shape))
     mc.commit()
     faded = mc.by_row(decays.whole, d_state.shape) * d_state
     return faded + mc.product(d_state.shape, (d_y.T, q), (negated.T, w))
@@ -82,6 +82,7 @@ def _reverse_kernel(table, *refs, group: int, slots: int, **s):
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
     fetch = functools.partial(_fetch_reverse, hbm, s, head=head, group=group, block=block)
     step = functools.partial(_reverse_step, out, s, head=head, block=block)
+    mc.write_masks(s)
     d_final = out["d_finals"].at[seq, head, values]
     d_final = plgpu.load(d_final, layout=mc.WGMMA, optimized=False)
     first, count = table[seq, 0], table[seq, 1]
@@ -111,7 +112,8 @@ def reverse(table, q, k, w, d_y, gates, d_finals, *, interpret=None):
         gates=plgpu.SMEM((slots, mc.GATES, CHUNK), F32),
         terms=mc.pieces(mc.SEGMENT_PIECES, square),
         ones=mc.pieces(1, square),
-        extra=mc.smem(square),
+        strict=mc.pieces(1, square),
+        extra=mc.extra_squares(count, 2),
         state=mc.pieces(count, (VALUE_BLOCK, key_dim)),
         loaded=plgpu.Barrier(num_arrivals=4 * count + 1, num_barriers=slots),
     )
@@ -147,6 +149,7 @@ def _load_grads_tiles(hbm, s, *, head, group, block, value_block):
     tiles = (*(ref for name in names for ref in s[name].refs), s["gates"])
     for src, dst in zip(sources, tiles, strict=True):
         plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
+    mc.write_masks(s)
     plgpu.barrier_wait(s["loaded"])
 
 
@@ -245,6 +248,7 @@ def _grads_kernel(*refs, group: int, count: int, **s):
     hbm = dict(zip(names, refs, strict=True))
     # Free once the factors are made: their scratch holds the square cotangents.
     s = dict(s, sq_gram=s["off"], sq_within=s["half"], sq_attn=Pieces(s["terms"].refs[-count:]))
+    s = with_strict_mask(s)
     out = {name: hbm.pop(name) for name in names[7:]}
     chunk, head, block = (jax.lax.axis_index(axis) for axis in ("chunk", "head", "block"))
     value_block = s["d_y"].refs[0].shape[-1]

@@ -153,24 +153,32 @@ class Decays(NamedTuple):
     whole: jax.Array
 
 
-def chunk_decays(gates, terms: Pieces, ones: Pieces) -> Decays:
+def write_masks(s: dict) -> None:
+    """The constant ``[C, C]`` tiles that ``chunk_decays`` reads, once a program: ``ones``
+    (``t >= i``) and ``strict`` (``t > i``). Masks read from shared memory, unlike ones
+    made in registers, are not hoisted out of a chunk loop to hold registers through it."""
+    rows, cols = iotas((CHUNK, CHUNK))
+    s["ones"].refs[0][...] = jnp.where(rows >= cols, 1.0, 0.0).astype(BF16)
+    s["strict"].refs[0][...] = jnp.where(rows > cols, 1.0, 0.0).astype(BF16)
+    commit()
+
+
+def chunk_decays(gates, s: dict) -> Decays:
     """The decays of one chunk from its ``gates [GATES, C]`` (float32, shared memory).
 
-    ``seg[t, i] = sum(log_alpha[i+1 : t+1])`` is the product of a lower-triangular matrix of
-    ones with ``terms[r, i] = log_alpha[r] (r > i)``, in ``SEGMENT_PIECES`` pieces (exact).
-    The decays from the start and to the end and over the chunk, sums of one row of gates
-    each, come with the gates (``gate_rows``). ``terms`` and ``ones`` are scratch ``[C, C]``
-    bf16 tiles; ``ones`` keeps the ones.
+    ``seg[t, i] = sum(log_alpha[i+1 : t+1])`` is the product of the lower-triangular ones
+    with ``terms[r, i] = log_alpha[r] (r > i)``, in ``SEGMENT_PIECES`` pieces (exact). The
+    decays from the start and to the end and over the chunk, sums of one row of gates each,
+    come with the gates (``gate_rows``). ``s``: the masks of ``write_masks`` and the scratch
+    ``terms`` (``SEGMENT_PIECES`` ``[C, C]`` bf16 tiles).
     """
     shape = (CHUNK, CHUNK)
-    rows, cols = iotas(shape)
     gates_down = by_row(plgpu.load(gates.at[0], layout=ROWS), shape)  # [t, i] = la[t]
-    store(terms, jnp.where(rows > cols, gates_down, 0.0))
-    ones.refs[0][...] = jnp.where(rows >= cols, 1.0, 0.0).astype(BF16)
+    store(s["terms"], gates_down * load(s["strict"]))
     commit()
-    seg = product(shape, (ones, terms))
-    # seg is 0 above the diagonal (no term there), so exp never meets an inf.
-    within = jnp.where(rows >= cols, jnp.exp(seg), 0.0)
+    seg = product(shape, (s["ones"], s["terms"]))
+    # seg is 0 above the diagonal (no term there), so exp meets no inf before the mask.
+    within = jnp.exp(seg) * load(s["ones"])
     vectors = (plgpu.load(gates.at[row], layout=ROWS) for row in (2, 3, 4))
     return Decays(within, *vectors)
 
@@ -234,9 +242,9 @@ def chunk_factors(s: dict, k: Pieces, load_v, gates) -> Factors:
     ``w = T diag(beta exp(g)) K``, ``u = T diag(beta) V`` (``wy.delta_factors``) of one
     chunk whose tiles ``k [C, K]`` and ``gates [GATES, C]`` are in shared memory; ``load_v()``
     reads ``v [C, V]`` into registers (float32) once the inverse is made. Scratch in ``s``:
-    ``terms``, ``ones``, ``off``, ``inverse``, ``half`` ``[C, C]``, ``erase [C, K]``,
-    ``write [C, V]``."""
-    decays = chunk_decays(gates, s["terms"], s["ones"])
+    the masks (``write_masks``), ``terms``, ``off``, ``inverse``, ``half`` ``[C, C]``,
+    ``erase [C, K]``, ``write [C, V]``."""
+    decays = chunk_decays(gates, s)
     beta = plgpu.load(gates.at[1], layout=ROWS)
     shape = (CHUNK, CHUNK)
     rows, cols = iotas(shape)
@@ -288,14 +296,17 @@ def stream_chunks(first, count, fetch, step, init, *, loaded, slots: int, revers
     return jax.lax.fori_loop(0, count, body, init)
 
 
-def square_pair(s: dict) -> tuple[Pieces, Pieces]:
-    """Two ``[C, C]`` operands of the state passes, of as many pieces as ``s["q"]``, in the
-    scratch of ``chunk_decays`` (``terms``, and ``extra`` for two pieces), free once the
-    decays are made."""
-    terms = s["terms"].refs
-    if len(s["q"].refs) == 1:
-        return Pieces(terms[:1]), Pieces(terms[1:2])
-    return Pieces(terms[:2]), Pieces((terms[2], s["extra"]))
+def squares(s: dict, number: int) -> list[Pieces]:
+    """``number`` ``[C, C]`` operands of as many pieces as ``s["q"]``, carved from the
+    scratch of ``chunk_decays`` (``terms``, then ``extra``), free once the decays are made."""
+    count = len(s["q"].refs)
+    refs = (*s["terms"].refs, *s["extra"].refs)
+    return [Pieces(refs[i * count : (i + 1) * count]) for i in range(number)]
+
+
+def extra_squares(count: int, number: int) -> Pieces:
+    """The ``extra`` scratch that ``squares(s, number)`` needs beside ``terms``."""
+    return pieces(max(0, number * count - SEGMENT_PIECES), (CHUNK, CHUNK))
 
 
 def pieces(count: int, shape) -> Pieces:

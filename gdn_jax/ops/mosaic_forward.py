@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gdn_jax.ops import mosaic_chunk as mc
-from gdn_jax.ops.mosaic_chunk import CHUNK, F32
+from gdn_jax.ops.mosaic_chunk import CHUNK, F32, Pieces
 
 # The value channels of one program of the state pass: a wgmma's 64 rows of the state.
 VALUE_BLOCK = 64
@@ -34,6 +34,7 @@ VALUE_BLOCK = 64
 
 def _factors_kernel(k_hbm, v_hbm, gates_hbm, w_hbm, u_hbm, *, group: int, **s):
     """One chunk of one value head: its ``w [C, K]`` and ``u [C, V]``."""
+    s = with_strict_mask(s)
     chunk, head = jax.lax.axis_index("chunk"), jax.lax.axis_index("head")
     tokens = pl.ds(chunk * CHUNK, CHUNK)
     sources = (
@@ -43,6 +44,7 @@ def _factors_kernel(k_hbm, v_hbm, gates_hbm, w_hbm, u_hbm, *, group: int, **s):
     )
     for src, dst in zip(sources, (*s["k"].refs, *s["v"].refs, s["gates"]), strict=True):
         plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
+    mc.write_masks(s)
     plgpu.barrier_wait(s["loaded"])
     factors = mc.chunk_factors(s, s["k"], lambda: mc.load(s["v"]), s["gates"])
     mc.store(s["erase"], factors.w)
@@ -55,8 +57,15 @@ def _factors_kernel(k_hbm, v_hbm, gates_hbm, w_hbm, u_hbm, *, group: int, **s):
     plgpu.wait_smem_to_gmem(0)
 
 
+def with_strict_mask(s: dict) -> dict:
+    """``s`` with the strict mask in the inverse's scratch ``off``: a program over one chunk
+    reads the mask (``chunk_decays``) before the inverse needs ``off``."""
+    return dict(s, strict=Pieces(s["off"].refs[:1]))
+
+
 def factor_scratch(count: int, key_dim: int, value_dim: int) -> dict:
-    """The scratch of ``mosaic_chunk.chunk_factors`` for operands of ``count`` pieces."""
+    """The scratch of ``mosaic_chunk.chunk_factors`` for operands of ``count`` pieces (the
+    strict mask too, ``with_strict_mask``)."""
     square = (CHUNK, CHUNK)
     return dict(
         terms=mc.pieces(mc.SEGMENT_PIECES, square),
@@ -116,10 +125,11 @@ def _fetch(hbm, s, chunk, slot, *, head, group, block):
 def _state_step(out, s, chunk, slot, state, *, head, block):
     """One chunk of the state pass on tiles already in ``slot``: writes the chunk's outputs
     (and start state, where ``out["starts"]`` is there) and returns the state after it.
-    Each register tile is stored as soon as it is made, so that few are live at once: the
-    state and one or two products (ptxas's registers, ``benchmarks/mosaic_sm90.py``)."""
+    Each register tile is stored as soon as it is made and the decays scale ``[C, 64]``
+    tiles, not ``[C, K]`` ones, so that few registers are live at once besides the state
+    (ptxas's figures, ``benchmarks/mosaic_sm90.py``)."""
     q, k, w, u = (s[name].at(slot) for name in ("q", "k", "w", "u"))
-    decays = mc.chunk_decays(s["gates"].at[slot], s["terms"], s["ones"])
+    decays = mc.chunk_decays(s["gates"].at[slot], s)
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
     # The state's operand: every wgmma below reads it, and the backward its start state.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -128,21 +138,20 @@ def _state_step(out, s, chunk, slot, state, *, head, block):
     if "starts" in out:
         for src, dst in zip(s["state"].refs, out["starts"], strict=True):
             plgpu.copy_smem_to_gmem(src, dst.at[chunk, head, values])
-    attn, corr = mc.square_pair(s)
+    attn, corr, corr_to_end = mc.squares(s, 3)
     mc.store(attn, mc.product((CHUNK, CHUNK), (q, k.T)) * decays.within)
-    key_shape = (CHUNK, state.shape[1])
-    # q's and k's tiles are read no more as they came: they hold the decayed ones now.
-    mc.store(k, mc.load(k) * mc.by_row(decays.to_end, key_shape))
-    mc.store(q, mc.load(q) * mc.by_row(decays.from_start, key_shape))
     shape = (CHUNK, VALUE_BLOCK)
-    mc.store(corr, mc.load(u) - mc.product(shape, (w, s["state"].T)))  # U = u - w S^T
+    corrections = mc.load(u) - mc.product(shape, (w, s["state"].T))  # U = u - w S^T
+    mc.store(corr, corrections)
+    mc.store(corr_to_end, corrections * mc.by_row(decays.to_end, shape))
     mc.commit()
-    s["y"][...] = mc.product(shape, (q, s["state"].T), (attn, corr))
+    y = mc.by_row(decays.from_start, shape) * mc.product(shape, (q, s["state"].T))
+    s["y"][...] = y + mc.product(shape, (attn, corr))
     mc.commit()
     tokens = pl.ds(chunk * CHUNK, CHUNK)
     plgpu.copy_smem_to_gmem(s["y"], out["y"].at[tokens, head, values])
     faded = mc.by_row(decays.whole, state.shape) * state
-    return faded + mc.product(state.shape, (corr.T, k))
+    return faded + mc.product(state.shape, (corr_to_end.T, k))
 
 
 def _states_kernel(table, *refs, group: int, slots: int, **s):
@@ -155,6 +164,7 @@ def _states_kernel(table, *refs, group: int, slots: int, **s):
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
     fetch = functools.partial(_fetch, hbm, s, head=head, group=group, block=block)
     step = functools.partial(_state_step, out, s, head=head, block=block)
+    mc.write_masks(s)
     initial = plgpu.load(h0.at[seq, head, values], layout=mc.WGMMA, optimized=False)
     final = mc.stream_chunks(
         table[seq, 0], table[seq, 1], fetch, step, initial, loaded=s["loaded"], slots=slots
@@ -181,7 +191,8 @@ def states(table, q, k, w, u, gates, h0, *, keep_starts: bool, interpret=None):
         gates=plgpu.SMEM((slots, mc.GATES, CHUNK), F32),
         terms=mc.pieces(mc.SEGMENT_PIECES, square),
         ones=mc.pieces(1, square),
-        extra=mc.smem(square),
+        strict=mc.pieces(1, square),
+        extra=mc.extra_squares(count, 3),
         state=mc.pieces(count, (VALUE_BLOCK, key_dim)),
         y=mc.smem((CHUNK, VALUE_BLOCK), F32),
         loaded=plgpu.Barrier(num_arrivals=4 * count + 1, num_barriers=slots),
