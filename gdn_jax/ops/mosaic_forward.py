@@ -134,6 +134,8 @@ def _state_step(out, s, chunk, slot, state, *, head, block):
     # The state's operand: every wgmma below reads it, and the backward its start state.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     mc.store(s["state"], state)
+    if "carry" in s:  # the float32 state waits in shared memory, not in registers
+        s["carry"][...] = state
     mc.commit()
     if "starts" in out:
         for src, dst in zip(s["state"].refs, out["starts"], strict=True):
@@ -150,8 +152,9 @@ def _state_step(out, s, chunk, slot, state, *, head, block):
     mc.commit()
     tokens = pl.ds(chunk * CHUNK, CHUNK)
     plgpu.copy_smem_to_gmem(s["y"], out["y"].at[tokens, head, values])
-    faded = mc.by_row(decays.whole, state.shape) * state
-    return faded + mc.product(state.shape, (corr_to_end.T, k))
+    written = mc.product(state.shape, (corr_to_end.T, k))
+    state = s["carry"][...] if "carry" in s else state
+    return mc.by_row(decays.whole, state.shape) * state + written
 
 
 def _states_kernel(table, *refs, group: int, slots: int, **s):
@@ -197,6 +200,8 @@ def states(table, q, k, w, u, gates, h0, *, keep_starts: bool, interpret=None):
         y=mc.smem((CHUNK, VALUE_BLOCK), F32),
         loaded=plgpu.Barrier(num_arrivals=4 * count + 1, num_barriers=slots),
     )
+    if count == 1:  # room for the state in shared memory through a chunk's products
+        scratch["carry"] = mc.smem((VALUE_BLOCK, key_dim), F32)
     out_type = [
         jax.ShapeDtypeStruct((tokens, v_heads, value_dim), F32),
         jax.ShapeDtypeStruct(h0.shape, F32),
