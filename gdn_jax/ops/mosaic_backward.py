@@ -30,7 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gdn_jax.ops import mosaic_chunk as mc
 from gdn_jax.ops.mosaic_chunk import CHUNK, F32, Pieces
-from gdn_jax.ops.mosaic_forward import VALUE_BLOCK, factor_scratch, with_strict_mask
+from gdn_jax.ops.mosaic_forward import VALUE_BLOCK, factor_scratch
 
 
 def _fetch_reverse(hbm, s, chunk, slot, *, head, group, block):
@@ -153,91 +153,100 @@ def _load_grads_tiles(hbm, s, *, head, group, block, value_block):
     plgpu.barrier_wait(s["loaded"])
 
 
-def _value_grads(s, out, factors, index, load_v):
-    """``U``, ``dU`` and ``dVb = T^T dU``: writes dv, leaves ``U`` in ``write`` and ``dVb``
-    in ``du``, and returns the share of d beta from the writes, ``rowsum(dVb * V)``."""
-    shape = factors.u.shape
-    decays = factors.decays
-    mc.store(s["erase"], factors.w)
+def _corrections(s, decays, beta, load_v) -> None:
+    """``U = T (diag(beta) V - diag(beta exp(g)) K S^T)``, the corrections the chunk wrote
+    from its start state ``S`` (``u - w S^T`` without forming ``w`` and ``u``), into
+    ``write``."""
+    mc.scaled_inputs(s, decays, beta, s["k"], load_v())
+    shape = s["write"].refs[0].shape
+    mc.store(s["write"], mc.load(s["write"]) - mc.product(shape, (s["erase"], s["start"].T)))
     mc.commit()
-    mc.store(s["write"], factors.u - mc.product(shape, (s["erase"], s["start"].T)))
+    mc.store(s["write"], mc.product(shape, (s["inverse"], s["write"])))
+    mc.commit()
+
+
+def _value_grads(s, out, decays, beta, index, load_v):
+    """``dU`` and ``dVb = T^T dU``: writes dv, leaves ``dVb`` in ``du`` and returns the share
+    of d beta from the writes, ``rowsum(dVb * V)``."""
+    shape = s["write"].refs[0].shape
     attn = Pieces(s["terms"].refs[: len(s["q"].refs)])
-    scores = mc.product((CHUNK, CHUNK), (s["q"], s["k"].T))
-    mc.store(attn, scores * decays.within)
-    k = mc.load(s["k"])
-    mc.store(s["erase"], k * mc.by_row(decays.to_end, k.shape))  # w is read no more
+    mc.store(attn, mc.product((CHUNK, CHUNK), (s["q"], s["k"].T)) * decays.within)
     mc.commit()
-    d_u = mc.product(shape, (attn.T, s["d_y"]), (s["erase"], s["d_end"].T))
-    mc.store(s["du"], d_u)
+    d_u = mc.by_row(decays.to_end, shape) * mc.product(shape, (s["k"], s["d_end"].T))
+    mc.store(s["du"], d_u + mc.product(shape, (attn.T, s["d_y"])))
     mc.commit()
     d_write = mc.product(shape, (s["inverse"].T, s["du"]))
     tokens, head, values = index
-    out["d_v"].at[tokens, head, values][...] = d_write * mc.by_row(factors.beta, shape)
+    out["d_v"].at[tokens, head, values][...] = d_write * mc.by_row(beta, shape)
     d_beta = jnp.sum(d_write * load_v(), axis=1)
     mc.store(s["du"], d_write)
     mc.commit()
     return d_beta
 
 
-def _square_grads(s, factors):
+def _square_grads(s, gates):
     """The ``[C, C]`` cotangents: of ``Q K^T * Gamma`` (into ``sq_attn``), of ``k k^T``
-    (into ``sq_gram``) and of the decays within the chunk times them (into ``sq_within``);
-    returns the share of d beta from the system, ``rowsum(dA * Gamma * K K^T)``."""
+    (into ``sq_gram``) and of the decays within the chunk times them (into ``sq_within``).
+    Returns the chunk's decays, made again here rather than kept in registers since stage
+    1, and the share of d beta from the system, ``rowsum(dA * Gamma * K K^T)``."""
     shape = (CHUNK, CHUNK)
     rows, cols = mc.iotas(shape)
-    within, beta = factors.decays.within, mc.by_row(factors.beta, shape)
-    d_y_u = mc.product(shape, (s["d_y"], s["write"].T))  # dY U^T
+    decays = mc.chunk_decays(gates, s)
+    beta = mc.by_row(plgpu.load(gates.at[1], layout=mc.ROWS), shape)
     d_strict = jnp.where(rows > cols, -mc.product(shape, (s["du"], s["write"].T)), 0.0)
+    d_strict = d_strict * decays.within  # dVb U^T, below the diagonal, times the decays
     gram = mc.product(shape, (s["k"], s["k"].T))
-    qk = mc.product(shape, (s["q"], s["k"].T))
-    mc.store(s["sq_gram"], d_strict * within * beta)
-    mc.store(s["sq_attn"], d_y_u * within)
-    mc.store(s["sq_within"], (d_y_u * qk + d_strict * beta * gram) * within)
+    d_beta = jnp.sum(d_strict * gram, axis=1)
+    mc.store(s["sq_gram"], d_strict * beta)
+    d_within = d_strict * beta * gram
+    d_attn = mc.product(shape, (s["d_y"], s["write"].T)) * decays.within  # dY U^T
+    mc.store(s["sq_attn"], d_attn)
+    d_within = d_within + d_attn * mc.product(shape, (s["q"], s["k"].T))
+    mc.store(s["sq_within"], d_within)
     mc.commit()
-    return jnp.sum(d_strict * within * gram, axis=1)
+    return decays, d_beta
 
 
-def _key_grads(s, out, factors, index):
+def _key_grads(s, out, decays, beta, index):
     """dq and dk (this program's shares); returns the rows' ``(d from_start, d to_end,
     d k_proj)`` cotangents: ``rowsum(dY S * Q)``, ``rowsum(U dS' * K)`` and ``rowsum(dw_k
     * K)`` with ``dw_k = -dVb S``."""
-    decays, beta = factors.decays, factors.beta
     tokens, head, _ = index
-    key_shape = s["erase"].refs[0].shape
+    key_shape = s["q"].refs[0].shape
     d_y_start = mc.product(key_shape, (s["d_y"], s["start"]))
     d_from_start = jnp.sum(d_y_start * mc.load(s["q"]), axis=1)
     d_q = d_y_start * mc.by_row(decays.from_start, key_shape)
-    d_q = d_q + mc.product(key_shape, (s["sq_attn"], s["k"]))
-    out["d_q"].at[tokens, head][...] = d_q
-    k = mc.load(s["k"])
-    d_erase = -mc.product(key_shape, (s["du"], s["start"]))
-    d_k_proj = jnp.sum(d_erase * k, axis=1)
-    d_k = d_erase * mc.by_row(beta * decays.from_start, key_shape)
-    d_k_to_end = mc.product(key_shape, (s["write"], s["d_end"]))  # U dS'
-    d_to_end = jnp.sum(d_k_to_end * k, axis=1)
-    d_k = d_k + d_k_to_end * mc.by_row(decays.to_end, key_shape)
+    out["d_q"].at[tokens, head][...] = d_q + mc.product(key_shape, (s["sq_attn"], s["k"]))
     gram = s["sq_gram"]
-    d_k = d_k + mc.product(key_shape, (s["sq_attn"].T, s["q"]), (gram, s["k"]), (gram.T, s["k"]))
-    out["d_k"].at[tokens, head][...] = d_k
+    d_k = mc.product(key_shape, (s["sq_attn"].T, s["q"]), (gram, s["k"]), (gram.T, s["k"]))
+    d_erase = -mc.product(key_shape, (s["du"], s["start"]))
+    d_k_proj = jnp.sum(d_erase * mc.load(s["k"]), axis=1)
+    d_k = d_k + d_erase * mc.by_row(beta * decays.from_start, key_shape)
+    d_k_to_end = mc.product(key_shape, (s["write"], s["d_end"]))  # U dS'
+    d_to_end = jnp.sum(d_k_to_end * mc.load(s["k"]), axis=1)
+    out["d_k"].at[tokens, head][...] = d_k + d_k_to_end * mc.by_row(decays.to_end, key_shape)
     return d_from_start, d_to_end, d_k_proj
 
 
-def _gate_grads(s, factors, d_from_start, d_to_end):
+def _gate_grads(s, decays, d_from_start, d_to_end):
     """``decays.chunk_decays_bwd`` for the chunk's ``log_alpha`` (COLS): each gate's terms
     summed over the segments that hold it. ``sq_within`` holds the cotangent of the decays
-    within the chunk times them; ``ones`` the lower-triangular ones of ``chunk_decays``."""
+    within the chunk times them; ``ones`` the lower-triangular ones."""
     shape = (CHUNK, CHUNK)
     rows, cols = mc.iotas(shape)
-    decays = factors.decays
     # [t, s]: the sum over i < s of row t, as (i <= s) less the diagonal term.
     rows_before = mc.product(shape, (s["sq_within"], s["ones"].T)) - mc.load(s["sq_within"])
     held = rows_before + mc.by_row(d_from_start * decays.from_start, shape)
     d_log_alpha = jnp.sum(jnp.where(rows >= cols, held, 0.0), axis=0)
     to_end = mc.by_row(d_to_end * decays.to_end, shape)
     d_log_alpha = d_log_alpha + jnp.sum(jnp.where(rows < cols, to_end, 0.0), axis=0)
-    state_shape = s["start"].refs[0].shape
-    d_whole = jnp.sum(mc.load(s["d_end"]) * mc.load(s["start"]), axis=1)
-    d_whole = jnp.sum(mc.by_row(d_whole, (state_shape[0], CHUNK)), axis=0)
+    # The whole chunk's decay: sum(dS' * S), 64 rows of the state at a time.
+    d_whole = None
+    for first in range(0, s["start"].refs[0].shape[0], CHUNK):
+        rows_of = pl.ds(first, CHUNK)
+        product = mc.load(s["d_end"].at(rows_of)) * mc.load(s["start"].at(rows_of))
+        part = jnp.sum(mc.by_row(jnp.sum(product, axis=1), shape), axis=0)
+        d_whole = part if d_whole is None else d_whole + part
     return d_log_alpha + d_whole * plgpu.load(s["gates"].at[4], layout=mc.COLS)
 
 
@@ -246,9 +255,8 @@ def _grads_kernel(*refs, group: int, count: int, **s):
     q, k and the gates)."""
     names = ("q", "k", "v", "d_y", "gates", "starts", "d_ends", "d_q", "d_k", "d_v", "d_gates")
     hbm = dict(zip(names, refs, strict=True))
-    # Free once the factors are made: their scratch holds the square cotangents.
-    s = dict(s, sq_gram=s["off"], sq_within=s["half"], sq_attn=Pieces(s["terms"].refs[-count:]))
-    s = with_strict_mask(s)
+    # Free once the inverse is made or read: its scratch holds the square cotangents.
+    s = dict(s, sq_gram=s["off"], sq_within=s["half"], sq_attn=s["inverse"])
     out = {name: hbm.pop(name) for name in names[7:]}
     chunk, head, block = (jax.lax.axis_index(axis) for axis in ("chunk", "head", "block"))
     value_block = s["d_y"].refs[0].shape[-1]
@@ -257,15 +265,14 @@ def _grads_kernel(*refs, group: int, count: int, **s):
     index = (tokens, head, pl.ds(block * value_block, value_block))
     # v is read twice, straight from HBM: a tile of it in shared memory would not fit.
     load_v = functools.partial(mc.load_global, [ref.at[index] for ref in hbm["v"]])
-    factors = mc.chunk_factors(s, s["k"], load_v, s["gates"])
-    d_beta = _value_grads(s, out, factors, index, load_v)
-    d_beta = d_beta + _square_grads(s, factors)
+    decays, beta = mc.chunk_system(s, s["k"], s["gates"])
+    _corrections(s, decays, beta, load_v)
+    d_beta = _value_grads(s, out, decays, beta, index, load_v)
+    decays, d_beta_system = _square_grads(s, s["gates"])
     shares = dict(d_q=out["d_q"].at[block], d_k=out["d_k"].at[block])
-    d_from_start, d_to_end, d_k_proj = _key_grads(s, shares, factors, index)
-    beta = factors.beta
-    d_from_start = d_from_start + beta * d_k_proj
-    d_log_alpha = _gate_grads(s, factors, d_from_start, d_to_end)
-    d_beta = d_beta + factors.decays.from_start * d_k_proj
+    d_from_start, d_to_end, d_k_proj = _key_grads(s, shares, decays, beta, index)
+    d_log_alpha = _gate_grads(s, decays, d_from_start + beta * d_k_proj, d_to_end)
+    d_beta = d_beta + d_beta_system + decays.from_start * d_k_proj
     out["d_gates"].at[block, 0, head, tokens][...] = d_log_alpha
     out["d_gates"].at[block, 1, head, tokens][...] = d_beta
 

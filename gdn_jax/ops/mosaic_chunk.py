@@ -155,11 +155,13 @@ class Decays(NamedTuple):
 
 def write_masks(s: dict) -> None:
     """The constant ``[C, C]`` tiles that ``chunk_decays`` reads, once a program: ``ones``
-    (``t >= i``) and ``strict`` (``t > i``). Masks read from shared memory, unlike ones
-    made in registers, are not hoisted out of a chunk loop to hold registers through it."""
+    (``t >= i``) and, where ``s`` has room for it, ``strict`` (``t > i``). A chunk loop
+    reads its masks from shared memory: made in registers they are loop-invariant, and LLVM
+    hoisted them out of the loop, where they held registers through it."""
     rows, cols = iotas((CHUNK, CHUNK))
     s["ones"].refs[0][...] = jnp.where(rows >= cols, 1.0, 0.0).astype(BF16)
-    s["strict"].refs[0][...] = jnp.where(rows > cols, 1.0, 0.0).astype(BF16)
+    if "strict" in s:
+        s["strict"].refs[0][...] = jnp.where(rows > cols, 1.0, 0.0).astype(BF16)
     commit()
 
 
@@ -174,7 +176,12 @@ def chunk_decays(gates, s: dict) -> Decays:
     """
     shape = (CHUNK, CHUNK)
     gates_down = by_row(plgpu.load(gates.at[0], layout=ROWS), shape)  # [t, i] = la[t]
-    store(s["terms"], gates_down * load(s["strict"]))
+    if "strict" in s:
+        strict = load(s["strict"])
+    else:
+        rows, cols = iotas(shape)
+        strict = jnp.where(rows > cols, 1.0, 0.0)
+    store(s["terms"], gates_down * strict)
     commit()
     seg = product(shape, (s["ones"], s["terms"]))
     # seg is 0 above the diagonal (no term there), so exp meets no inf before the mask.
@@ -227,38 +234,42 @@ def unit_lower_inverse(strict, off: Pieces, inverse: Pieces, half: Pieces):
     return d
 
 
-class Factors(NamedTuple):
-    """Stage 1 of one chunk: its decays, ``beta`` (ROWS) and the WY factors ``w [C, K]``,
-    ``u [C, V]`` (WGMMA tiles); the inverse ``T`` is left in the scratch ``inverse``."""
-
-    decays: Decays
-    beta: jax.Array
-    w: jax.Array
-    u: jax.Array
-
-
-def chunk_factors(s: dict, k: Pieces, load_v, gates) -> Factors:
-    """The decays, ``A = tril(diag(beta) (K K^T * Gamma), -1)``, ``T = (I + A)^{-1}`` and
-    ``w = T diag(beta exp(g)) K``, ``u = T diag(beta) V`` (``wy.delta_factors``) of one
-    chunk whose tiles ``k [C, K]`` and ``gates [GATES, C]`` are in shared memory; ``load_v()``
-    reads ``v [C, V]`` into registers (float32) once the inverse is made. Scratch in ``s``:
-    the masks (``write_masks``), ``terms``, ``off``, ``inverse``, ``half`` ``[C, C]``,
-    ``erase [C, K]``, ``write [C, V]``."""
+def chunk_system(s: dict, k: Pieces, gates) -> tuple[Decays, jax.Array]:
+    """The decays and ``beta`` (ROWS) of one chunk whose tiles ``k [C, K]`` and ``gates
+    [GATES, C]`` are in shared memory, and the inverse ``T = (I + A)^{-1}`` of its system
+    ``A = tril(diag(beta) (K K^T * Gamma), -1)`` (``wy.py``), left in ``s["inverse"]``.
+    Scratch in ``s``: the masks (``write_masks``), ``terms``, ``off``, ``inverse``,
+    ``half`` ``[C, C]``."""
     decays = chunk_decays(gates, s)
     beta = plgpu.load(gates.at[1], layout=ROWS)
     shape = (CHUNK, CHUNK)
     rows, cols = iotas(shape)
     gram = product(shape, (k, k.T))
     strict = jnp.where(rows > cols, by_row(beta, shape) * gram * decays.within, 0.0)
-    inverse = unit_lower_inverse(strict, s["off"], s["inverse"], s["half"])
-    k, v = load(k), load_v()
+    store(s["inverse"], unit_lower_inverse(strict, s["off"], s["inverse"], s["half"]))
+    return decays, beta
+
+
+def scaled_inputs(s: dict, decays: Decays, beta, k: Pieces, v) -> None:
+    """``diag(beta exp(g)) K`` into ``s["erase"]`` and ``diag(beta) V`` into ``s["write"]``
+    (the right sides of the WY factors), and commit. ``v``: float32 registers."""
+    k = load(k)
     store(s["erase"], k * by_row(beta * decays.from_start, k.shape))
     store(s["write"], v * by_row(beta, v.shape))
-    store(s["inverse"], inverse)
     commit()
-    w = product(k.shape, (s["inverse"], s["erase"]))
-    u = product(v.shape, (s["inverse"], s["write"]))
-    return Factors(decays, beta, w, u)
+
+
+def chunk_factors(s: dict, k: Pieces, v, gates):
+    """The WY factors ``w = T diag(beta exp(g)) K [C, K]``, ``u = T diag(beta) V [C, V]``
+    (``wy.delta_factors``) of one chunk, written into ``s["erase"]`` and ``s["write"]``
+    (and committed); ``v`` is read into registers once the inverse is made, by ``v()``."""
+    decays, beta = chunk_system(s, k, gates)
+    scaled_inputs(s, decays, beta, k, v())
+    w = product(k.refs[0].shape, (s["inverse"], s["erase"]))
+    u = product(s["write"].refs[0].shape, (s["inverse"], s["write"]))
+    store(s["erase"], w)
+    store(s["write"], u)
+    commit()
 
 
 def stream_chunks(first, count, fetch, step, init, *, loaded, slots: int, reverse=False):

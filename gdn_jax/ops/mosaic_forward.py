@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gdn_jax.ops import mosaic_chunk as mc
-from gdn_jax.ops.mosaic_chunk import CHUNK, F32, Pieces
+from gdn_jax.ops.mosaic_chunk import CHUNK, F32
 
 # The value channels of one program of the state pass: a wgmma's 64 rows of the state.
 VALUE_BLOCK = 64
@@ -34,7 +34,6 @@ VALUE_BLOCK = 64
 
 def _factors_kernel(k_hbm, v_hbm, gates_hbm, w_hbm, u_hbm, *, group: int, **s):
     """One chunk of one value head: its ``w [C, K]`` and ``u [C, V]``."""
-    s = with_strict_mask(s)
     chunk, head = jax.lax.axis_index("chunk"), jax.lax.axis_index("head")
     tokens = pl.ds(chunk * CHUNK, CHUNK)
     sources = (
@@ -46,10 +45,7 @@ def _factors_kernel(k_hbm, v_hbm, gates_hbm, w_hbm, u_hbm, *, group: int, **s):
         plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
     mc.write_masks(s)
     plgpu.barrier_wait(s["loaded"])
-    factors = mc.chunk_factors(s, s["k"], lambda: mc.load(s["v"]), s["gates"])
-    mc.store(s["erase"], factors.w)
-    mc.store(s["write"], factors.u)
-    mc.commit()
+    mc.chunk_factors(s, s["k"], lambda: mc.load(s["v"]), s["gates"])
     for src, dst in zip(s["erase"].refs, w_hbm, strict=True):
         plgpu.copy_smem_to_gmem(src, dst.at[tokens, head])
     for src, dst in zip(s["write"].refs, u_hbm, strict=True):
@@ -57,15 +53,9 @@ def _factors_kernel(k_hbm, v_hbm, gates_hbm, w_hbm, u_hbm, *, group: int, **s):
     plgpu.wait_smem_to_gmem(0)
 
 
-def with_strict_mask(s: dict) -> dict:
-    """``s`` with the strict mask in the inverse's scratch ``off``: a program over one chunk
-    reads the mask (``chunk_decays``) before the inverse needs ``off``."""
-    return dict(s, strict=Pieces(s["off"].refs[:1]))
-
-
 def factor_scratch(count: int, key_dim: int, value_dim: int) -> dict:
     """The scratch of ``mosaic_chunk.chunk_factors`` for operands of ``count`` pieces (the
-    strict mask too, ``with_strict_mask``)."""
+    strict mask is made in registers: one chunk a program, no loop to hoist it out of)."""
     square = (CHUNK, CHUNK)
     return dict(
         terms=mc.pieces(mc.SEGMENT_PIECES, square),
