@@ -153,35 +153,54 @@ def _load_grads_tiles(hbm, s, *, head, group, block, value_block):
     plgpu.barrier_wait(s["loaded"])
 
 
-def _corrections(s, decays, beta, load_v) -> None:
+def _corrections(s, decays, beta, v_hbm) -> None:
     """``U = T (diag(beta) V - diag(beta exp(g)) K S^T)``, the corrections the chunk wrote
     from its start state ``S`` (``u - w S^T`` without forming ``w`` and ``u``), into
-    ``write``."""
-    mc.scaled_inputs(s, decays, beta, s["k"], load_v())
-    shape = s["write"].refs[0].shape
-    mc.store(s["write"], mc.load(s["write"]) - mc.product(shape, (s["erase"], s["start"].T)))
+    ``write``, 64 value channels at a time. ``v_hbm(first)``: 64 channels of v from HBM."""
+    k = mc.load(s["k"])
+    mc.store(s["erase"], k * mc.by_row(beta * decays.from_start, k.shape))
     mc.commit()
-    mc.store(s["write"], mc.product(shape, (s["inverse"], s["write"])))
-    mc.commit()
+    shape = (CHUNK, CHUNK)
+
+    def block(first, carry):
+        values = (slice(None), pl.ds(first, CHUNK))
+        write = s["write"].at(*values)
+        start = s["start"].at(pl.ds(first, CHUNK))
+        written = v_hbm(first) * mc.by_row(beta, shape)
+        mc.store(write, written - mc.product(shape, (s["erase"], start.T)))
+        mc.commit()
+        mc.store(write, mc.product(shape, (s["inverse"], write)))
+        mc.commit()
+        return carry
+
+    mc.over_blocks(s["write"].refs[0].shape[1], block, 0)
 
 
-def _value_grads(s, out, decays, beta, index, load_v):
-    """``dU`` and ``dVb = T^T dU``: writes dv, leaves ``dVb`` in ``du`` and returns the share
-    of d beta from the writes, ``rowsum(dVb * V)``."""
-    shape = s["write"].refs[0].shape
+def _value_grads(s, out, decays, beta, index, v_hbm):
+    """``dU`` and ``dVb = T^T dU``, 64 value channels at a time: writes dv, leaves ``dVb``
+    in ``du`` and returns the share of d beta from the writes, ``rowsum(dVb * V)``."""
+    shape = (CHUNK, CHUNK)
     attn = Pieces(s["terms"].refs[: len(s["q"].refs)])
-    mc.store(attn, mc.product((CHUNK, CHUNK), (s["q"], s["k"].T)) * decays.within)
+    mc.store(attn, mc.product(shape, (s["q"], s["k"].T)) * decays.within)
     mc.commit()
-    d_u = mc.by_row(decays.to_end, shape) * mc.product(shape, (s["k"], s["d_end"].T))
-    mc.store(s["du"], d_u + mc.product(shape, (attn.T, s["d_y"])))
-    mc.commit()
-    d_write = mc.product(shape, (s["inverse"].T, s["du"]))
-    tokens, head, values = index
-    out["d_v"].at[tokens, head, values][...] = d_write * mc.by_row(beta, shape)
-    d_beta = jnp.sum(d_write * load_v(), axis=1)
-    mc.store(s["du"], d_write)
-    mc.commit()
-    return d_beta
+    tokens, head, value_start = index
+
+    def block(first, d_beta):
+        values = (slice(None), pl.ds(first, CHUNK))
+        du, d_y = s["du"].at(*values), s["d_y"].at(*values)
+        d_end = s["d_end"].at(pl.ds(first, CHUNK))
+        d_u = mc.by_row(decays.to_end, shape) * mc.product(shape, (s["k"], d_end.T))
+        mc.store(du, d_u + mc.product(shape, (attn.T, d_y)))
+        mc.commit()
+        d_write = mc.product(shape, (s["inverse"].T, du))
+        d_v = out["d_v"].at[tokens, head, pl.ds(value_start + first, CHUNK)]
+        d_v[...] = d_write * mc.by_row(beta, shape)
+        d_beta = d_beta + jnp.sum(d_write * v_hbm(first), axis=1)
+        mc.store(du, d_write)
+        mc.commit()
+        return d_beta
+
+    return mc.over_blocks(s["du"].refs[0].shape[1], block, beta * 0.0)
 
 
 def _square_grads(s, gates):
@@ -190,42 +209,55 @@ def _square_grads(s, gates):
     Returns the chunk's decays, made again here rather than kept in registers since stage
     1, and the share of d beta from the system, ``rowsum(dA * Gamma * K K^T)``."""
     shape = (CHUNK, CHUNK)
-    rows, cols = mc.iotas(shape)
     decays = mc.chunk_decays(gates, s)
-    beta = mc.by_row(plgpu.load(gates.at[1], layout=mc.ROWS), shape)
+    within = decays.within
+    d_attn = mc.product(shape, (s["d_y"], s["write"].T)) * within  # dY U^T
+    mc.store(s["sq_attn"], d_attn)
+    d_within = d_attn * mc.product(shape, (s["q"], s["k"].T))
+    rows, cols = mc.iotas(shape)
     d_strict = jnp.where(rows > cols, -mc.product(shape, (s["du"], s["write"].T)), 0.0)
-    d_strict = d_strict * decays.within  # dVb U^T, below the diagonal, times the decays
+    d_strict = d_strict * within  # dVb U^T, below the diagonal, times the decays
     gram = mc.product(shape, (s["k"], s["k"].T))
     d_beta = jnp.sum(d_strict * gram, axis=1)
+    beta = mc.by_row(plgpu.load(gates.at[1], layout=mc.ROWS), shape)
     mc.store(s["sq_gram"], d_strict * beta)
-    d_within = d_strict * beta * gram
-    d_attn = mc.product(shape, (s["d_y"], s["write"].T)) * decays.within  # dY U^T
-    mc.store(s["sq_attn"], d_attn)
-    d_within = d_within + d_attn * mc.product(shape, (s["q"], s["k"].T))
-    mc.store(s["sq_within"], d_within)
+    mc.store(s["sq_within"], d_within + d_strict * beta * gram)
     mc.commit()
     return decays, d_beta
 
 
 def _key_grads(s, out, decays, beta, index):
-    """dq and dk (this program's shares); returns the rows' ``(d from_start, d to_end,
-    d k_proj)`` cotangents: ``rowsum(dY S * Q)``, ``rowsum(U dS' * K)`` and ``rowsum(dw_k
-    * K)`` with ``dw_k = -dVb S``."""
+    """dq and dk (this program's shares), 64 key channels at a time (a ``[C, K]`` float32
+    tile is a quarter of a thread's registers at K = 128); returns the rows' ``(d
+    from_start, d to_end, d k_proj)`` cotangents: ``rowsum(dY S * Q)``, ``rowsum(U dS' *
+    K)`` and ``rowsum(dw_k * K)`` with ``dw_k = -dVb S``."""
     tokens, head, _ = index
-    key_shape = s["q"].refs[0].shape
-    d_y_start = mc.product(key_shape, (s["d_y"], s["start"]))
-    d_from_start = jnp.sum(d_y_start * mc.load(s["q"]), axis=1)
-    d_q = d_y_start * mc.by_row(decays.from_start, key_shape)
-    out["d_q"].at[tokens, head][...] = d_q + mc.product(key_shape, (s["sq_attn"], s["k"]))
-    gram = s["sq_gram"]
-    d_k = mc.product(key_shape, (s["sq_attn"].T, s["q"]), (gram, s["k"]), (gram.T, s["k"]))
-    d_erase = -mc.product(key_shape, (s["du"], s["start"]))
-    d_k_proj = jnp.sum(d_erase * mc.load(s["k"]), axis=1)
-    d_k = d_k + d_erase * mc.by_row(beta * decays.from_start, key_shape)
-    d_k_to_end = mc.product(key_shape, (s["write"], s["d_end"]))  # U dS'
-    d_to_end = jnp.sum(d_k_to_end * mc.load(s["k"]), axis=1)
-    out["d_k"].at[tokens, head][...] = d_k + d_k_to_end * mc.by_row(decays.to_end, key_shape)
-    return d_from_start, d_to_end, d_k_proj
+    shape = (CHUNK, CHUNK)
+
+    def half(i, sums):
+        first = pl.multiple_of(i * CHUNK, CHUNK)
+        keys = (slice(None), pl.ds(first, CHUNK))
+        q, k, start, d_end = (s[name].at(*keys) for name in ("q", "k", "start", "d_end"))
+        d_y_start = mc.product(shape, (s["d_y"], start))
+        d_from_start = jnp.sum(d_y_start * mc.load(q), axis=1)
+        d_q = d_y_start * mc.by_row(decays.from_start, shape)
+        out["d_q"].at[tokens, head, keys[1]][...] = d_q + mc.product(shape, (s["sq_attn"], k))
+        gram = s["sq_gram"]
+        d_k = mc.product(shape, (s["sq_attn"].T, q), (gram, k), (gram.T, k))
+        d_erase = -mc.product(shape, (s["du"], start))
+        d_k_proj = jnp.sum(d_erase * mc.load(k), axis=1)
+        d_k = d_k + d_erase * mc.by_row(beta * decays.from_start, shape)
+        d_k_to_end = mc.product(shape, (s["write"], d_end))  # U dS'
+        d_to_end = jnp.sum(d_k_to_end * mc.load(k), axis=1)
+        d_k = d_k + d_k_to_end * mc.by_row(decays.to_end, shape)
+        out["d_k"].at[tokens, head, keys[1]][...] = d_k
+        parts = (d_from_start, d_to_end, d_k_proj)
+        return tuple(t + p for t, p in zip(sums, parts, strict=True))
+
+    zero = decays.from_start * 0.0
+    halves = (jnp.int32(0), jnp.int32(s["q"].refs[0].shape[1] // CHUNK))
+    sums = jax.lax.fori_loop(*halves, half, (zero, zero, zero))
+    return tuple(sums)
 
 
 def _gate_grads(s, decays, d_from_start, d_to_end):
@@ -240,13 +272,15 @@ def _gate_grads(s, decays, d_from_start, d_to_end):
     d_log_alpha = jnp.sum(jnp.where(rows >= cols, held, 0.0), axis=0)
     to_end = mc.by_row(d_to_end * decays.to_end, shape)
     d_log_alpha = d_log_alpha + jnp.sum(jnp.where(rows < cols, to_end, 0.0), axis=0)
+
     # The whole chunk's decay: sum(dS' * S), 64 rows of the state at a time.
-    d_whole = None
-    for first in range(0, s["start"].refs[0].shape[0], CHUNK):
-        rows_of = pl.ds(first, CHUNK)
-        product = mc.load(s["d_end"].at(rows_of)) * mc.load(s["start"].at(rows_of))
-        part = jnp.sum(mc.by_row(jnp.sum(product, axis=1), shape), axis=0)
-        d_whole = part if d_whole is None else d_whole + part
+    def rows_of(i, total):
+        rows = pl.ds(pl.multiple_of(i * CHUNK, CHUNK), CHUNK)
+        product = mc.load(s["d_end"].at(rows)) * mc.load(s["start"].at(rows))
+        return total + jnp.sum(mc.by_row(jnp.sum(product, axis=1), shape), axis=0)
+
+    blocks = (jnp.int32(0), jnp.int32(s["start"].refs[0].shape[0] // CHUNK))
+    d_whole = jax.lax.fori_loop(*blocks, rows_of, d_log_alpha * 0.0)
     return d_log_alpha + d_whole * plgpu.load(s["gates"].at[4], layout=mc.COLS)
 
 
@@ -262,12 +296,15 @@ def _grads_kernel(*refs, group: int, count: int, **s):
     value_block = s["d_y"].refs[0].shape[-1]
     _load_grads_tiles(hbm, s, head=head, group=group, block=block, value_block=value_block)
     tokens = pl.ds(chunk * CHUNK, CHUNK)
-    index = (tokens, head, pl.ds(block * value_block, value_block))
-    # v is read twice, straight from HBM: a tile of it in shared memory would not fit.
-    load_v = functools.partial(mc.load_global, [ref.at[index] for ref in hbm["v"]])
+    index = (tokens, head, block * value_block)
+
+    def v_hbm(first):  # v is read twice, straight from HBM: a tile of it would not fit
+        values = pl.ds(block * value_block + first, CHUNK)
+        return mc.load_global([ref.at[tokens, head, values] for ref in hbm["v"]])
+
     decays, beta = mc.chunk_system(s, s["k"], s["gates"])
-    _corrections(s, decays, beta, load_v)
-    d_beta = _value_grads(s, out, decays, beta, index, load_v)
+    _corrections(s, decays, beta, v_hbm)
+    d_beta = _value_grads(s, out, decays, beta, index, v_hbm)
     decays, d_beta_system = _square_grads(s, s["gates"])
     shares = dict(d_q=out["d_q"].at[block], d_k=out["d_k"].at[block])
     d_from_start, d_to_end, d_k_proj = _key_grads(s, shares, decays, beta, index)

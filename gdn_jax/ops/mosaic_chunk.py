@@ -220,6 +220,7 @@ def unit_lower_inverse(strict, off: Pieces, inverse: Pieces, half: Pieces):
     rows, cols = iotas(shape)
     apart = rows ^ cols  # < s exactly when (t, i) share a diagonal block of size s
     eye = jnp.where(rows == cols, 1.0, 0.0)
+
     d = eye - jnp.where(apart < 2, strict, 0.0)
     size = 2
     while size < shape[0]:
@@ -257,6 +258,17 @@ def scaled_inputs(s: dict, decays: Decays, beta, k: Pieces, v) -> None:
     store(s["erase"], k * by_row(beta * decays.from_start, k.shape))
     store(s["write"], v * by_row(beta, v.shape))
     commit()
+
+
+def over_blocks(size: int, body, init):
+    """``body(first, carry) -> carry`` for ``first`` over ``0, 64, ..., size - 64`` as a
+    loop, not unrolled: ptxas then holds one block's registers at a time (a kernel of
+    straight-line code was scheduled into spills)."""
+
+    def step(i, carry):
+        return body(pl.multiple_of(i * CHUNK, CHUNK), carry)
+
+    return jax.lax.fori_loop(jnp.int32(0), jnp.int32(size // CHUNK), step, init)
 
 
 def chunk_factors(s: dict, k: Pieces, v, gates):
