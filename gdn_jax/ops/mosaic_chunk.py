@@ -221,18 +221,18 @@ def unit_lower_inverse(strict, off: Pieces, inverse: Pieces, half: Pieces):
     apart = rows ^ cols  # < s exactly when (t, i) share a diagonal block of size s
     eye = jnp.where(rows == cols, 1.0, 0.0)
 
-    d = eye - jnp.where(apart < 2, strict, 0.0)
-    size = 2
-    while size < shape[0]:
+    def level(i, d):  # blocks of 2^i into blocks of 2^(i+1); a loop (see over_blocks)
+        size = jax.lax.shift_left(jnp.int32(1), i)
         below = (apart >= size) & (apart < 2 * size)
         store(off, jnp.where(below, strict, 0.0))
         store(inverse, d)
         commit()
         store(half, product(shape, (off, inverse)))
         commit()
-        d = d - product(shape, (inverse, half))
-        size *= 2
-    return d
+        return d - product(shape, (inverse, half))
+
+    d = eye - jnp.where(apart < 2, strict, 0.0)
+    return jax.lax.fori_loop(jnp.int32(1), jnp.int32(shape[0].bit_length() - 1), level, d)
 
 
 def chunk_system(s: dict, k: Pieces, gates) -> tuple[Decays, jax.Array]:
