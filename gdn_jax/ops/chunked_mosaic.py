@@ -71,7 +71,7 @@ def _forward(q, k, v, log_alpha, beta, initial_states, table, *, keep_starts, in
     return y[..., :value_dim], finals[..., :value_dim, :key_dim], residuals
 
 
-def _backward(residuals, table, d_y, d_finals, *, dims, interpret):
+def _backward(residuals, table, d_y, d_finals, *, dims, v_dtype, interpret):
     """Both backward kernels, and the sums of the shares of q's, k's and the gates'
     gradients over value blocks and each key head's value heads."""
     (q, k, v, gates), w, starts = residuals
@@ -83,7 +83,7 @@ def _backward(residuals, table, d_y, d_finals, *, dims, interpret):
         table, q, k, w, d_y, gates, d_finals, interpret=interpret
     )
     d_q, d_k, d_v, d_gates = mosaic_backward.grads(
-        q, k, v, d_y, gates, starts, d_ends, interpret=interpret
+        q, k, v, d_y, gates, starts, d_ends, d_v_dtype=v_dtype, interpret=interpret
     )
     tokens, heads = q[0].shape[:2]
 
@@ -116,7 +116,9 @@ def _core_fwd(q, k, v, log_alpha, beta, initial_states, table, static):
 def _core_bwd(static, saved, cotangents):
     interpret, dtypes, dims = static
     residuals, table = saved
-    grads = _backward(residuals, table, *cotangents, dims=dims, interpret=interpret)
+    grads = _backward(
+        residuals, table, *cotangents, dims=dims, v_dtype=dtypes[2], interpret=interpret
+    )
     d_q, d_k, d_v = (d.astype(dtype) for d, dtype in zip(grads[:3], dtypes, strict=True))
     return (d_q, d_k, d_v, *grads[3:], None)
 

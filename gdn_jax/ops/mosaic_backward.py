@@ -194,7 +194,7 @@ def _value_grads(s, out, decays, beta, index, v_hbm):
         mc.commit()
         d_write = mc.product(shape, (s["inverse"].T, du))
         d_v = out["d_v"].at[tokens, head, pl.ds(value_start + first, CHUNK)]
-        d_v[...] = d_write * mc.by_row(beta, shape)
+        d_v[...] = (d_write * mc.by_row(beta, shape)).astype(d_v.dtype)
         d_beta = d_beta + jnp.sum(d_write * v_hbm(first), axis=1)
         mc.store(du, d_write)
         mc.commit()
@@ -284,7 +284,7 @@ def _gate_grads(s, decays, d_from_start, d_to_end):
     return d_log_alpha + d_whole * plgpu.load(s["gates"].at[4], layout=mc.COLS)
 
 
-def _grads_kernel(*refs, group: int, count: int, **s):
+def _grads_kernel(*refs, group: int, **s):
     """One chunk, value head and value block: every input's gradient (shares of those of
     q, k and the gates)."""
     names = ("q", "k", "v", "d_y", "gates", "starts", "d_ends", "d_q", "d_k", "d_v", "d_gates")
@@ -314,11 +314,12 @@ def _grads_kernel(*refs, group: int, count: int, **s):
     out["d_gates"].at[block, 1, head, tokens][...] = d_beta
 
 
-def grads(q, k, v, d_y, gates, starts, d_ends, *, interpret=None):
+def grads(q, k, v, d_y, gates, starts, d_ends, *, d_v_dtype=F32, interpret=None):
     """Every chunk's gradients from its start state and end-state cotangent (pieces
     ``[chunks, HV, V, K]``): returns ``(d_q, d_k [blocks, tokens, HV, K], d_v [tokens, HV,
-    V], d_gates [blocks, 2, HV, tokens])`` in float32, the shares of each value head and
-    block of value channels (a whole value head of up to 128 with bf16 operands)."""
+    V], d_gates [blocks, 2, HV, tokens])``, the shares of each value head and block of value
+    channels (a whole value head of up to 128 with bf16 operands) in float32; ``d_v``, which
+    no two programs share, in ``d_v_dtype`` (v's own: the op returns it so)."""
     count = len(q)
     tokens, heads, key_dim = q[0].shape
     v_heads, value_dim = v[0].shape[1:]
@@ -340,11 +341,11 @@ def grads(q, k, v, d_y, gates, starts, d_ends, *, interpret=None):
     out_type = (
         key_share,
         key_share,
-        jax.ShapeDtypeStruct((tokens, v_heads, value_dim), F32),
+        jax.ShapeDtypeStruct((tokens, v_heads, value_dim), d_v_dtype),
         jax.ShapeDtypeStruct((blocks, 2, v_heads, tokens), F32),
     )
     call = mc.kernel_call(
-        functools.partial(_grads_kernel, group=v_heads // heads, count=count),
+        functools.partial(_grads_kernel, group=v_heads // heads),
         name="gdn_mosaic_grads",
         out_type=out_type,
         scratch=scratch,

@@ -4,9 +4,9 @@ chunks on one token axis, each sequence starting on a chunk boundary.
 Without ``cu_seqlens`` each batch row is a sequence, its tail chunk padded with inert tokens
 (zero inputs: no decay, no write, as ``varlen.chunk_layout`` pads); with it (``B == 1``) the
 packed sequences are laid out by ``varlen.pack_layout``. Either way the kernels see ``tokens``
-(a multiple of the chunk), a table of each sequence's first chunk and chunk count, and the
-XLA backward the per-chunk resets of ``blocks.scan_blocks``. Laying out and back are a pad
-and a slice, or a scatter and a gather, which autodiff transposes into each other.
+(a multiple of the chunk) and a table of each sequence's first chunk and chunk count, so that
+a program of the state passes walks one sequence. Laying out and back are a pad and a slice,
+or a scatter and a gather, which autodiff transposes into each other.
 """
 
 from __future__ import annotations
@@ -21,14 +21,12 @@ from gdn_jax.ops.varlen import pack_layout
 
 class TokenLayout(NamedTuple):
     """``to_tokens``: ``[B, T, ...] -> [tokens, ...]``; ``from_tokens`` back, zeros where a
-    token belongs to no sequence; ``table [N, 2]`` int32 (first chunk, chunk count);
-    ``resets`` ``(start_seq, end_seq) [chunks]``."""
+    token belongs to no sequence; ``table [N, 2]`` int32 (first chunk, chunk count)."""
 
     tokens: int
     to_tokens: Callable
     from_tokens: Callable
     table: jnp.ndarray
-    resets: tuple
 
 
 def token_layout(batch: int, seq_len: int, chunk: int, cu_seqlens=None) -> TokenLayout:
@@ -40,12 +38,6 @@ def token_layout(batch: int, seq_len: int, chunk: int, cu_seqlens=None) -> Token
     padded = per_row * chunk
     rows = jnp.arange(batch, dtype=jnp.int32)
     table = jnp.stack([rows * per_row, jnp.full_like(rows, per_row)], axis=1)
-    index = jnp.arange(batch * per_row, dtype=jnp.int32)
-    row_of = index // max(per_row, 1)
-    resets = (
-        jnp.where(index % max(per_row, 1) == 0, row_of, -1),
-        jnp.where(index % max(per_row, 1) == per_row - 1, row_of, -1),
-    )
 
     def to_tokens(x):
         x = jnp.pad(x, [(0, 0), (0, padded - seq_len)] + [(0, 0)] * (x.ndim - 2))
@@ -54,7 +46,7 @@ def token_layout(batch: int, seq_len: int, chunk: int, cu_seqlens=None) -> Token
     def from_tokens(y):
         return y.reshape(batch, padded, *y.shape[1:])[:, :seq_len]
 
-    return TokenLayout(batch * padded, to_tokens, from_tokens, table, resets)
+    return TokenLayout(batch * padded, to_tokens, from_tokens, table)
 
 
 def _packed(seq_len: int, chunk: int, cu_seqlens) -> TokenLayout:
@@ -67,5 +59,4 @@ def _packed(seq_len: int, chunk: int, cu_seqlens) -> TokenLayout:
         lambda x: layout.scatter(x[0]),
         lambda y: layout.gather(y)[None],
         table,
-        layout.resets,
     )

@@ -97,12 +97,15 @@ def assert_same(inputs, dtype, cu=None, *, norm=False, err_msg=""):
 MILD = dict(log_alpha_range=(-0.05, 0.0))
 
 
-# (H, HV): one head; grouped value heads (two per key head); several key heads. T = 150 is
-# two chunks of 64 and a tail of 22; K = 16 and V = 72 pad to one and two tiles of 64 (two
-# programs of the state pass a value head).
-@pytest.mark.parametrize("heads", [(1, 1), (1, 2), (2, 4)])
-def test_kernels_equal_chunked_form_over_head_layouts(heads):
-    inputs = random_inputs(0, 150, 16, 72, lead=(2,), heads=heads, **MILD)
+# (H, HV): one head, over two batch rows whose V = 72 pads to two tiles of 64 (two programs
+# of the state passes, and of the grads kernel, a value head); grouped value heads (two per
+# key head); several key heads. T = 150 is two chunks of 64 and a tail of 22; K = 16 pads
+# to one tile.
+@pytest.mark.parametrize(
+    "heads, batch, value_dim", [((1, 1), 2, 72), ((1, 2), 1, 24), ((2, 4), 1, 24)]
+)
+def test_kernels_equal_chunked_form_over_head_layouts(heads, batch, value_dim):
+    inputs = random_inputs(0, 150, 16, value_dim, lead=(batch,), heads=heads, **MILD)
     assert_same(inputs, jnp.float32, err_msg=f"heads={heads}")
 
 
@@ -115,8 +118,9 @@ def test_packed_sequences_with_an_empty_one_and_initial_states():
 def test_bf16_inputs_with_the_norm_inside_the_op():
     """bf16 q, k and v (one bf16 piece an operand, as the field's kernels take them), L2
     norm inside the op: the outputs in bf16, every gradient in its input's dtype, within
-    bf16's tolerance of the XLA form."""
-    q, k, v, la, b = random_inputs(2, 100, 32, 64, lead=(2,), heads=(1, 2), **MILD)
+    bf16's tolerance of the XLA form. K = 80 and V = 72 pad to 128: the grads kernel takes
+    a whole value head and works two blocks of 64 channels of each."""
+    q, k, v, la, b = random_inputs(2, 100, 80, 72, lead=(2,), heads=(1, 2), **MILD)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
     assert_same((q, k, v, la, b), jnp.bfloat16, norm=True)
 
