@@ -6,8 +6,8 @@ shared memory from ptxas and the wgmma instructions in its PTX.
     JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python benchmarks/mosaic_sm90.py [--dtype float32]
 
 Needs jax >= 0.11 with jax-cuda13-plugin/pjrt and nvidia-cuda-nvcc (ptxas) installed; no GPU.
-The shape is the report's, B=4, T=4096, H=HV=16, K=V=128, with q and k normalised inside
-the op (the GPU check's call).
+The shape is the report's, B=4, T=4096, H=HV=16, K=V=128 (``--dims KxV`` for others), with
+q and k normalised inside the op (the GPU check's call).
 """
 
 from __future__ import annotations
@@ -49,9 +49,10 @@ def kernel_figures(dump: Path) -> dict[str, dict]:
     return figures
 
 
-def compile_programs(dtype_name: str, dump: Path) -> dict[str, object]:
-    """Compile the forward and the forward+backward at the report shape for the H200, the
-    Mosaic kernels dumping into ``dump``; return each program's XLA memory analysis."""
+def compile_programs(dtype_name: str, dims: tuple, dump: Path, backward=True) -> dict:
+    """Compile the forward and the forward+backward at the report shape (``dims = (K,
+    V)``) for the H200, the Mosaic kernels dumping into ``dump``; return each program's XLA
+    memory analysis."""
     os.environ.update(
         MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=str(dump)
     )
@@ -68,12 +69,13 @@ def compile_programs(dtype_name: str, dump: Path) -> dict[str, object]:
     )
     sharding = jax.sharding.SingleDeviceSharding(topo.devices[0])
     dtype = jnp.dtype(dtype_name)
-    batch, seq_len, heads, dim = 4, 4096, 16, 128
+    batch, seq_len, heads = 4, 4096, 16
+    key_dim, value_dim = dims
 
     def spec(shape, dt):
         return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
 
-    qkv = [spec((batch, seq_len, heads, dim), dtype) for _ in range(3)]
+    qkv = [spec((batch, seq_len, heads, d), dtype) for d in (key_dim, key_dim, value_dim)]
     gates = [spec((batch, seq_len, heads), jnp.float32) for _ in range(2)]
 
     def forward(q, k, v, log_alpha, beta):
@@ -83,17 +85,16 @@ def compile_programs(dtype_name: str, dump: Path) -> dict[str, object]:
         y, final = chunked_mosaic.gated_delta_rule_mosaic(
             *inputs, None, chunk_size=64, interpret=False
         )
-        return (y * dim**-0.5).astype(v.dtype), final
+        return (y * key_dim**-0.5).astype(v.dtype), final
 
     def loss(*args):
         y, final = forward(*args)
         return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
 
     del gdn_jax
-    programs = {
-        "forward": jax.jit(forward),
-        "forward+backward": jax.jit(jax.grad(loss, (0, 1, 2, 3, 4))),
-    }
+    programs = {"forward": jax.jit(forward)}
+    if backward:
+        programs["forward+backward"] = jax.jit(jax.grad(loss, (0, 1, 2, 3, 4)))
     memory = {}
     for name, program in programs.items():
         compiled = program.trace(*qkv, *gates).lower().compile()
@@ -104,11 +105,14 @@ def compile_programs(dtype_name: str, dump: Path) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--dims", default="128x128", help="KxV (default 128x128)")
+    parser.add_argument("--forward-only", action="store_true")
     args = parser.parse_args()
+    dims = tuple(int(d) for d in args.dims.split("x"))
     with tempfile.TemporaryDirectory() as tmp:
-        memory = compile_programs(args.dtype, Path(tmp))
+        memory = compile_programs(args.dtype, dims, Path(tmp), backward=not args.forward_only)
         figures = kernel_figures(Path(tmp))
-    print(f"H200 (sm_90a), B=4 T=4096 H=HV=16 K=V=128 {args.dtype}")
+    print(f"H200 (sm_90a), B=4 T=4096 H=HV=16 K={dims[0]} V={dims[1]} {args.dtype}")
     for name, f in figures.items():
         print(
             f"  {name}: {f['registers']} registers, {f['spill_bytes']} bytes spilled, "

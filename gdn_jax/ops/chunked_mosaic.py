@@ -77,6 +77,12 @@ def _backward(residuals, table, d_y, d_finals, *, dims, v_dtype, interpret):
     (q, k, v, gates), w, starts = residuals
     key_dim, value_dim = dims
     count = len(q)
+    if count > 1 and q[0].shape[-1] > 64:
+        raise ValueError(
+            f'gated_delta_rule: impl="mosaic" differentiates inputs other than bf16 (two '
+            f"bf16 pieces an operand) for key dims up to 64, got K={key_dim}: a Hopper "
+            f'block\'s shared memory holds no more; use bf16 q, k and v, or impl="chunked"'
+        )
     d_y = mc.operand(_padded(d_y, 2), count)
     d_finals = _padded(_padded(d_finals, 3), 2)
     d_initial, d_ends = mosaic_backward.reverse(
@@ -126,6 +132,26 @@ def _core_bwd(static, saved, cotangents):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
+def check_inputs(key_dim: int, value_dim: int, v_dtype, compute, chunk_size: int) -> None:
+    """A ValueError naming what the kernels cannot take, before any work: chunks other
+    than 64, a compute dtype other than float32, key dims over 128 and value dims over 256
+    (128 unless v is bf16), padded to multiples of 64 (a Hopper block's shared memory
+    and wgmma's widths; ``benchmarks/mosaic_sm90.py`` compiles them for an H200)."""
+    op = 'gated_delta_rule: impl="mosaic"'
+    if chunk_size != CHUNK:
+        raise ValueError(
+            f"{op} runs chunks of {CHUNK} tokens (a wgmma's rows), got chunk_size={chunk_size}"
+        )
+    if compute != F32:
+        raise ValueError(f"{op} computes in float32, got inputs whose compute dtype is {compute}")
+    widest_value = 256 if v_dtype == mc.BF16 else 128
+    if -(-key_dim // 64) * 64 > 128 or -(-value_dim // 64) * 64 > widest_value:
+        raise ValueError(
+            f"{op} takes key dims up to 128 and value dims up to {widest_value} (v of dtype "
+            f'{v_dtype}), got K={key_dim}, V={value_dim}; use impl="chunked"'
+        )
+
+
 def gated_delta_rule_mosaic(
     q, k, v, gates, initial_states, cu_seqlens, *, chunk_size: int, interpret=None
 ):
@@ -136,17 +162,8 @@ def gated_delta_rule_mosaic(
     finals)`` in float32, ``o`` unscaled. ``chunk_size`` must be the kernels' 64 (a wgmma's
     rows); ``interpret`` as ``mosaic_chunk.interpret_params``. Differentiable in reverse
     mode (``jax.custom_vjp``)."""
-    if chunk_size != CHUNK:
-        raise ValueError(
-            f'gated_delta_rule: impl="mosaic" runs chunks of {CHUNK} tokens (a wgmma\'s '
-            f"rows), got chunk_size={chunk_size}"
-        )
+    check_inputs(q.shape[-1], v.shape[-1], v.dtype, initial_states.dtype, chunk_size)
     compute = initial_states.dtype
-    if compute != F32:
-        raise ValueError(
-            f'gated_delta_rule: impl="mosaic" computes in float32, got inputs whose '
-            f"compute dtype is {compute}"
-        )
     batch, seq_len = q.shape[:2]
     if batch * seq_len == 0:  # no tokens: every sequence ends as it started
         return jnp.zeros(v.shape, compute), initial_states

@@ -157,17 +157,13 @@ def _corrections(s, decays, beta, v_hbm) -> None:
     """``U = T (diag(beta) V - diag(beta exp(g)) K S^T)``, the corrections the chunk wrote
     from its start state ``S`` (``u - w S^T`` without forming ``w`` and ``u``), into
     ``write``, 64 value channels at a time. ``v_hbm(first)``: 64 channels of v from HBM."""
-    k = mc.load(s["k"])
-    mc.store(s["erase"], k * mc.by_row(beta * decays.from_start, k.shape))
-    mc.commit()
     shape = (CHUNK, CHUNK)
 
     def block(first, carry):
-        values = (slice(None), pl.ds(first, CHUNK))
-        write = s["write"].at(*values)
-        start = s["start"].at(pl.ds(first, CHUNK))
-        written = v_hbm(first) * mc.by_row(beta, shape)
-        mc.store(write, written - mc.product(shape, (s["erase"], start.T)))
+        write = s["write"].at(slice(None), pl.ds(first, CHUNK))
+        read = mc.product(shape, (s["k"], s["start"].at(pl.ds(first, CHUNK)).T))  # K S^T
+        read = read * mc.by_row(decays.from_start, shape)
+        mc.store(write, (v_hbm(first) - read) * mc.by_row(beta, shape))
         mc.commit()
         mc.store(write, mc.product(shape, (s["inverse"], write)))
         mc.commit()
@@ -337,6 +333,7 @@ def grads(q, k, v, d_y, gates, starts, d_ends, *, d_v_dtype=F32, interpret=None)
         loaded=plgpu.Barrier(num_arrivals=5 * count + 1),
         **factor_scratch(count, key_dim, value_block),
     )
+    del scratch["erase"]  # the grads kernel applies K S^T's decays to the product
     key_share = jax.ShapeDtypeStruct((blocks, tokens, v_heads, key_dim), F32)
     out_type = (
         key_share,

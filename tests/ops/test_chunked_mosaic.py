@@ -149,7 +149,7 @@ def test_no_tokens_give_empty_outputs_and_pass_the_states_through(shape):
     np.testing.assert_array_equal(d_state, np.ones(state.shape))
 
 
-def test_chunks_other_than_64_and_float64_are_named_errors():
+def test_what_the_kernels_cannot_take_is_a_named_error():
     q, k, v, la, b = random_inputs(6, 16, 16, 16, lead=(1,), heads=(1, 1))
     inputs = prepare_batched(q, k, v, (la, b), None, use_qk_l2norm=False, cu_seqlens=None)
     with pytest.raises(ValueError, match="chunks of 64 tokens .* got chunk_size=32"):
@@ -159,3 +159,23 @@ def test_chunks_other_than_64_and_float64_are_named_errors():
     )
     with pytest.raises(ValueError, match="computes in float32, .* float64"):
         chunked_mosaic.gated_delta_rule_mosaic(*wide, None, chunk_size=64)
+    wide_keys = random_inputs(6, 16, 130, 16, lead=(1,), heads=(1, 1))
+    inputs = prepare_batched(
+        *wide_keys[:3], wide_keys[3:], None, use_qk_l2norm=False, cu_seqlens=None
+    )
+    with pytest.raises(ValueError, match="key dims up to 128 .* got K=130, V=16"):
+        chunked_mosaic.gated_delta_rule_mosaic(*inputs, None, chunk_size=64)
+
+
+def test_float32_gradients_past_64_key_channels_are_a_named_error():
+    """Two bf16 pieces an operand at K = 128 leave the grads kernel no room in a Hopper
+    block's shared memory (benchmarks/mosaic_sm90.py): the backward names it when traced;
+    the forward runs."""
+    q, k, v, la, b = random_inputs(7, 16, 128, 16, lead=(1,), heads=(1, 1))
+
+    def loss(q):
+        return jnp.sum(mosaic_rule(q, k, v, la, b)[0])
+
+    jax.eval_shape(loss, q)
+    with pytest.raises(ValueError, match="inputs other than bf16 .* up to 64, got K=128"):
+        jax.eval_shape(jax.grad(loss), q)
