@@ -223,21 +223,26 @@ def _square_grads(s, gates):
 
 
 def _key_grads(s, out, decays, beta, index):
-    """dq and dk (this program's shares), 64 key channels at a time (a ``[C, K]`` float32
-    tile is a quarter of a thread's registers at K = 128); returns the rows' ``(d
-    from_start, d to_end, d k_proj)`` cotangents: ``rowsum(dY S * Q)``, ``rowsum(U dS' *
-    K)`` and ``rowsum(dw_k * K)`` with ``dw_k = -dVb S``."""
+    """dq and dk (this program's shares), 64 key channels at a time in two loops (a ``[C,
+    K]`` float32 tile is a quarter of a thread's registers at K = 128; ``over_blocks``);
+    returns the rows' ``(d from_start, d to_end, d k_proj)`` cotangents: ``rowsum(dY S *
+    Q)``, ``rowsum(U dS' * K)`` and ``rowsum(dw_k * K)`` with ``dw_k = -dVb S``."""
     tokens, head, _ = index
     shape = (CHUNK, CHUNK)
+    key_dim = s["q"].refs[0].shape[1]
 
-    def half(i, sums):
-        first = pl.multiple_of(i * CHUNK, CHUNK)
+    def query_block(first, d_from_start):
         keys = (slice(None), pl.ds(first, CHUNK))
-        q, k, start, d_end = (s[name].at(*keys) for name in ("q", "k", "start", "d_end"))
+        q, k, start = (s[name].at(*keys) for name in ("q", "k", "start"))
         d_y_start = mc.product(shape, (s["d_y"], start))
-        d_from_start = jnp.sum(d_y_start * mc.load(q), axis=1)
+        d_from_start = d_from_start + jnp.sum(d_y_start * mc.load(q), axis=1)
         d_q = d_y_start * mc.by_row(decays.from_start, shape)
         out["d_q"].at[tokens, head, keys[1]][...] = d_q + mc.product(shape, (s["sq_attn"], k))
+        return d_from_start
+
+    def key_block(first, sums):
+        keys = (slice(None), pl.ds(first, CHUNK))
+        q, k, start, d_end = (s[name].at(*keys) for name in ("q", "k", "start", "d_end"))
         gram = s["sq_gram"]
         d_k = mc.product(shape, (s["sq_attn"].T, q), (gram, k), (gram.T, k))
         d_erase = -mc.product(shape, (s["du"], start))
@@ -247,13 +252,12 @@ def _key_grads(s, out, decays, beta, index):
         d_to_end = jnp.sum(d_k_to_end * mc.load(k), axis=1)
         d_k = d_k + d_k_to_end * mc.by_row(decays.to_end, shape)
         out["d_k"].at[tokens, head, keys[1]][...] = d_k
-        parts = (d_from_start, d_to_end, d_k_proj)
-        return tuple(t + p for t, p in zip(sums, parts, strict=True))
+        return sums[0] + d_to_end, sums[1] + d_k_proj
 
-    zero = decays.from_start * 0.0
-    halves = (jnp.int32(0), jnp.int32(s["q"].refs[0].shape[1] // CHUNK))
-    sums = jax.lax.fori_loop(*halves, half, (zero, zero, zero))
-    return tuple(sums)
+    zero = beta * 0.0
+    d_from_start = mc.over_blocks(key_dim, query_block, zero)
+    d_to_end, d_k_proj = mc.over_blocks(key_dim, key_block, (zero, zero))
+    return d_from_start, d_to_end, d_k_proj
 
 
 def _gate_grads(s, decays, d_from_start, d_to_end):
