@@ -210,8 +210,7 @@ def _square_grads(s, gates):
     d_attn = mc.product(shape, (s["d_y"], s["write"].T)) * within  # dY U^T
     mc.store(s["sq_attn"], d_attn)
     d_within = d_attn * mc.product(shape, (s["q"], s["k"].T))
-    rows, cols = mc.iotas(shape)
-    d_strict = jnp.where(rows > cols, -mc.product(shape, (s["du"], s["write"].T)), 0.0)
+    d_strict = -mc.product(shape, (s["du"], s["write"].T)) * mc.load(s["strict"])
     d_strict = d_strict * within  # dVb U^T, below the diagonal, times the decays
     gram = mc.product(shape, (s["k"], s["k"].T))
     d_beta = jnp.sum(d_strict * gram, axis=1)
@@ -265,13 +264,13 @@ def _gate_grads(s, decays, d_from_start, d_to_end):
     summed over the segments that hold it. ``sq_within`` holds the cotangent of the decays
     within the chunk times them; ``ones`` the lower-triangular ones."""
     shape = (CHUNK, CHUNK)
-    rows, cols = mc.iotas(shape)
     # [t, s]: the sum over i < s of row t, as (i <= s) less the diagonal term.
     rows_before = mc.product(shape, (s["sq_within"], s["ones"].T)) - mc.load(s["sq_within"])
     held = rows_before + mc.by_row(d_from_start * decays.from_start, shape)
-    d_log_alpha = jnp.sum(jnp.where(rows >= cols, held, 0.0), axis=0)
+    lower = mc.load(s["ones"])  # (t >= s)
+    d_log_alpha = jnp.sum(held * lower, axis=0)
     to_end = mc.by_row(d_to_end * decays.to_end, shape)
-    d_log_alpha = d_log_alpha + jnp.sum(jnp.where(rows < cols, to_end, 0.0), axis=0)
+    d_log_alpha = d_log_alpha + jnp.sum(to_end - to_end * lower, axis=0)
 
     # The whole chunk's decay: sum(dS' * S), 64 rows of the state at a time.
     def rows_of(i, total):
@@ -335,6 +334,7 @@ def grads(q, k, v, d_y, gates, starts, d_ends, *, d_v_dtype=F32, interpret=None)
         gates=plgpu.SMEM((mc.GATES, CHUNK), F32),
         du=mc.pieces(count, (CHUNK, value_block)),
         loaded=plgpu.Barrier(num_arrivals=5 * count + 1),
+        strict=mc.pieces(1, (CHUNK, CHUNK)),
         **factor_scratch(count, key_dim, value_block),
     )
     del scratch["erase"]  # the grads kernel applies K S^T's decays to the product
