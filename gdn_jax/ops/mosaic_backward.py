@@ -262,10 +262,10 @@ def _key_grads(s, out, decays, beta, index):
 def _gate_grads(s, decays, d_from_start, d_to_end):
     """``decays.chunk_decays_bwd`` for the chunk's ``log_alpha`` (COLS): each gate's terms
     summed over the segments that hold it. ``sq_within`` holds the cotangent of the decays
-    within the chunk times them; ``ones`` the lower-triangular ones."""
+    within the chunk times them; ``ones`` and ``strict`` the triangular masks."""
     shape = (CHUNK, CHUNK)
-    # [t, s]: the sum over i < s of row t, as (i <= s) less the diagonal term.
-    rows_before = mc.product(shape, (s["sq_within"], s["ones"].T)) - mc.load(s["sq_within"])
+    # [t, s]: the sum over i < s of row t, a product with the strict mask's transpose.
+    rows_before = mc.product(shape, (s["sq_within"], s["strict"].T))
     held = rows_before + mc.by_row(d_from_start * decays.from_start, shape)
     lower = mc.load(s["ones"])  # (t >= s)
     d_log_alpha = jnp.sum(held * lower, axis=0)
