@@ -3,12 +3,12 @@
 Forward (``mosaic_forward.py``): a kernel over every chunk at once for the parallel work (the
 decays, ``K K^T``, the inverse of the intra-chunk system by doubling blocks on the tensor
 cores, the WY factors ``w`` and ``u``), then one program per (sequence, value head, block of
-64 value channels) that keeps its block of the float32 state in registers from the
-sequence's first chunk to its last, streams the chunks' tiles in by TMA, writes the outputs
-and, for the backward, each chunk's start state. Backward (``mosaic_backward.py``), derived
-by hand as ``chunked.py``'s: a reverse pass of the same shape carrying the state's cotangent,
-then a kernel over every chunk for every input's gradient. Five kernels a forward and
-backward; only the sequential passes read the state.
+64 value channels) that carries its block of the float32 state on chip from the sequence's
+first chunk to its last, streams the chunks' tiles in by TMA, writes the outputs and, for the
+backward, each chunk's start state. Backward (``mosaic_backward.py``), derived by hand as
+``chunked.py``'s: a reverse pass of the same shape carrying the state's cotangent, then a
+kernel over every chunk for every input's gradient. Four Mosaic kernels a forward and
+backward (two a forward), with XLA's layout, gates and sums around them.
 
 Every product is a wgmma with bf16 operands and float32 accumulation (``mosaic_chunk.py``):
 bf16 v makes every operand one bf16 piece (q and k too, which the op's L2 norm returns in

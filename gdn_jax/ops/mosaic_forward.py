@@ -6,8 +6,9 @@ chunk, then the state pass with the outputs.
    ``w = T diag(beta exp(g)) K``, ``u = T diag(beta) V`` (``mosaic_chunk.chunk_factors``),
    written to HBM as bf16 pieces.
 2. ``states``, a program per (sequence, value head, block of 64 value channels): its block of
-   the float32 state ``S [64, K]`` stays in registers from the sequence's first chunk to its
-   last while each chunk's tiles stream in by TMA (``mosaic_chunk.stream_chunks``); per
+   the float32 state ``S [64, K]`` stays on chip (registers between chunks, shared memory
+   through a chunk's products) from the sequence's first chunk to its last while each
+   chunk's tiles stream in by TMA, two slots deep (``mosaic_chunk.stream_chunks``); per
    chunk ``U = u - w S^T``, ``Y = diag(exp(g)) Q S^T + (Q K^T * Gamma) U`` and ``S' =
    exp(g_C) S + U^T diag(exp(g_C - g)) K`` (``chunked.py``), writing ``Y`` and, for the
    backward, the start state as the pieces its products read.
