@@ -1,0 +1,176 @@
+"""The chunked gated delta rule as Mosaic GPU kernels for Hopper (``impl="mosaic"``).
+
+Forward (``mosaic_forward.py``): a kernel over every chunk at once for the parallel work (the
+decays, ``K K^T``, the inverse of the intra-chunk system by doubling blocks on the tensor
+cores, the WY factors ``w`` and ``u``), then one program per (sequence, value head, block of
+64 value channels) that carries its block of the float32 state on chip from the sequence's
+first chunk to its last, streams the chunks' tiles in by TMA, writes the outputs and, for the
+backward, each chunk's start state. Backward (``mosaic_backward.py``), derived by hand as
+``chunked.py``'s: a reverse pass of the same shape carrying the state's cotangent, then a
+kernel over every chunk for every input's gradient. Four Mosaic kernels a forward and
+backward (two a forward), with XLA's layout, gates and sums around them.
+
+Every product is a wgmma with bf16 operands and float32 accumulation (``mosaic_chunk.py``):
+bf16 v makes every operand one bf16 piece (q and k too, which the op's L2 norm returns in
+float32), any other dtype two pieces an operand, about float32's accuracy at three times the
+products. The state, the decays and every sum outside the products are float32.
+
+The inputs are laid out in XLA first (``mosaic_layout.py``): every sequence's chunks on one
+token axis, channels padded with zeros to multiples of 64, gates and the decays from
+them as ``[5, HV, tokens]`` (``mosaic_chunk.gate_rows``).
+Off a GPU the kernels run in Mosaic GPU's interpret mode (jax >= 0.11).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from gdn_jax.ops import mosaic_backward, mosaic_forward
+from gdn_jax.ops import mosaic_chunk as mc
+from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
+from gdn_jax.ops.mosaic_chunk import CHUNK, F32
+from gdn_jax.ops.mosaic_layout import token_layout
+
+
+def _padded(x, axis: int):
+    """``x`` with zero channels along ``axis`` up to a multiple of 64 (a wgmma operand's
+    128-byte swizzle of bf16); the zeros reach no other channel in any product."""
+    pad = -x.shape[axis] % 64
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _operands(q, k, v, log_alpha, beta):
+    """The kernels' operands: q, k, v padded and as pieces (one each when v is bf16, else
+    two), and the gates with the decays ``[GATES, HV, tokens]``."""
+    count = 1 if v.dtype == mc.BF16 else 2
+    q, k, v = (mc.operand(_padded(x, 2), count) for x in (q, k, v))
+    return q, k, v, mc.gate_rows(log_alpha.T.astype(F32), beta.T.astype(F32))
+
+
+def _forward(q, k, v, log_alpha, beta, initial_states, table, *, keep_starts, interpret):
+    """Both forward kernels on the token layout (q, k ``[tokens, H, K]``, v ``[tokens, HV,
+    V]``, gates ``[tokens, HV]``, ``initial_states [N, HV, V, K]`` float32). Returns ``(y,
+    finals, residuals)``, the residuals (operands, w, start states) None without
+    ``keep_starts``."""
+    key_dim, value_dim = q.shape[-1], v.shape[-1]
+    operands = _operands(q, k, v, log_alpha, beta)
+    q, k, v, gates = operands
+    h0 = _padded(_padded(initial_states, 3), 2)
+    w, u = mosaic_forward.factors(k, v, gates, interpret=interpret)
+    y, finals, *starts = mosaic_forward.states(
+        table, q, k, w, u, gates, h0, keep_starts=keep_starts, interpret=interpret
+    )
+    residuals = (operands, w, starts[0]) if keep_starts else None
+    return y[..., :value_dim], finals[..., :value_dim, :key_dim], residuals
+
+
+def _backward(residuals, table, d_y, d_finals, *, dims, v_dtype, interpret):
+    """Both backward kernels, and the sums of the shares of q's, k's and the gates'
+    gradients over value blocks and each key head's value heads."""
+    (q, k, v, gates), w, starts = residuals
+    key_dim, value_dim = dims
+    count = len(q)
+    if count > 1 and q[0].shape[-1] > 64:
+        raise ValueError(
+            f'gated_delta_rule: impl="mosaic" differentiates inputs other than bf16 (two '
+            f"bf16 pieces an operand) for key dims up to 64, got K={key_dim}: a Hopper "
+            f'block\'s shared memory holds no more; use bf16 q, k and v, or impl="chunked"'
+        )
+    d_y = mc.operand(_padded(d_y, 2), count)
+    d_finals = _padded(_padded(d_finals, 3), 2)
+    d_initial, d_ends = mosaic_backward.reverse(
+        table, q, k, w, d_y, gates, d_finals, interpret=interpret
+    )
+    d_q, d_k, d_v, d_gates = mosaic_backward.grads(
+        q, k, v, d_y, gates, starts, d_ends, d_v_dtype=v_dtype, interpret=interpret
+    )
+    tokens, heads = q[0].shape[:2]
+
+    def key_grad(shares):  # [blocks, tokens, HV, K] -> [tokens, H, K]
+        shares = shares.sum(0).reshape(tokens, heads, -1, shares.shape[-1]).sum(2)
+        return shares[..., :key_dim]
+
+    d_log_alpha, d_beta = d_gates.sum(0)
+    d_initial = d_initial[..., :value_dim, :key_dim]
+    return key_grad(d_q), key_grad(d_k), d_v[..., :value_dim], d_log_alpha.T, d_beta.T, d_initial
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _core(q, k, v, log_alpha, beta, initial_states, table, static):
+    """The kernels on the token layout; ``static = (interpret, dtypes of q, k and v, (K,
+    V))``, what the backward needs besides arrays."""
+    y, finals, _ = _forward(
+        q, k, v, log_alpha, beta, initial_states, table, keep_starts=False, interpret=static[0]
+    )
+    return y, finals
+
+
+def _core_fwd(q, k, v, log_alpha, beta, initial_states, table, static):
+    y, finals, residuals = _forward(
+        q, k, v, log_alpha, beta, initial_states, table, keep_starts=True, interpret=static[0]
+    )
+    return (y, finals), (residuals, table)
+
+
+def _core_bwd(static, saved, cotangents):
+    interpret, dtypes, dims = static
+    residuals, table = saved
+    grads = _backward(
+        residuals, table, *cotangents, dims=dims, v_dtype=dtypes[2], interpret=interpret
+    )
+    d_q, d_k, d_v = (d.astype(dtype) for d, dtype in zip(grads[:3], dtypes, strict=True))
+    return (d_q, d_k, d_v, *grads[3:], None)
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def check_inputs(key_dim: int, value_dim: int, v_dtype, compute, chunk_size: int) -> None:
+    """A ValueError naming what the kernels cannot take, before any work: chunks other
+    than 64, a compute dtype other than float32, key dims over 128 and value dims over 256
+    (128 unless v is bf16), padded to multiples of 64 (a Hopper block's shared memory
+    and wgmma's widths; ``benchmarks/mosaic_sm90.py`` compiles them for an H200)."""
+    op = 'gated_delta_rule: impl="mosaic"'
+    if chunk_size != CHUNK:
+        raise ValueError(
+            f"{op} runs chunks of {CHUNK} tokens (a wgmma's rows), got chunk_size={chunk_size}"
+        )
+    if compute != F32:
+        raise ValueError(f"{op} computes in float32, got inputs whose compute dtype is {compute}")
+    widest_value = 256 if v_dtype == mc.BF16 else 128
+    if -(-key_dim // 64) * 64 > 128 or -(-value_dim // 64) * 64 > widest_value:
+        raise ValueError(
+            f"{op} takes key dims up to 128 and value dims up to {widest_value} (v of dtype "
+            f'{v_dtype}), got K={key_dim}, V={value_dim}; use impl="chunked"'
+        )
+
+
+def gated_delta_rule_mosaic(
+    q, k, v, gates, initial_states, cu_seqlens, *, chunk_size: int, interpret=None
+):
+    """The batched chunked gated delta rule by the Mosaic GPU kernels: the prepared inputs
+    of ``api.prepare_batched`` (q, k ``[B, T, H, K]`` unscaled, v ``[B, T, HV, V]``, ``gates
+    = (log_alpha, beta) [B, T, HV]``, ``initial_states [B or N, HV, V, K]`` float32,
+    ``cu_seqlens`` None or ``[N + 1]`` with ``B == 1``). Returns ``(o [B, T, HV, V],
+    finals)`` in float32, ``o`` unscaled. ``chunk_size`` must be the kernels' 64 (a wgmma's
+    rows); ``interpret`` as ``mosaic_chunk.interpret_params``. Differentiable in reverse
+    mode (``jax.custom_vjp``)."""
+    check_inputs(q.shape[-1], v.shape[-1], v.dtype, initial_states.dtype, chunk_size)
+    compute = initial_states.dtype
+    batch, seq_len = q.shape[:2]
+    if batch * seq_len == 0:  # no tokens: every sequence ends as it started
+        return jnp.zeros(v.shape, compute), initial_states
+    log_alpha, beta = (x.astype(compute) for x in gates)
+    log_alpha = jnp.maximum(log_alpha, LOG_ALPHA_FLOOR)
+    layout = token_layout(batch, seq_len, CHUNK, cu_seqlens)
+    inputs = (layout.to_tokens(x) for x in (q, k, v, log_alpha, beta))
+    static = (interpret, (q.dtype, k.dtype, v.dtype), (q.shape[-1], v.shape[-1]))
+    y, finals = _core(*inputs, initial_states, layout.table, static)
+    return layout.from_tokens(y), finals

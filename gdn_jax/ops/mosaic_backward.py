@@ -1,0 +1,356 @@
+"""The backward kernels of ``impl="mosaic"`` (``chunked_mosaic.py``): ``chunked.py``'s
+hand-derived backward (its docstring and ``wy.py``'s give the derivation) as two Mosaic GPU
+kernels, on the forward's residuals: the inputs' pieces, ``w`` and each chunk's start state.
+
+1. ``reverse``, a program per (sequence, value head, block of 64 value channels), walks the
+   sequence's chunks last to first with its block of the state's cotangent ``dS [64, K]``
+   in registers (starting from the final state's), and per chunk writes the cotangent of
+   the chunk's end state and carries
+
+       dU = (Q K^T * Gamma)^T dY + diag(exp(g_C - g)) K dS'^T,
+       dS = exp(g_C) dS' + dY^T diag(exp(g)) Q - dU^T w,
+
+   ending with the initial state's cotangent.
+2. ``grads``, a program per (chunk, value head, value block), has a chunk's start state and
+   end cotangent and needs nothing carried: stage 1 again (``mosaic_chunk.chunk_factors``),
+   ``U = u - w S^T``, ``dU`` again, ``dVb = T^T dU`` and every input's gradient
+   (``chunked.chunk_grads``, ``wy.delta_factors_bwd``, ``decays.chunk_decays_bwd``). The
+   gradients of q, k and the gates sum over a key head's value heads and over value
+   blocks: a program writes its share, summed after the kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from gdn_jax.ops import mosaic_chunk as mc
+from gdn_jax.ops.mosaic_chunk import CHUNK, F32, Pieces
+from gdn_jax.ops.mosaic_forward import VALUE_BLOCK, factor_scratch
+
+
+def _fetch_reverse(hbm, s, chunk, slot, *, head, group, block):
+    """Start the TMA copies of one chunk's q, k, w, value block of dY and gates."""
+    tokens = pl.ds(chunk * CHUNK, CHUNK)
+    values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
+    sources = (
+        *(ref.at[tokens, head // group] for ref in (*hbm["q"], *hbm["k"])),
+        *(ref.at[tokens, head] for ref in hbm["w"]),
+        *(ref.at[tokens, head, values] for ref in hbm["d_y"]),
+        hbm["gates"].at[:, head, tokens],
+    )
+    tiles = (*s["q"].refs, *s["k"].refs, *s["w"].refs, *s["d_y"].refs, s["gates"])
+    for src, dst in zip(sources, tiles, strict=True):
+        plgpu.copy_gmem_to_smem(src, dst.at[slot], s["loaded"].at[slot])
+
+
+def _reverse_step(out, s, chunk, slot, d_state, *, head, block):
+    """One chunk, last to first: writes the cotangent of its end state and returns that of
+    its start state. The decays scale ``[C, 64]`` tiles, not ``[C, K]`` ones (registers)."""
+    q, k, w, d_y = (s[name].at(slot) for name in ("q", "k", "w", "d_y"))
+    decays = mc.chunk_decays(s["gates"].at[slot], s)
+    values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    mc.store(s["state"], d_state)
+    mc.commit()
+    for src, dst in zip(s["state"].refs, out["d_ends"], strict=True):
+        plgpu.copy_smem_to_gmem(src, dst.at[chunk, head, values])
+    attn, negated = mc.squares(s, 2)
+    mc.store(attn, mc.product((CHUNK, CHUNK), (q, k.T)) * decays.within)
+    mc.commit()
+    shape = (CHUNK, VALUE_BLOCK)
+    d_u = mc.by_row(decays.to_end, shape) * mc.product(shape, (k, s["state"].T))
+    d_u = d_u + mc.product(shape, (attn.T, d_y))
+    mc.store(negated, -d_u)
+    # dY's tile is read no more as it came: it holds dY diag(exp(g)) now.
+    mc.store(d_y, mc.load(d_y) * mc.by_row(decays.from_start, shape))
+    mc.commit()
+    faded = mc.by_row(decays.whole, d_state.shape) * d_state
+    return faded + mc.product(d_state.shape, (d_y.T, q), (negated.T, w))
+
+
+def _reverse_kernel(table, *refs, group: int, slots: int, **s):
+    """One sequence, value head and value block over the sequence's chunks, last first."""
+    names = ("q", "k", "w", "d_y", "gates", "d_finals", "d_initial", "d_ends")
+    hbm = dict(zip(names, refs, strict=True))
+    out = {name: hbm.pop(name) for name in names[5:]}
+    seq, head, block = (jax.lax.axis_index(axis) for axis in ("seq", "head", "block"))
+    values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
+    fetch = functools.partial(_fetch_reverse, hbm, s, head=head, group=group, block=block)
+    step = functools.partial(_reverse_step, out, s, head=head, block=block)
+    mc.write_masks(s)
+    d_final = out["d_finals"].at[seq, head, values]
+    d_final = plgpu.load(d_final, layout=mc.WGMMA, optimized=False)
+    first, count = table[seq, 0], table[seq, 1]
+    d_initial = mc.stream_chunks(
+        first, count, fetch, step, d_final, loaded=s["loaded"], slots=slots, reverse=True
+    )
+    out["d_initial"].at[seq, head, values][...] = d_initial
+    plgpu.wait_smem_to_gmem(0)
+
+
+def reverse(table, q, k, w, d_y, gates, d_finals, *, interpret=None):
+    """The reverse state pass: ``d_y`` pieces ``[tokens, HV, V]``, ``d_finals [N, HV, V,
+    K]`` float32, the rest as the forward's. Returns ``(d_initial [N, HV, V, K] float32,
+    d_ends)``, ``d_ends`` the pieces of every chunk's end-state cotangent ``[chunks, HV, V,
+    K]``."""
+    count = len(q)
+    tokens, heads, key_dim = q[0].shape
+    v_heads, value_dim = d_y[0].shape[1:]
+    slots = 2 if count == 1 else 1
+    square = (CHUNK, CHUNK)
+    tile = (slots, CHUNK, key_dim)
+    scratch = dict(
+        q=mc.pieces(count, tile),
+        k=mc.pieces(count, tile),
+        w=mc.pieces(count, tile),
+        d_y=mc.pieces(count, (slots, CHUNK, VALUE_BLOCK)),
+        gates=plgpu.SMEM((slots, mc.GATES, CHUNK), F32),
+        terms=mc.pieces(mc.SEGMENT_PIECES, square),
+        ones=mc.pieces(1, square),
+        strict=mc.pieces(1, square),
+        extra=mc.extra_squares(count, 2),
+        state=mc.pieces(count, (VALUE_BLOCK, key_dim)),
+        loaded=plgpu.Barrier(num_arrivals=4 * count + 1, num_barriers=slots),
+    )
+    shape = (tokens // CHUNK, v_heads, value_dim, key_dim)
+    out_type = (
+        jax.ShapeDtypeStruct(d_finals.shape, F32),
+        tuple(jax.ShapeDtypeStruct(shape, mc.BF16) for _ in range(count)),
+    )
+    call = mc.kernel_call(
+        functools.partial(_reverse_kernel, group=v_heads // heads, slots=slots),
+        name="gdn_mosaic_reverse",
+        out_type=out_type,
+        scratch=scratch,
+        grid=dict(seq=d_finals.shape[0], head=v_heads, block=value_dim // VALUE_BLOCK),
+        interpret=interpret,
+    )
+    return call(table, tuple(q), tuple(k), tuple(w), tuple(d_y), gates, d_finals)
+
+
+def _load_grads_tiles(hbm, s, *, head, group, block, value_block):
+    """Copy one chunk's tiles in and wait for them: q, k, dY (value block), gates, start
+    state and end-state cotangent (value block)."""
+    chunk = jax.lax.axis_index("chunk")
+    tokens = pl.ds(chunk * CHUNK, CHUNK)
+    values = pl.ds(block * value_block, value_block)
+    sources = (
+        *(ref.at[tokens, head // group] for ref in (*hbm["q"], *hbm["k"])),
+        *(ref.at[tokens, head, values] for ref in hbm["d_y"]),
+        *(ref.at[chunk, head, values] for ref in (*hbm["starts"], *hbm["d_ends"])),
+        hbm["gates"].at[:, head, tokens],
+    )
+    names = ("q", "k", "d_y", "start", "d_end")
+    tiles = (*(ref for name in names for ref in s[name].refs), s["gates"])
+    for src, dst in zip(sources, tiles, strict=True):
+        plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
+    mc.write_masks(s)
+    plgpu.barrier_wait(s["loaded"])
+
+
+def _corrections(s, decays, beta, v_hbm) -> None:
+    """``U = T (diag(beta) V - diag(beta exp(g)) K S^T)``, the corrections the chunk wrote
+    from its start state ``S`` (``u - w S^T`` without forming ``w`` and ``u``), into
+    ``write``, 64 value channels at a time. ``v_hbm(first)``: 64 channels of v from HBM."""
+    shape = (CHUNK, CHUNK)
+
+    def block(first, carry):
+        write = s["write"].at(slice(None), pl.ds(first, CHUNK))
+        read = mc.product(shape, (s["k"], s["start"].at(pl.ds(first, CHUNK)).T))  # K S^T
+        read = read * mc.by_row(decays.from_start, shape)
+        mc.store(write, (v_hbm(first) - read) * mc.by_row(beta, shape))
+        mc.commit()
+        mc.store(write, mc.product(shape, (s["inverse"], write)))
+        mc.commit()
+        return carry
+
+    mc.over_blocks(s["write"].refs[0].shape[1], block, 0)
+
+
+def _value_grads(s, out, decays, beta, index, v_hbm):
+    """``dU`` and ``dVb = T^T dU``, 64 value channels at a time: writes dv, leaves ``dVb``
+    in ``du`` and returns the share of d beta from the writes, ``rowsum(dVb * V)``."""
+    shape = (CHUNK, CHUNK)
+    attn = Pieces(s["terms"].refs[: len(s["q"].refs)])
+    mc.store(attn, mc.product(shape, (s["q"], s["k"].T)) * decays.within)
+    mc.commit()
+    tokens, head, value_start = index
+
+    def block(first, d_beta):
+        values = (slice(None), pl.ds(first, CHUNK))
+        du, d_y = s["du"].at(*values), s["d_y"].at(*values)
+        d_end = s["d_end"].at(pl.ds(first, CHUNK))
+        d_u = mc.by_row(decays.to_end, shape) * mc.product(shape, (s["k"], d_end.T))
+        mc.store(du, d_u + mc.product(shape, (attn.T, d_y)))
+        mc.commit()
+        d_write = mc.product(shape, (s["inverse"].T, du))
+        d_v = out["d_v"].at[tokens, head, pl.ds(value_start + first, CHUNK)]
+        d_v[...] = (d_write * mc.by_row(beta, shape)).astype(d_v.dtype)
+        d_beta = d_beta + jnp.sum(d_write * v_hbm(first), axis=1)
+        mc.store(du, d_write)
+        mc.commit()
+        return d_beta
+
+    return mc.over_blocks(s["du"].refs[0].shape[1], block, beta * 0.0)
+
+
+def _square_grads(s, gates):
+    """The ``[C, C]`` cotangents: of ``Q K^T * Gamma`` (into ``sq_attn``), of ``k k^T``
+    (into ``sq_gram``) and of the decays within the chunk times them (into ``sq_within``).
+    Returns the chunk's decays, made again here rather than kept in registers since stage
+    1, and the share of d beta from the system, ``rowsum(dA * Gamma * K K^T)``."""
+    shape = (CHUNK, CHUNK)
+    decays = mc.chunk_decays(gates, s)
+    within = decays.within
+    d_attn = mc.product(shape, (s["d_y"], s["write"].T)) * within  # dY U^T
+    mc.store(s["sq_attn"], d_attn)
+    d_within = d_attn * mc.product(shape, (s["q"], s["k"].T))
+    d_strict = -mc.product(shape, (s["du"], s["write"].T)) * mc.load(s["strict"])
+    d_strict = d_strict * within  # dVb U^T, below the diagonal, times the decays
+    gram = mc.product(shape, (s["k"], s["k"].T))
+    d_beta = jnp.sum(d_strict * gram, axis=1)
+    beta = mc.by_row(plgpu.load(gates.at[1], layout=mc.ROWS), shape)
+    mc.store(s["sq_gram"], d_strict * beta)
+    mc.store(s["sq_within"], d_within + d_strict * beta * gram)
+    mc.commit()
+    return decays, d_beta
+
+
+def _key_grads(s, out, decays, beta, index):
+    """dq and dk (this program's shares), 64 key channels at a time in two loops (a ``[C,
+    K]`` float32 tile is a quarter of a thread's registers at K = 128; ``over_blocks``);
+    returns the rows' ``(d from_start, d to_end, d k_proj)`` cotangents: ``rowsum(dY S *
+    Q)``, ``rowsum(U dS' * K)`` and ``rowsum(dw_k * K)`` with ``dw_k = -dVb S``."""
+    tokens, head, _ = index
+    shape = (CHUNK, CHUNK)
+    key_dim = s["q"].refs[0].shape[1]
+
+    def query_block(first, d_from_start):
+        keys = (slice(None), pl.ds(first, CHUNK))
+        q, k, start = (s[name].at(*keys) for name in ("q", "k", "start"))
+        d_y_start = mc.product(shape, (s["d_y"], start))
+        d_from_start = d_from_start + jnp.sum(d_y_start * mc.load(q), axis=1)
+        d_q = d_y_start * mc.by_row(decays.from_start, shape)
+        out["d_q"].at[tokens, head, keys[1]][...] = d_q + mc.product(shape, (s["sq_attn"], k))
+        return d_from_start
+
+    def key_block(first, sums):
+        keys = (slice(None), pl.ds(first, CHUNK))
+        q, k, start, d_end = (s[name].at(*keys) for name in ("q", "k", "start", "d_end"))
+        gram = s["sq_gram"]
+        d_k = mc.product(shape, (s["sq_attn"].T, q), (gram, k), (gram.T, k))
+        d_erase = -mc.product(shape, (s["du"], start))
+        d_k_proj = jnp.sum(d_erase * mc.load(k), axis=1)
+        d_k = d_k + d_erase * mc.by_row(beta * decays.from_start, shape)
+        d_k_to_end = mc.product(shape, (s["write"], d_end))  # U dS'
+        d_to_end = jnp.sum(d_k_to_end * mc.load(k), axis=1)
+        d_k = d_k + d_k_to_end * mc.by_row(decays.to_end, shape)
+        out["d_k"].at[tokens, head, keys[1]][...] = d_k
+        return sums[0] + d_to_end, sums[1] + d_k_proj
+
+    zero = beta * 0.0
+    d_from_start = mc.over_blocks(key_dim, query_block, zero)
+    d_to_end, d_k_proj = mc.over_blocks(key_dim, key_block, (zero, zero))
+    return d_from_start, d_to_end, d_k_proj
+
+
+def _gate_grads(s, decays, d_from_start, d_to_end):
+    """``decays.chunk_decays_bwd`` for the chunk's ``log_alpha`` (COLS): each gate's terms
+    summed over the segments that hold it. ``sq_within`` holds the cotangent of the decays
+    within the chunk times them; ``ones`` and ``strict`` the triangular masks."""
+    shape = (CHUNK, CHUNK)
+    # [t, s]: the sum over i < s of row t, a product with the strict mask's transpose.
+    rows_before = mc.product(shape, (s["sq_within"], s["strict"].T))
+    held = rows_before + mc.by_row(d_from_start * decays.from_start, shape)
+    lower = mc.load(s["ones"])  # (t >= s)
+    d_log_alpha = jnp.sum(held * lower, axis=0)
+    to_end = mc.by_row(d_to_end * decays.to_end, shape)
+    d_log_alpha = d_log_alpha + jnp.sum(to_end - to_end * lower, axis=0)
+
+    # The whole chunk's decay: sum(dS' * S), 64 rows of the state at a time.
+    def rows_of(i, total):
+        rows = pl.ds(pl.multiple_of(i * CHUNK, CHUNK), CHUNK)
+        product = mc.load(s["d_end"].at(rows)) * mc.load(s["start"].at(rows))
+        return total + jnp.sum(mc.by_row(jnp.sum(product, axis=1), shape), axis=0)
+
+    blocks = (jnp.int32(0), jnp.int32(s["start"].refs[0].shape[0] // CHUNK))
+    d_whole = jax.lax.fori_loop(*blocks, rows_of, d_log_alpha * 0.0)
+    return d_log_alpha + d_whole * plgpu.load(s["gates"].at[4], layout=mc.COLS)
+
+
+def _grads_kernel(*refs, group: int, **s):
+    """One chunk, value head and value block: every input's gradient (shares of those of
+    q, k and the gates)."""
+    names = ("q", "k", "v", "d_y", "gates", "starts", "d_ends", "d_q", "d_k", "d_v", "d_gates")
+    hbm = dict(zip(names, refs, strict=True))
+    # Free once the inverse is made or read: its scratch holds the square cotangents.
+    s = dict(s, sq_gram=s["off"], sq_within=s["half"], sq_attn=s["inverse"])
+    out = {name: hbm.pop(name) for name in names[7:]}
+    chunk, head, block = (jax.lax.axis_index(axis) for axis in ("chunk", "head", "block"))
+    value_block = s["d_y"].refs[0].shape[-1]
+    _load_grads_tiles(hbm, s, head=head, group=group, block=block, value_block=value_block)
+    tokens = pl.ds(chunk * CHUNK, CHUNK)
+    index = (tokens, head, block * value_block)
+
+    def v_hbm(first):  # v is read twice, straight from HBM: a tile of it would not fit
+        values = pl.ds(block * value_block + first, CHUNK)
+        return mc.load_global([ref.at[tokens, head, values] for ref in hbm["v"]])
+
+    decays, beta = mc.chunk_system(s, s["k"], s["gates"])
+    _corrections(s, decays, beta, v_hbm)
+    d_beta = _value_grads(s, out, decays, beta, index, v_hbm)
+    decays, d_beta_system = _square_grads(s, s["gates"])
+    shares = dict(d_q=out["d_q"].at[block], d_k=out["d_k"].at[block])
+    d_from_start, d_to_end, d_k_proj = _key_grads(s, shares, decays, beta, index)
+    d_log_alpha = _gate_grads(s, decays, d_from_start + beta * d_k_proj, d_to_end)
+    d_beta = d_beta + d_beta_system + decays.from_start * d_k_proj
+    out["d_gates"].at[block, 0, head, tokens][...] = d_log_alpha
+    out["d_gates"].at[block, 1, head, tokens][...] = d_beta
+
+
+def grads(q, k, v, d_y, gates, starts, d_ends, *, d_v_dtype=F32, interpret=None):
+    """Every chunk's gradients from its start state and end-state cotangent (pieces
+    ``[chunks, HV, V, K]``): returns ``(d_q, d_k [blocks, tokens, HV, K], d_v [tokens, HV,
+    V], d_gates [blocks, 2, HV, tokens])``, the shares of each value head and block of value
+    channels (a whole value head of up to 128 with bf16 operands) in float32; ``d_v``, which
+    no two programs share, in ``d_v_dtype`` (v's own: the op returns it so)."""
+    count = len(q)
+    tokens, heads, key_dim = q[0].shape
+    v_heads, value_dim = v[0].shape[1:]
+    value_block = value_dim if count == 1 and value_dim <= 128 else VALUE_BLOCK
+    blocks = value_dim // value_block
+    state = (value_block, key_dim)
+    scratch = dict(
+        q=mc.pieces(count, (CHUNK, key_dim)),
+        k=mc.pieces(count, (CHUNK, key_dim)),
+        d_y=mc.pieces(count, (CHUNK, value_block)),
+        start=mc.pieces(count, state),
+        d_end=mc.pieces(count, state),
+        gates=plgpu.SMEM((mc.GATES, CHUNK), F32),
+        du=mc.pieces(count, (CHUNK, value_block)),
+        loaded=plgpu.Barrier(num_arrivals=5 * count + 1),
+        strict=mc.pieces(1, (CHUNK, CHUNK)),
+        **factor_scratch(count, key_dim, value_block),
+    )
+    del scratch["erase"]  # the grads kernel applies K S^T's decays to the product
+    key_share = jax.ShapeDtypeStruct((blocks, tokens, v_heads, key_dim), F32)
+    out_type = (
+        key_share,
+        key_share,
+        jax.ShapeDtypeStruct((tokens, v_heads, value_dim), d_v_dtype),
+        jax.ShapeDtypeStruct((blocks, 2, v_heads, tokens), F32),
+    )
+    call = mc.kernel_call(
+        functools.partial(_grads_kernel, group=v_heads // heads),
+        name="gdn_mosaic_grads",
+        out_type=out_type,
+        scratch=scratch,
+        grid=dict(chunk=tokens // CHUNK, head=v_heads, block=blocks),
+        interpret=interpret,
+    )
+    return call(tuple(q), tuple(k), tuple(v), tuple(d_y), gates, tuple(starts), tuple(d_ends))

@@ -1,0 +1,181 @@
+"""The chunked gated delta rule as Mosaic GPU kernels (``ops/chunked_mosaic.py``), run here in
+Mosaic GPU's interpret mode, against the XLA chunked form on outputs, final states and the
+gradient of every input (the initial state included).
+
+Mosaic GPU's interpret mode (``plgpu.InterpretGPUParams``) came with jax 0.11: on an older
+JAX (the floor set's 0.10.2) the module is skipped at collection, and CI's stages with newer
+JAX run it. The kernels' products are wgmma's with bf16 operands, float32 inputs as two bf16
+pieces each, which interpret mode computes as the tensor cores do, so the float32 row of the
+tolerance table holds here as on a GPU.
+"""
+
+import functools
+
+import jax
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+if not hasattr(plgpu, "InterpretGPUParams") or not hasattr(plgpu, "force_gpu_interpret_mode"):
+    pytest.skip(
+        f"jax {jax.__version__} has no Mosaic GPU interpret mode (plgpu.InterpretGPUParams, "
+        "jax >= 0.11)",
+        allow_module_level=True,
+    )
+
+import jax.numpy as jnp
+import numpy as np
+from support.reference import random_inputs, random_state
+from support.tolerance import assert_close
+
+import gdn_jax
+from gdn_jax.ops import chunked_mosaic
+from gdn_jax.ops.api import prepare_batched
+from gdn_jax.ops.single_head import scaled_outputs
+
+
+def mosaic_rule(q, k, v, log_alpha, beta, *, initial_state=None, cu_seqlens=None, norm=False):
+    """``gdn_jax.gated_delta_rule`` with the kernels in place of the one-head forms: the
+    batched op's own preparation and output scaling around ``gated_delta_rule_mosaic``."""
+    inputs = prepare_batched(
+        q, k, v, (log_alpha, beta), initial_state, use_qk_l2norm=norm, cu_seqlens=cu_seqlens
+    )
+    y, final = chunked_mosaic.gated_delta_rule_mosaic(*inputs, cu_seqlens, chunk_size=64)
+    return scaled_outputs(y, q.shape[-1], None, v.dtype), final
+
+
+def xla_rule(q, k, v, log_alpha, beta, *, initial_state=None, cu_seqlens=None, norm=False):
+    return gdn_jax.gated_delta_rule(
+        q, k, v, log_alpha, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        use_qk_l2norm=norm, impl="chunked", chunk_size=64,
+    )  # fmt: skip
+
+
+@functools.cache
+def outputs_and_grads(rule, packed: bool, norm: bool):
+    """``run(q, k, v, log_alpha, beta, state, ct_y, ct_s[, cu]) -> (y, final, grads)``, one
+    jitted program per case."""
+
+    def run(q, k, v, la, b, state, ct_y, ct_s, cu=None):
+        def loss(*args):
+            y, s = rule(*args[:5], initial_state=args[5], cu_seqlens=cu, norm=norm)
+            ct = jnp.sum(y.astype(jnp.float32) * ct_y.astype(jnp.float32))
+            return ct + jnp.sum(s * ct_s), (y, s)
+
+        grads, (y, s) = jax.grad(loss, argnums=range(6), has_aux=True)(q, k, v, la, b, state)
+        return y, s, grads
+
+    return jax.jit(run)
+
+
+def assert_same(inputs, dtype, cu=None, *, norm=False, err_msg=""):
+    """The kernels' outputs, final states and every gradient within ``dtype``'s tolerance of
+    the XLA form's, each in its input's dtype."""
+    q, v = inputs[0], inputs[2]
+    num_states = q.shape[0] if cu is None else cu.shape[0] - 1
+    state = random_state(7, num_states, v.shape[2], v.shape[3], q.shape[3])
+    ct_y = random_state(8, *v.shape).astype(v.dtype)
+    ct_s = random_state(9, *state.shape)
+    args = (*inputs, state, ct_y, ct_s) + (() if cu is None else (cu,))
+    kernel = outputs_and_grads(mosaic_rule, cu is not None, norm)(*args)
+    xla = outputs_and_grads(xla_rule, cu is not None, norm)(*args)
+    for name, a, e in zip(("y", "final"), kernel[:2], xla[:2], strict=True):
+        assert a.dtype == e.dtype, (name, a.dtype, e.dtype)
+        assert_close(
+            a.astype(jnp.float32), e.astype(jnp.float32), dtype, err_msg=f"{err_msg} {name}"
+        )
+    names = ("q", "k", "v", "log_alpha", "beta", "initial_state")
+    for name, a, e in zip(names, kernel[2], xla[2], strict=True):
+        assert a.dtype == e.dtype, (name, a.dtype, e.dtype)
+        assert_close(
+            a.astype(jnp.float32), e.astype(jnp.float32), dtype, err_msg=f"{err_msg} d{name}"
+        )
+
+
+# Gates of -0.05 to 0 leave about exp(-1.6) of a state after a chunk of 64, so that what
+# crosses chunks (the state pass and its reverse) weighs in the outputs and gradients as much
+# as the work inside a chunk (gates down to -1 would leave exp(-32)).
+MILD = dict(log_alpha_range=(-0.05, 0.0))
+
+
+# (H, HV): one head, over two batch rows whose V = 72 pads to two tiles of 64 (two programs
+# of the state passes, and of the grads kernel, a value head); grouped value heads (two per
+# key head); several key heads. T = 150 is two chunks of 64 and a tail of 22; K = 16 pads
+# to one tile.
+@pytest.mark.parametrize(
+    "heads, batch, value_dim", [((1, 1), 2, 72), ((1, 2), 1, 24), ((2, 4), 1, 24)]
+)
+def test_kernels_equal_chunked_form_over_head_layouts(heads, batch, value_dim):
+    inputs = random_inputs(0, 150, 16, value_dim, lead=(batch,), heads=heads, **MILD)
+    assert_same(inputs, jnp.float32, err_msg=f"heads={heads}")
+
+
+def test_packed_sequences_with_an_empty_one_and_initial_states():
+    inputs = random_inputs(1, 150, 16, 24, lead=(1,), heads=(2, 4), **MILD)
+    cu = jnp.array([0, 7, 7, 100, 150], jnp.int32)  # the second sequence has no tokens
+    assert_same(inputs, jnp.float32, cu=cu)
+
+
+def test_bf16_inputs_with_the_norm_inside_the_op():
+    """bf16 q, k and v (one bf16 piece an operand, as the field's kernels take them), L2
+    norm inside the op: the outputs in bf16, every gradient in its input's dtype, within
+    bf16's tolerance of the XLA form. K = 80 and V = 72 pad to 128: the grads kernel takes
+    a whole value head and works two blocks of 64 channels of each."""
+    q, k, v, la, b = random_inputs(2, 100, 80, 72, lead=(2,), heads=(1, 2), **MILD)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    assert_same((q, k, v, la, b), jnp.bfloat16, norm=True)
+
+
+def test_strong_decays_and_a_full_reset():
+    """A -inf gate (a full reset) and a gate of -30 inside a chunk: the segment sums keep the
+    decays after them exact, as the XLA form's do."""
+    q, k, v, la, b = random_inputs(3, 96, 16, 16, lead=(1,), heads=(1, 1))
+    la = np.asarray(la).copy()
+    la[0, 5, 0], la[0, 20, 0], la[0, 70, 0] = -np.inf, -30.0, -1e4
+    assert_same((q, k, v, jnp.asarray(la), b), jnp.float32)
+
+
+@pytest.mark.parametrize("shape", [(0, 20), (2, 0)], ids=["no-batch", "no-tokens"])
+def test_no_tokens_give_empty_outputs_and_pass_the_states_through(shape):
+    q, k, v, la, b = random_inputs(4, shape[1], 16, 16, lead=(shape[0],), heads=(1, 2))
+    state = random_state(5, shape[0], 2, 16, 16)
+
+    def loss(state):
+        y, final = mosaic_rule(q, k, v, la, b, initial_state=state)
+        return jnp.sum(y) + jnp.sum(final), (y, final)
+
+    d_state, (y, final) = jax.grad(loss, has_aux=True)(state)
+    assert y.shape == v.shape and final.shape == state.shape
+    np.testing.assert_array_equal(final, state)
+    np.testing.assert_array_equal(d_state, np.ones(state.shape))
+
+
+def test_what_the_kernels_cannot_take_is_a_named_error():
+    q, k, v, la, b = random_inputs(6, 16, 16, 16, lead=(1,), heads=(1, 1))
+    inputs = prepare_batched(q, k, v, (la, b), None, use_qk_l2norm=False, cu_seqlens=None)
+    with pytest.raises(ValueError, match="chunks of 64 tokens .* got chunk_size=32"):
+        chunked_mosaic.gated_delta_rule_mosaic(*inputs, None, chunk_size=32)
+    wide = prepare_batched(
+        q, k, v, (la.astype(jnp.float64), b), None, use_qk_l2norm=False, cu_seqlens=None
+    )
+    with pytest.raises(ValueError, match="computes in float32, .* float64"):
+        chunked_mosaic.gated_delta_rule_mosaic(*wide, None, chunk_size=64)
+    wide_keys = random_inputs(6, 16, 130, 16, lead=(1,), heads=(1, 1))
+    inputs = prepare_batched(
+        *wide_keys[:3], wide_keys[3:], None, use_qk_l2norm=False, cu_seqlens=None
+    )
+    with pytest.raises(ValueError, match="key dims up to 128 .* got K=130, V=16"):
+        chunked_mosaic.gated_delta_rule_mosaic(*inputs, None, chunk_size=64)
+
+
+def test_float32_gradients_past_64_key_channels_are_a_named_error():
+    """Two bf16 pieces an operand at K = 128 leave the grads kernel no room in a Hopper
+    block's shared memory (benchmarks/mosaic_sm90.py): the backward names it when traced;
+    the forward runs."""
+    q, k, v, la, b = random_inputs(7, 16, 128, 16, lead=(1,), heads=(1, 1))
+
+    def loss(q):
+        return jnp.sum(mosaic_rule(q, k, v, la, b)[0])
+
+    jax.eval_shape(loss, q)
+    with pytest.raises(ValueError, match="inputs other than bf16 .* up to 64, got K=128"):
+        jax.eval_shape(jax.grad(loss), q)
