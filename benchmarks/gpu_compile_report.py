@@ -39,8 +39,15 @@ RULES = {
     "gdp": ("gated_delta_product", None, {"num_householder": 2}),
     "gla": ("gated_linear_attention", None, {}),
 }
-# (impl, schedule) of gdn_jax's forms; "jla" is jax-linear-attention's Mosaic GPU op.
-FORMS = [("chunked", "hoisted"), ("chunked", "associative"), ("chunked", "in_scan"), ("jla", "")]
+# (impl, schedule) of gdn_jax's forms (a kernel impl for the rules that have it); "jla" is
+# jax-linear-attention's Mosaic GPU op.
+FORMS = [
+    ("chunked", "hoisted"),
+    ("chunked", "associative"),
+    ("chunked", "in_scan"),
+    ("mosaic_gpu", ""),
+    ("jla", ""),
+]
 CHILD_TIMEOUT_S = 1800
 
 
@@ -202,6 +209,10 @@ def table(rows) -> list[str]:
 
 
 def main(argv=None) -> int:
+    from gdn_jax.ops import RULES as OPS
+    from gdn_jax.ops.checks import KERNEL_IMPLS
+    from gdn_jax.ops.dispatch import kernel_of
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rules", default="gdn,kda,gdn2,gdp,gla")
     parser.add_argument(
@@ -226,6 +237,8 @@ def main(argv=None) -> int:
     for rule_key in args.rules.split(","):
         for impl, schedule in forms:
             if impl == "jla" and (not have_jla or RULES[rule_key][1] is None):
+                continue
+            if impl in KERNEL_IMPLS and kernel_of(OPS[RULES[rule_key][0]], impl) is None:
                 continue
             for batch, seq_len in shapes:
                 spec = dict(rule_key=rule_key, impl=impl, schedule=schedule, batch=batch,

@@ -1,4 +1,4 @@
-"""What the Mosaic GPU kernels (``impl="mosaic"``) become on an H200, read without one: the
+"""What the Mosaic GPU kernels (``impl="mosaic_gpu"``) become on an H200, read without one: the
 forward and forward+backward programs compiled here for an H200 (XLA's target config of the
 card, ``/work/shared/gpu/h200.txtpb``), with each Mosaic kernel's registers, spills and
 shared memory from ptxas and the wgmma instructions in its PTX.

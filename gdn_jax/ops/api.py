@@ -147,6 +147,8 @@ def batched(
             q, k, v, gates, initial_state = reverse_mode_only(
                 fn, 'impl="recurrent"', rule.gate_names, q, k, v, gates, initial_state
             )
+        compute = compute_dtype(q, *gates, initial_state)
+        dispatch.check_kernel(fn, rule, impl, q, v, compute, chunk_size)
     gates = rule.with_defaults(gates, "batched", sizes)
     inputs = prepare_batched(
         q, k, v, gates, initial_state, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens

@@ -242,13 +242,13 @@ def _hoisted_backward(inputs, starts, resets, d_ys, d_finals, *, associative=Fal
         )
     # As in chunked.py: off CPU a barrier keeps XLA from keeping the decays of stage 1
     # through the loop for chunk_grads, which forms them again after it.
-    kept, d_u = barrier_off_cpu(inputs, d_u)
+    kept, d_u, starts = barrier_off_cpu(inputs, d_u, starts)
     d = (d_ys, corrections, d_u, d_k_to_end, d_whole)
     dtypes = dtypes_of(inputs)
 
     def grads_of(*xs):
         *chunk_inputs, inverse, start, d = xs
-        q, k, v, *gates = cast_to(starts.dtype, *chunk_inputs)
+        q, k, v, *gates = cast_to(start.dtype, *chunk_inputs)
         return cast_back(chunk_grads(q, k, v, *gates, inverse, start, d), dtypes)
 
     grads = _grads_in_groups(grads_of, (*kept, f.inverse, starts, d))

@@ -1,4 +1,4 @@
-"""The chunked gated delta rule as Mosaic GPU kernels for Hopper (``impl="mosaic"``).
+"""The chunked gated delta rule as Mosaic GPU kernels for Hopper (``impl="mosaic_gpu"``).
 
 Forward (``mosaic_forward.py``): a kernel over every chunk at once for the parallel work (the
 decays, ``K K^T``, the inverse of the intra-chunk system by doubling blocks on the tensor
@@ -79,9 +79,9 @@ def _backward(residuals, table, d_y, d_finals, *, dims, v_dtype, interpret):
     count = len(q)
     if count > 1 and q[0].shape[-1] > 64:
         raise ValueError(
-            f'gated_delta_rule: impl="mosaic" differentiates inputs other than bf16 (two '
+            f"gated_delta_rule: impl='mosaic_gpu' differentiates inputs other than bf16 (two "
             f"bf16 pieces an operand) for key dims up to 64, got K={key_dim}: a Hopper "
-            f'block\'s shared memory holds no more; use bf16 q, k and v, or impl="chunked"'
+            f"block's shared memory holds no more; use bf16 q, k and v, or impl='chunked'"
         )
     d_y = mc.operand(_padded(d_y, 2), count)
     d_finals = _padded(_padded(d_finals, 3), 2)
@@ -132,24 +132,32 @@ def _core_bwd(static, saved, cotangents):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def check_inputs(key_dim: int, value_dim: int, v_dtype, compute, chunk_size: int) -> None:
-    """A ValueError naming what the kernels cannot take, before any work: chunks other
-    than 64, a compute dtype other than float32, key dims over 128 and value dims over 256
-    (128 unless v is bf16), padded to multiples of 64 (a Hopper block's shared memory
-    and wgmma's widths; ``benchmarks/mosaic_sm90.py`` compiles them for an H200)."""
-    op = 'gated_delta_rule: impl="mosaic"'
+def unsupported(key_dim: int, value_dim: int, v_dtype, compute, chunk_size: int) -> str | None:
+    """Why the kernels cannot take these inputs (None: they can): chunks other than 64, a
+    compute dtype other than float32, key dims over 128 and value dims over 256 (128 unless
+    v is bf16), padded to multiples of 64 (a Hopper block's shared memory and wgmma's
+    widths; ``benchmarks/mosaic_sm90.py`` compiles them for an H200), or a JAX without
+    Mosaic GPU's interpret mode (before 0.11)."""
+    if not mc.HAS_INTERPRET:
+        return f"needs jax >= 0.11 (Mosaic GPU's interpret mode), got jax {jax.__version__}"
     if chunk_size != CHUNK:
-        raise ValueError(
-            f"{op} runs chunks of {CHUNK} tokens (a wgmma's rows), got chunk_size={chunk_size}"
-        )
+        return f"runs chunks of {CHUNK} tokens (a wgmma's rows), got chunk_size={chunk_size}"
     if compute != F32:
-        raise ValueError(f"{op} computes in float32, got inputs whose compute dtype is {compute}")
+        return f"computes in float32, got inputs whose compute dtype is {compute}"
     widest_value = 256 if v_dtype == mc.BF16 else 128
     if -(-key_dim // 64) * 64 > 128 or -(-value_dim // 64) * 64 > widest_value:
-        raise ValueError(
-            f"{op} takes key dims up to 128 and value dims up to {widest_value} (v of dtype "
-            f'{v_dtype}), got K={key_dim}, V={value_dim}; use impl="chunked"'
+        return (
+            f"takes key dims up to 128 and value dims up to {widest_value} (v of dtype "
+            f"{v_dtype}), got K={key_dim}, V={value_dim}"
         )
+    return None
+
+
+def check_inputs(key_dim: int, value_dim: int, v_dtype, compute, chunk_size: int) -> None:
+    """``unsupported``'s reason as a ValueError, before any work."""
+    reason = unsupported(key_dim, value_dim, v_dtype, compute, chunk_size)
+    if reason is not None:
+        raise ValueError(f"gated_delta_rule: impl='mosaic_gpu' {reason}; use impl='chunked'")
 
 
 def gated_delta_rule_mosaic(

@@ -2,10 +2,13 @@
 chunked form, or one of the rule's kernels) and where the chunked form does each chunk's own
 work (``schedule``).
 
-``"auto"`` resolves both for the platform the program is lowered for, not the host that
-traces it (``jax.lax.platform_dependent``: traced on a CPU and compiled for a GPU, it is the
-GPU's choice). A kernel is a field of its rule (``Rule.kernels``); lowered for its own
-platform it is compiled, for any other it runs in Pallas's interpret mode.
+``"auto"`` resolves both for the platform the program is compiled for, not the host that
+traces it. The schedules by ``jax.lax.platform_dependent``, which keeps the lowered
+platform's branch. A kernel is a field of its rule (``Rule.kernels``): compiled for its own
+platform it runs as a kernel, for any other in Pallas's interpret mode, and ``"auto"``
+takes it only for its platform; these two are decided when the program is traced, by
+``compiled_for`` (an interpreted kernel's callbacks are effects, which a
+``platform_dependent`` branch without them cannot stand beside).
 """
 
 from __future__ import annotations
@@ -46,6 +49,17 @@ def check_impl(fn: str, rule: Rule, impl) -> None:
         )
 
 
+def check_kernel(fn: str, rule: Rule, impl, q, v, compute, chunk_size: int) -> None:
+    """An explicit kernel that cannot take these inputs is a ``ValueError`` saying why
+    (``Kernel.refuses``), before any work."""
+    kernel = kernel_of(rule, impl)
+    if kernel is None:
+        return
+    reason = kernel.refuses(q.shape[-1], v.shape[-1], v.dtype, compute, chunk_size)
+    if reason is not None:
+        raise ValueError(f"{fn}: impl={impl!r} {reason}; use impl='auto' or 'chunked'")
+
+
 def splits_sequence(impl) -> bool:
     """Whether ``impl`` runs under sequence parallelism, whose shards each run the chunked
     form: ``"chunked"``, and ``"auto"``, which then takes it."""
@@ -64,41 +78,37 @@ def one_head_form(rule: Rule, impl, *, chunk_size: int, schedule: checks.Schedul
     raise ValueError(f"{rule.name}: impl={impl!r} has no one-head form")
 
 
+def compiled_for() -> str:
+    """The platform the program being traced is compiled for, as tracing can tell: the
+    device of the abstract mesh in context (``gpu_compile`` traces under one of the GPU it
+    compiles for; ``jax.sharding.use_abstract_mesh``), else this process's first device.
+    ``"cuda"`` for an NVIDIA GPU, else the device's platform (``"cpu"``, ``"tpu"``, ...)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    device = device if device is not None else jax.devices()[0]
+    if device.platform == "gpu":
+        return "cuda" if "NVIDIA" in device.device_kind else "rocm"
+    return device.platform
+
+
 def run_batched(
     rule: Rule, impl, inputs: tuple, cu_seqlens, *, chunk_size: int, schedule, over_batch: Callable
 ):
     """``rule`` by ``impl`` over ``api.prepare_batched``'s ``inputs`` (q, k, v, gates,
     initial states): ``(o, finals)``. ``over_batch(one_head, *inputs, cu_seqlens)`` maps a
     one-head form over batch and heads (``api.over_batch_and_heads``)."""
-
-    def by_form(form, *args):
-        one_head = one_head_form(rule, form, chunk_size=chunk_size, schedule=schedule)
-        return over_batch(one_head, *args, cu_seqlens)
-
-    def by_kernel(kernel, *args):
-        return run_kernel(kernel, args, cu_seqlens, chunk_size=chunk_size)
-
+    if impl == "auto":
+        q, v, initial_states = inputs[0], inputs[2], inputs[4]
+        dims = (q.shape[-1], v.shape[-1], v.dtype, initial_states.dtype, chunk_size)
+        platform = compiled_for()
+        takes = (k for k in rule.kernels if k.auto and k.platform == platform)
+        impl = next((k.impl for k in takes if k.refuses(*dims) is None), "chunked")
     if impl in ("recurrent", "chunked"):
-        return by_form(impl, *inputs)
-    if impl != "auto":
-        return by_kernel(kernel_of(rule, impl), *inputs)
-    chosen = {k.platform: functools.partial(by_kernel, k) for k in rule.kernels if k.auto}
-    if not chosen:
-        return by_form("chunked", *inputs)
-    return jax.lax.platform_dependent(
-        *inputs, **chosen, default=functools.partial(by_form, "chunked")
-    )
-
-
-def run_kernel(kernel: Kernel, inputs: tuple, cu_seqlens, *, chunk_size: int):
-    """``kernel`` on ``inputs``: compiled where the program is lowered for its platform,
-    in Pallas's interpret mode anywhere else. Both are traced; a lowering keeps its own."""
-
-    def run(interpret, *args):
-        return kernel.run(*args, cu_seqlens, chunk_size=chunk_size, interpret=interpret)
-
-    branches = {kernel.platform: functools.partial(run, False)}
-    return jax.lax.platform_dependent(*inputs, **branches, default=functools.partial(run, True))
+        one_head = one_head_form(rule, impl, chunk_size=chunk_size, schedule=schedule)
+        return over_batch(one_head, *inputs, cu_seqlens)
+    kernel = kernel_of(rule, impl)
+    interpret = compiled_for() != kernel.platform
+    return kernel.run(*inputs, cu_seqlens, chunk_size=chunk_size, interpret=interpret)
 
 
 def run_schedule(schedules: dict[str, Callable], schedule: checks.Schedule, *args):

@@ -1,4 +1,4 @@
-"""The backward kernels of ``impl="mosaic"`` (``chunked_mosaic.py``): ``chunked.py``'s
+"""The backward kernels of ``impl="mosaic_gpu"`` (``chunked_mosaic.py``): ``chunked.py``'s
 hand-derived backward (its docstring and ``wy.py``'s give the derivation) as two Mosaic GPU
 kernels, on the forward's residuals: the inputs' pieces, ``w`` and each chunk's start state.
 

@@ -33,6 +33,7 @@ WGMMA = plgpu.Layout.WGMMA
 ROWS = WGMMA.reduce(1)
 COLS = WGMMA.reduce(0)
 SEGMENT_PIECES = 3  # bf16 pieces that hold a float32 gate exactly
+HAS_INTERPRET = hasattr(plgpu, "InterpretGPUParams")  # jax >= 0.11
 GATES = 5  # gate_rows: log_alpha, beta, and the decays from the start, to the end and whole
 
 

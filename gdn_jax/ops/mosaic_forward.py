@@ -1,4 +1,4 @@
-"""The forward kernels of ``impl="mosaic"`` (``chunked_mosaic.py``): the WY factors of every
+"""The forward kernels of ``impl="mosaic_gpu"`` (``chunked_mosaic.py``): the WY factors of every
 chunk, then the state pass with the outputs.
 
 1. ``factors``, a program per (chunk, value head): the chunk's decays, ``K K^T``, the inverse

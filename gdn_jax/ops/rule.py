@@ -37,6 +37,9 @@ class Kernel(NamedTuple):
       run: ``(q, k, v, gates, initial_states, cu_seqlens, *, chunk_size, interpret) -> (o,
         finals)`` on ``api.prepare_batched``'s inputs, differentiable in reverse mode; it
         imports its module when called, so that ``import gdn_jax`` loads no Pallas.
+      refuses: ``(key_dim, value_dim, v_dtype, compute_dtype, chunk_size) -> reason or
+        None``: why it cannot take such inputs (an explicit ``impl`` is then an error that
+        says so, ``"auto"`` runs the chunked form).
       platform: the platform it is compiled for (a ``jax.lax.platform_dependent`` key);
         lowered for any other, it runs in Pallas's interpret mode (slow, faithful).
       auto: whether ``impl="auto"`` takes it on its platform: only once a GPU has timed it
@@ -45,6 +48,7 @@ class Kernel(NamedTuple):
 
     impl: str
     run: Callable
+    refuses: Callable
     platform: str = "cuda"
     auto: bool = False
 

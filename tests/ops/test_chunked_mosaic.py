@@ -30,17 +30,15 @@ from support.tolerance import assert_close
 import gdn_jax
 from gdn_jax.ops import chunked_mosaic
 from gdn_jax.ops.api import prepare_batched
-from gdn_jax.ops.single_head import scaled_outputs
 
 
 def mosaic_rule(q, k, v, log_alpha, beta, *, initial_state=None, cu_seqlens=None, norm=False):
-    """``gdn_jax.gated_delta_rule`` with the kernels in place of the one-head forms: the
-    batched op's own preparation and output scaling around ``gated_delta_rule_mosaic``."""
-    inputs = prepare_batched(
-        q, k, v, (log_alpha, beta), initial_state, use_qk_l2norm=norm, cu_seqlens=cu_seqlens
-    )
-    y, final = chunked_mosaic.gated_delta_rule_mosaic(*inputs, cu_seqlens, chunk_size=64)
-    return scaled_outputs(y, q.shape[-1], None, v.dtype), final
+    """``gdn_jax.gated_delta_rule`` by its kernels (``impl="mosaic_gpu"``): interpreted on
+    this host, as the dispatch runs a kernel off its platform."""
+    return gdn_jax.gated_delta_rule(
+        q, k, v, log_alpha, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        use_qk_l2norm=norm, impl="mosaic_gpu", chunk_size=64,
+    )  # fmt: skip
 
 
 def xla_rule(q, k, v, log_alpha, beta, *, initial_state=None, cu_seqlens=None, norm=False):
@@ -179,3 +177,29 @@ def test_float32_gradients_past_64_key_channels_are_a_named_error():
     jax.eval_shape(loss, q)
     with pytest.raises(ValueError, match="inputs other than bf16 .* up to 64, got K=128"):
         jax.eval_shape(jax.grad(loss), q)
+
+
+def test_the_kernels_compiled_for_an_h200_fit_a_hopper_block_on_the_tensor_cores():
+    """Compiled for an H200 on this host (``gdn_jax.gpu_compile``): every kernel launchable
+    (shared memory within a Hopper block's), its products on the tensor cores (wgmma), no
+    spills but the grads kernel's 20 B (benchmarks/mosaic_sm90.py has its figures), and the
+    forward+backward a few dozen launches. A kernel's resources depend on K and V, not on B,
+    T or H: the report's K = V = 128 at a small B and T."""
+    gpu_compile = pytest.importorskip("gdn_jax.gpu_compile")
+    if not gpu_compile.plugin_installed():
+        pytest.skip('compiling for a GPU needs the CUDA plugin: pip install -e ".[gpu-compile]"')
+    q, k, v, la, b = random_inputs(10, 256, 128, 128, lead=(2,), heads=(2, 4))
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+
+    def loss(*args):
+        return jnp.sum(mosaic_rule(*args, norm=True)[0].astype(jnp.float32))
+
+    report = gpu_compile.report(jax.grad(loss, argnums=range(5)), q, k, v, la, b)
+    names = sorted(kernel.name.rsplit("_", 1)[0] for kernel in report.kernels)
+    assert names == [f"gdn_mosaic_{n}" for n in ("factors", "grads", "reverse", "states")]
+    for kernel in report.kernels:
+        assert kernel.launchable, (kernel.name, kernel.problem)
+        assert kernel.tensor_core_instructions > 0, kernel.name
+        spills = 20 if "grads" in kernel.name else 0
+        assert kernel.spill_stores <= spills, (kernel.name, kernel.spill_stores)
+    assert report.launches.total <= 40 and not report.launches.loops

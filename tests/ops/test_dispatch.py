@@ -20,6 +20,22 @@ from gdn_jax.ops.rule import Kernel
 from gdn_jax.ops.rules import RULES
 
 
+def test_a_kernel_that_cannot_take_the_inputs_says_why_before_any_work():
+    q, k, v, la, b = random_inputs(0, 8, 4, 4, lead=(1,), heads=(1, 1))
+    with pytest.raises(
+        ValueError,
+        match=r"gated_delta_rule: impl='mosaic_gpu' (runs chunks of 64 tokens.*got chunk_size=32|needs jax >= 0.11)",
+    ):
+        gdn_jax.gated_delta_rule(q, k, v, la, b, impl="mosaic_gpu", chunk_size=32)
+
+
+def test_auto_runs_the_chunked_form_where_a_marked_kernel_refuses_the_inputs():
+    rule = RULES["gated_delta_rule"]
+    refusing = constant_kernel(5.0, platform="cpu", auto=True)._replace(refuses=lambda *d: "no")
+    out = run_rule(dataclasses.replace(rule, kernels=(refusing,)), "auto")
+    assert jnp.array_equal(out, run_rule(rule, "chunked"))
+
+
 def test_a_rule_without_the_kernel_asked_for_is_refused_where_it_is_built():
     message = r"impl='mosaic_gpu' is a kernel kda does not have \(its kernels: none\)"
     q, k, v, la, b = random_inputs(0, 8, 4, 4, lead=(1,), heads=(1, 1))
@@ -41,7 +57,7 @@ def constant_kernel(value, **fields):
         out = jnp.full((*q.shape[:3], v.shape[-1]), sign * value, initial_states.dtype)
         return out.repeat(v.shape[2] // q.shape[2], axis=2), initial_states
 
-    return Kernel("mosaic_gpu", run, **fields)
+    return Kernel("mosaic_gpu", run, lambda *dims: None, **fields)
 
 
 def run_rule(rule, impl):

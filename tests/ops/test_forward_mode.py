@@ -95,12 +95,12 @@ def test_the_one_head_and_sequence_parallel_forms_say_what_to_use():
             ROUTES["jvp"](f, v)
 
 
-def test_the_pallas_kernel_refuses_forward_mode_too():
+def test_the_mosaic_gpu_kernel_refuses_forward_mode_too():
     f, v = op_of_v("gated_delta_rule", "batched")
     (q, k, _, *gates), _ = inputs(RULES["gated_delta_rule"], "batched")
 
     def kernel(v):
-        return gdn_jax.gated_delta_rule(q, k, v, *gates, impl="pallas", chunk_size=CHUNK)[0]
+        return gdn_jax.gated_delta_rule(q, k, v, *gates, impl="mosaic_gpu", chunk_size=64)[0]
 
     with pytest.raises(ValueError, match=expected("gated_delta_rule", "batched")):
         ROUTES["jvp"](kernel, v)

@@ -16,10 +16,24 @@ from jaxtyping import Array, Float, Int
 from gdn_jax.ops import checks
 from gdn_jax.ops.api import batched
 from gdn_jax.ops.chunked import chunked_rule
-from gdn_jax.ops.rule import GateSpec, Rule, public_form
+from gdn_jax.ops.rule import GateSpec, Kernel, Rule, public_form
 from gdn_jax.ops.sequence_parallel import seq_parallel
 from gdn_jax.ops.single_head import chunked_single_head, recurrent_single_head
 from gdn_jax.ops.step import checked_step, delta_step
+
+
+def _mosaic_gpu(*args, **kwargs):
+    """The Mosaic GPU kernels (``ops/chunked_mosaic.py``), imported when first traced."""
+    from gdn_jax.ops import chunked_mosaic
+
+    return chunked_mosaic.gated_delta_rule_mosaic(*args, **kwargs)
+
+
+def _mosaic_gpu_refuses(*args):
+    from gdn_jax.ops import chunked_mosaic
+
+    return chunked_mosaic.unsupported(*args)
+
 
 GATED_DELTA = Rule(
     name="gated_delta_rule",
@@ -32,6 +46,8 @@ GATED_DELTA = Rule(
     step=delta_step,
     chunked=chunked_rule,
     shares_qk=True,
+    # Opt-in until a GPU has timed it against the chunked form (docs/benchmarks.md).
+    kernels=(Kernel("mosaic_gpu", _mosaic_gpu, _mosaic_gpu_refuses, platform="cuda"),),
 )
 
 
