@@ -32,6 +32,8 @@ def test_targets_are_the_vendors_hopper_limits():
         assert (limits.shared_memory, limits.registers) == (232448, 65536)
     assert gpu_compile.target_device("h200").device_kind == "NVIDIA H200"
     assert gpu_compile.target_device("h100").device_kind == "NVIDIA H100 80GB HBM3"
+    assert len(gpu_compile.target_devices("h200:8")) == 8
+    assert gpu_compile.parse_target("h200:8").hbm_bytes == 150011101184
 
 
 def test_a_gemm_and_a_fusion_are_two_launches_with_their_memory():
@@ -126,8 +128,10 @@ def test_bad_targets_and_arguments_are_named():
         gpu_compile.target_device("a100")
     with pytest.raises(ValueError, match="device must be a GPU device"):
         gpu_compile.compile_for(jnp.sin, MATRIX, device=jax.devices("cpu")[0])
-    with pytest.raises(ValueError, match="every argument must be a jax.ShapeDtypeStruct"):
+    with pytest.raises(TypeError, match="args\\[0\\] must be an array or a jax.ShapeDtypeStruct"):
         gpu_compile.report(jnp.sin, "matrix")
+    with pytest.raises(ValueError, match="GPU target 'h200:0' must be one of h100, h200"):
+        gpu_compile.target_devices("h200:0")
     with pytest.raises(ValueError, match="autotune_results '/nonexistent' is not a file"):
         gpu_compile.report(jnp.sin, MATRIX, autotune_results="/nonexistent")
 

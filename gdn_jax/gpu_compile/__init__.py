@@ -25,6 +25,7 @@ import dataclasses
 import importlib.resources
 import importlib.util
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -35,20 +36,24 @@ from gdn_jax.gpu_compile import kernels as kernel_reports
 from gdn_jax.gpu_compile import thunks
 from gdn_jax.gpu_compile.kernels import Kernel
 from gdn_jax.gpu_compile.thunks import Launches, Loop
+from gdn_jax.tpu_compile import place_arguments
 
 __all__ = [
     "INSTALL_COMMAND",
     "TARGETS",
     "GpuCompileMissing",
+    "GpuTarget",
     "Kernel",
     "Launches",
     "Loop",
     "Report",
     "compile_for",
+    "parse_target",
     "plugin_installed",
     "report",
     "target_config",
     "target_device",
+    "target_devices",
 ]
 
 INSTALL_COMMAND = 'pip install "gdn_jax[gpu-compile]"'
@@ -56,8 +61,42 @@ INSTALL_COMMAND = 'pip install "gdn_jax[gpu-compile]"'
 TARGETS = {"h100": "h100.txtpb", "h200": "h200.txtpb"}
 
 
+_NAME = re.compile(r"^(?P<model>[a-z0-9]+)(?::(?P<count>[1-9][0-9]*))?$")
+
+
 class GpuCompileMissing(RuntimeError):
     """JAX's CUDA plugin is not installed, or did not start."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTarget:
+    """GPUs of one host by name: ``"h200"`` is one H200, ``"h200:8"`` eight (``model`` a key
+    of ``TARGETS``)."""
+
+    name: str
+    model: str
+    chips: int
+
+    @property
+    def hbm_bytes(self) -> int:
+        """Memory of one GPU, as CUDA reports it (its target config)."""
+        config = target_config(self.model)
+        return int(re.search(r"device_memory_size: (\d+)", config)[1])
+
+    def hbm_per_device(self, devices) -> int:
+        del devices  # one device a GPU
+        return self.hbm_bytes
+
+
+def parse_target(name: str) -> GpuTarget:
+    """``"h200"`` or ``"h200:8"`` as a ``GpuTarget``; ``ValueError`` for anything else."""
+    match = _NAME.match(name) if isinstance(name, str) else None
+    if match is None or match["model"] not in TARGETS:
+        raise ValueError(
+            f"GPU target {name!r} must be one of {', '.join(TARGETS)}, optionally with a GPU "
+            "count, e.g. h200 or h200:8"
+        )
+    return GpuTarget(name, match["model"], int(match["count"] or 1))
 
 
 def plugin_installed() -> bool:
@@ -75,20 +114,28 @@ def target_config(name: str) -> str:
 
 
 def target_device(name: str) -> jax.Device:
-    """A device of GPU target ``name`` to compile for, on any host.
+    """A device of GPU target ``name`` (a key of ``TARGETS``) to compile for, on any host.
 
     Raises:
       ValueError: ``name`` is not a key of ``TARGETS``.
       GpuCompileMissing: the CUDA plugin is not installed or did not start.
     """
-    config = target_config(name)
+    target_config(name)
+    return target_devices(name)[0]
+
+
+def target_devices(name: str) -> list[jax.Device]:
+    """The devices of GPU target ``name`` (``parse_target``: ``"h200:8"`` is eight GPUs of
+    one host) to compile for, on any host. Raises as ``target_device``."""
+    target = parse_target(name)
+    config = target_config(target.model)
     if not plugin_installed():
         raise GpuCompileMissing(f"compiling for a GPU needs JAX's CUDA plugin: {INSTALL_COMMAND}")
     from jax.experimental import topologies
 
     try:
         topology = topologies.get_topology_desc(
-            platform="cuda", target_config=config, topology="1x1x1"
+            platform="cuda", target_config=config, topology=f"1x1x{target.chips}"
         )
     except NotImplementedError:
         raise GpuCompileMissing(
@@ -96,21 +143,22 @@ def target_device(name: str) -> jax.Device:
             "first): start the process with JAX_PLATFORMS=cpu or "
             "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1"
         ) from None
-    return topology.devices[0]
+    return list(topology.devices)
 
 
 def compile_for(
     fn: Callable,
     *args,
-    device: jax.Device,
+    device: jax.Device | None = None,
     autotune_results: str | os.PathLike | None = None,
     options: dict | None = None,
 ) -> jax.stages.Compiled:
-    """``fn`` (a function, or a ``jax.jit`` of one) compiled for GPU ``device``
-    (``target_device``). ``args`` are pytrees of ``jax.ShapeDtypeStruct`` (placed on
-    ``device``) or arrays (their shapes and dtypes); ``options`` are XLA debug options for
-    this compile alone (``xla_dump_to``, ...)."""
-    if not isinstance(device, jax.Device) or device.platform != "gpu":
+    """``fn`` (a function, or a ``jax.jit`` of one with its own shardings) compiled for GPU
+    ``device`` (``target_device``). ``args`` are pytrees of ``jax.ShapeDtypeStruct`` or arrays
+    (their shapes and dtypes), placed on ``device`` unless they carry a sharding of their own
+    (``tpu_compile.place_arguments``); ``options`` are XLA debug options for this compile
+    alone (``xla_dump_to``, ...)."""
+    if device is not None and (not isinstance(device, jax.Device) or device.platform != "gpu"):
         raise ValueError(
             f"compile_for: device must be a GPU device of target_device, got {device!r}"
         )
@@ -120,9 +168,12 @@ def compile_for(
         if not path.is_file():
             raise ValueError(f"compile_for: autotune_results {str(path)!r} is not a file")
         options["xla_gpu_load_autotune_results_from"] = str(path)
-    placed = jax.tree.map(lambda x: _placed(x, device), args)
+    placed = place_arguments("compile_for", args, device)
+    gpus = {d for leaf in jax.tree.leaves(placed) for d in leaf.sharding.device_set}
+    if not gpus:
+        raise ValueError("compile_for: no argument to place on a GPU: give at least one")
     jitted = fn if isinstance(fn, jax.stages.Wrapped) else jax.jit(fn)
-    with _abstract_gpu(device):
+    with _abstract_gpu(next(iter(gpus))):
         lowered = jitted.trace(*placed).lower()
     with _no_cache_entry():
         return lowered.compile(options)
@@ -217,20 +268,15 @@ def report(
     )
 
 
-def _placed(x, device):
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise ValueError(
-            f"compile_for: every argument must be a jax.ShapeDtypeStruct or an array, got {x!r}"
-        )
-    return jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(device)
-    )
-
-
 @contextlib.contextmanager
 def _abstract_gpu(device):
-    """Lowering under a one-device mesh of ``device``'s kind: Pallas's Triton backend asks the
-    mesh's device for the compute capability it writes for (this host's is a CPU)."""
+    """Tracing under an abstract mesh of ``device``'s kind, unless a mesh is in context
+    already (the caller's, over the GPUs compiled for): Pallas's Triton backend asks the
+    mesh's device for the compute capability it writes for, and gdn_jax's dispatch asks it
+    whether a kernel runs compiled (this host's own device is a CPU)."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        yield
+        return
     kind = jax.sharding.AbstractDevice(
         device_kind=device.device_kind, num_cores=None, platform="gpu"
     )

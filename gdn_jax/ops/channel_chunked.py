@@ -226,33 +226,42 @@ def _hoisted_forward(inputs, initial_states, resets, *, keep_starts, associative
     return outputs(y_start, f.scores, corrections), finals, starts
 
 
-def _hoisted_backward(inputs, starts, resets, d_ys, d_finals, *, associative=False):
-    if associative:  # else XLA merges stage 1 here with the forward's and keeps it between
-        inputs, starts = barrier_off_cpu(inputs, starts)
+def _hoisted_backward(inputs, starts, resets, d_ys, d_finals):
     q, k, v, *gates = cast_to(starts.dtype, *inputs)
     f, k_to_end, q_from_start, d_u_intra = over_chunks(backward_inputs)(q, k, v, *gates, d_ys)
     xs = (starts, f.w, f.u, k_to_end, q_from_start, f.decays.whole, d_u_intra, d_ys)
-    if associative:
-        factors = (f.w, f.u, k_to_end, f.decays.whole)
-        d_ends, d_initial = end_cotangents(state_pass_bwd, xs, factors, d_finals, resets)
-        _, (corrections, d_u, d_k_to_end, d_whole) = over_chunks(state_pass_bwd)(d_ends, *xs)
-    else:
-        (corrections, d_u, d_k_to_end, d_whole), d_initial = scan_blocks_backward(
-            state_pass_bwd, xs, d_finals, resets
-        )
+    (corrections, d_u, d_k_to_end, d_whole), d_initial = scan_blocks_backward(
+        state_pass_bwd, xs, d_finals, resets
+    )
     # As in chunked.py: off CPU a barrier keeps XLA from keeping the decays of stage 1
     # through the loop for chunk_grads, which forms them again after it.
-    kept, d_u, starts = barrier_off_cpu(inputs, d_u, starts)
+    kept, d_u = barrier_off_cpu(inputs, d_u)
     d = (d_ys, corrections, d_u, d_k_to_end, d_whole)
     dtypes = dtypes_of(inputs)
 
     def grads_of(*xs):
         *chunk_inputs, inverse, start, d = xs
-        q, k, v, *gates = cast_to(start.dtype, *chunk_inputs)
+        q, k, v, *gates = cast_to(starts.dtype, *chunk_inputs)
         return cast_back(chunk_grads(q, k, v, *gates, inverse, start, d), dtypes)
 
     grads = _grads_in_groups(grads_of, (*kept, f.inverse, starts, d))
     return grads, d_initial
+
+
+def _associative_backward(inputs, starts, resets, d_ys, d_finals):
+    # The barriers as in chunked._associative_backward, for the same memory.
+    inputs, starts = barrier_off_cpu(inputs, starts)
+    q, k, v, *gates = cast_to(starts.dtype, *inputs)
+    f, k_to_end, q_from_start, d_u_intra = over_chunks(backward_inputs)(q, k, v, *gates, d_ys)
+    xs = (starts, f.w, f.u, k_to_end, q_from_start, f.decays.whole, d_u_intra, d_ys)
+    factors = (f.w, f.u, k_to_end, f.decays.whole)
+    d_ends, d_initial = end_cotangents(state_pass_bwd, xs, factors, d_finals, resets)
+    inputs, starts, d_ends = barrier_off_cpu(inputs, starts, d_ends)
+
+    def backward_of(d_end, start, *chunk):
+        return chunk_backward(d_end, start, *chunk)[1]
+
+    return _grads_in_groups(backward_of, (d_ends, starts, *inputs, d_ys)), d_initial
 
 
 def _grads_in_groups(grads_of, xs):
@@ -326,9 +335,7 @@ def _with_writes_first(schedule, *, wider_too: bool):
 SCHEDULES = {
     "hoisted": _with_writes_first((_hoisted_forward, _hoisted_backward), wider_too=False),
     "associative": _with_writes_first(
-        tuple(
-            functools.partial(f, associative=True) for f in (_hoisted_forward, _hoisted_backward)
-        ),
+        (functools.partial(_hoisted_forward, associative=True), _associative_backward),
         wider_too=False,
     ),
     "in_scan": _with_writes_first((_in_scan_forward, _in_scan_backward), wider_too=True),

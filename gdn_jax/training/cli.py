@@ -102,7 +102,7 @@ def parse_args(argv):
     which.add_argument(
         "--compile-only",
         action="store_true",
-        help="train nothing: compile the train step for the TPU slice --topology ahead of "
+        help="train nothing: compile the train step for the TPU slice or GPUs --topology ahead of "
         "time and print its memory per chip against the chip's HBM (exit 0 if it fits, 1 if "
         "not); needs libtpu, not a TPU",
     )
@@ -202,25 +202,33 @@ def _main(argv) -> int:
 
 
 def _compile_only(args, fail) -> int:
-    """``--compile-only --topology NAME``: every check before libtpu starts, then the
+    """``--compile-only --topology NAME``: every check before the compiler starts, then the
     compile and its table (``compile_only.report``). Writes nothing."""
-    from gdn_jax import tpu_compile
+    from gdn_jax import gpu_compile, tpu_compile
     from gdn_jax.training.config import load_config
 
     if not args.compile_only:
         return fail("--topology is for --compile-only")
     if args.topology is None:
-        return fail("--compile-only needs --topology, e.g. --topology v5e:2x4")
+        return fail("--compile-only needs --topology, e.g. --topology v5e:2x4 or h200:8")
+    gpu = args.topology.split(":")[0] in gpu_compile.TARGETS
     try:
-        topology = tpu_compile.parse_topology(args.topology)
+        parse = gpu_compile.parse_target if gpu else tpu_compile.parse_topology
+        topology = parse(args.topology)
+    except ValueError as error:
+        return fail(f"{error}; or GPUs of one host: {', '.join(gpu_compile.TARGETS)}[:count]")
+    try:
         config = load_config(resolve_config(args.config), args.overrides)
     except (ValueError, OSError) as error:
         return fail(error)
-    if not tpu_compile.libtpu_installed():
+    if gpu and not gpu_compile.plugin_installed():
+        return fail(f"compiling for a GPU needs JAX's CUDA plugin: {gpu_compile.INSTALL_COMMAND}")
+    if not gpu and not tpu_compile.libtpu_installed():
         return fail(tpu_compile.LibtpuMissing())
-    # This host only compiles: its own devices take no part, and libtpu is told it is the
-    # slice's one worker (else it warns that it cannot find out).
-    tpu_compile.quiet_libtpu(topology)
+    if not gpu:
+        # This host only compiles: its own devices take no part, and libtpu is told it is
+        # the slice's one worker (else it warns that it cannot find out).
+        tpu_compile.quiet_libtpu(topology)
     import jax
 
     from gdn_jax.training import compile_only
@@ -230,18 +238,21 @@ def _compile_only(args, fail) -> int:
         jax.config.update("jax_platforms", "cpu")
     elif isinstance(devices := host_devices(), str):
         return fail(
-            f"{devices}; --compile-only compiles on this host and needs no TPU of its own: "
-            "unset JAX_PLATFORMS or set JAX_PLATFORMS=cpu"
+            f"{devices}; --compile-only compiles on this host and needs no accelerator of its "
+            "own: unset JAX_PLATFORMS or set JAX_PLATFORMS=cpu"
         )
     try:
-        devices = tpu_compile.topology_devices(topology.name)
+        find = gpu_compile.target_devices if gpu else tpu_compile.topology_devices
+        devices = find(topology.name)
         memory = compile_only.step_memory(config, topology, devices)
-    except (ValueError, RunError) as error:
+    except (ValueError, RunError, gpu_compile.GpuCompileMissing) as error:
         return fail(error)
-    print(
-        f"train step of {args.config} for TPU {topology.name} ({topology.chips} "
-        f"chips, mesh {_mesh_text(config, devices)})"
-    )
+    mesh = _mesh_text(config, devices)
+    if gpu:
+        where = f"{topology.chips} x {topology.model.upper()} (mesh {mesh})"
+    else:
+        where = f"TPU {topology.name} ({topology.chips} chips, mesh {mesh})"
+    print(f"train step of {args.config} for {where}")
     print("\n".join(compile_only.report(memory, topology, devices)))
     return 0 if memory.fits else 1
 

@@ -1,9 +1,11 @@
-"""``gdn-train --compile-only --topology v5e:2x4``: will a config's train step fit a TPU slice?
+"""``gdn-train --compile-only --topology v5e:2x4`` (or ``h200:8``): will a config's train
+step fit a TPU slice, or a host's NVIDIA GPUs?
 
 The model and optimizer are built abstractly (shapes only, nothing allocated), ``train.mesh``
-is laid over the slice's devices, and the train step is compiled ahead of time by libtpu's
-TPU compiler on this host (``gdn_jax.tpu_compile``). The figures are the compiler's, for one
-device: what the step's arguments, outputs and temporaries take, against the chip's HBM.
+is laid over the slice's devices, and the train step is compiled ahead of time on this host
+by libtpu's TPU compiler (``gdn_jax.tpu_compile``) or XLA:GPU (``gdn_jax.gpu_compile``). The
+figures are the compiler's, for one device: what the step's arguments, outputs and
+temporaries take, against the device's memory.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import re
 
 import jax
 
+from gdn_jax.gpu_compile import GpuTarget
+from gdn_jax.gpu_compile import compile_for as compile_for_gpu
 from gdn_jax.tpu_compile import Topology, compile_for, devices_per_chip
 from gdn_jax.training import mesh as mesh_lib
 from gdn_jax.training.config import Config
@@ -58,15 +62,16 @@ def shard_bytes(tree) -> int:
     )
 
 
-def step_memory(config: Config, topology: Topology, devices) -> StepMemory:
-    """Compile the train step for ``devices`` (a slice of ``topology``) and read its
-    memory and FLOPs for one device."""
+def step_memory(config: Config, topology: Topology | GpuTarget, devices) -> StepMemory:
+    """Compile the train step for ``devices`` (a slice of ``topology``, or a host's GPUs)
+    and read its memory and FLOPs for one device."""
     train_step, state, batch, mesh = train_step_inputs(config, devices)
-    hbm = topology.hbm_bytes // devices_per_chip(devices)
+    gpu = isinstance(topology, GpuTarget)
+    hbm = topology.hbm_bytes // (1 if gpu else devices_per_chip(devices))
     sizes = StepMemory(state=shard_bytes(state), batch=shard_bytes(batch), hbm=hbm)
     try:
         with jax.set_mesh(mesh):
-            compiled = compile_for(train_step, state, batch)
+            compiled = (compile_for_gpu if gpu else compile_for)(train_step, state, batch)
     except jax.errors.JaxRuntimeError as error:
         if not is_out_of_memory(error):
             raise
@@ -80,16 +85,17 @@ def step_memory(config: Config, topology: Topology, devices) -> StepMemory:
         - stats.alias_size_in_bytes
         + stats.temp_size_in_bytes
     )
-    flops = compiled.cost_analysis()["flops"]
+    # XLA:GPU estimates no cost without the device (its gemms are not autotuned).
+    flops = (compiled.cost_analysis() or {}).get("flops")
     return dataclasses.replace(sizes, temp=stats.temp_size_in_bytes, total=total, flops=flops)
 
 
-def report(memory: StepMemory, topology: Topology, devices) -> list[str]:
+def report(memory: StepMemory, topology: Topology | GpuTarget, devices) -> list[str]:
     """The lines ``--compile-only`` prints: the table per device, the FLOPs, the verdict."""
-    per_chip = devices_per_chip(devices)
-    unit = "chip" if per_chip == 1 else "device"
+    per_chip = 1 if isinstance(topology, GpuTarget) else devices_per_chip(devices)
+    unit = "GPU" if isinstance(topology, GpuTarget) else "chip" if per_chip == 1 else "device"
     who = unit if per_chip == 1 else f"device ({per_chip} per {topology.generation} chip)"
-    hbm = f"{memory.hbm / 2**30:g} GiB"
+    hbm = f"{memory.hbm / 2**30:.4g} GiB"
     rows = [
         ("parameters + optimizer state", memory.state),
         ("batch", memory.batch),
@@ -102,10 +108,13 @@ def report(memory: StepMemory, topology: Topology, devices) -> list[str]:
     if memory.out_of_memory is not None:
         lines.append(f"does NOT fit: the TPU compiler ran out of HBM: {memory.out_of_memory}")
         return lines
-    lines.append(
-        f"compiled FLOPs per step per {unit}: {memory.flops:.3e} (XLA's count, in which a loop "
-        "body counts once)"
-    )
+    if memory.flops is None:
+        lines.append(f"compiled FLOPs per step per {unit}: not estimated without the device")
+    else:
+        lines.append(
+            f"compiled FLOPs per step per {unit}: {memory.flops:.3e} (XLA's count, in which a "
+            "loop body counts once)"
+        )
     verdict = "fits" if memory.fits else "does NOT fit"
     lines.append(
         f"{verdict}: {memory.total / MIB:.2f} MiB of {hbm} per {unit} "

@@ -641,12 +641,22 @@ def test_compile_only_prints_the_memory_per_chip_and_whether_it_fits(tmp_path, c
     ("args", "sets", "pattern"),
     [
         (["--topology", "v5e:2x2"], [], r"--topology is for --compile-only$"),
-        (["--compile-only"], [], r"--compile-only needs --topology, e.g. --topology v5e:2x4$"),
+        (
+            ["--compile-only"],
+            [],
+            r"--compile-only needs --topology, e.g. --topology v5e:2x4 or h200:8$",
+        ),
+        (
+            ["--compile-only", "--topology", "h200:0"],
+            [],
+            r"GPU target 'h200:0' must be one of h100, h200, optionally with a GPU count",
+        ),
         (
             ["--compile-only", "--topology", "v7:2x2"],
             [],
             r"topology 'v7:2x2' must be <generation>:<chips per axis, joined by x> with a "
-            r"generation of v4, v5e, v5p, v6e, e.g. v5e:2x4$",
+            r"generation of v4, v5e, v5p, v6e, e.g. v5e:2x4; or GPUs of one host: h100, "
+            r"h200\[:count\]$",
         ),
         (
             ["--compile-only", "--topology", "v5e:3x3"],
@@ -666,6 +676,23 @@ def test_compile_only_refuses_bad_input_in_one_line(tmp_path, command, args, set
             "libtpu", reason='--compile-only needs libtpu: pip install -e ".[test]"'
         )
     one_line_error(command(tmp_path / "run", *args, sets=sets), pattern)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.costly(15)
+def test_compile_only_for_gpus_prints_the_memory_per_gpu(tmp_path, command):
+    pytest.importorskip(
+        "jax_plugins.xla_cuda13", reason='needs the CUDA plugin: pip install -e ".[test]"'
+    )
+    result = compile_only(command, tmp_path, topology="h200:2")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].endswith("for 2 x H200 (mesh data=2 x model=1 x seq=1)")
+    assert lines[1] == "per GPU, MiB (HBM 139.7 GiB):"
+    rows = {line[:32].strip(): float(line[32:]) for line in lines[2:6]}
+    assert 0 < rows["parameters + optimizer state"] < rows["total"] < 1024
+    assert lines[6] == "compiled FLOPs per step per GPU: not estimated without the device"
+    assert re.fullmatch(r"fits: [\d.]+ MiB of 139.7 GiB per GPU \([\d.]+%\) on h200:2", lines[7])
     assert not (tmp_path / "run").exists()
 
 
@@ -701,7 +728,7 @@ def test_compile_only_with_a_tpu_platform_this_host_lacks_is_one_line(
             command(tmp_path / "run", *args),
             r"JAX_PLATFORMS=tpu: Unable to initialize backend 'tpu': NOT_FOUND: TPU "
             r"initialization failed: No jellyfish device found\.(; --compile-only compiles "
-            r"on this host and needs no TPU of its own: unset JAX_PLATFORMS or set "
+            r"on this host and needs no accelerator of its own: unset JAX_PLATFORMS or set "
             r"JAX_PLATFORMS=cpu)?$",
         )
         assert not (tmp_path / "run").exists()
