@@ -28,7 +28,11 @@ def test_api_reference_builds_without_warnings(tmp_path):
 
 
 # The modules of gdn_jax that need an extra beyond the core, and that extra.
-NEEDS_EXTRA = {"gdn_jax.tpu_compile": "tpu-compile", "gdn_jax.training": "train"}
+NEEDS_EXTRA = {
+    "gdn_jax.tpu_compile": "tpu-compile",
+    "gdn_jax.gpu_compile": "gpu-compile",
+    "gdn_jax.training": "train",
+}
 
 
 def test_each_readme_block_runs_with_what_the_readme_has_installed():
