@@ -16,13 +16,15 @@
 # and model tests; a test limit of 0 runs none) narrow a run. PROFILE_ARGS (gpu_check.py
 # arguments, such as --item) adds a second, profiled pass of those items after the first
 # (OUT/profile/), in its own process, so that a profiler that fails costs nothing the first
-# pass measured; PROFILE_LIMIT (seconds, default 150) bounds it.
+# pass measured; it loads the first pass's autotune results rather than tuning the same programs
+# again. PROFILE_LIMIT (seconds, default 150) bounds it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: gpu_run.sh OUT [check budget s] [test limit s]}"
 budget="${2:-300}"
 test_limit="${3:-180}"
 mkdir -p "$out"
+autotune="$(cd "$out" && pwd)/xla_autotune.textproto"
 site=/tmp/gdn_jax_site
 wheels=(.whl/fla_core-*.whl .whl/jax_linear_attention-*.whl .whl/beartype-*.whl)
 # The image's flax is used where it is at least gdn_jax's floor; otherwise the carried one.
@@ -37,13 +39,17 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi > "$out/gpu_check.log" 2>&1
 began=$SECONDS
 timeout -k 10 $((budget + ${TRAIN_LIMIT:-150})) python3 benchmarks/gpu_check.py --out "$out" --budget "$budget" \
-    --autotune-to "$out/xla_autotune.textproto" ${CHECK_ARGS:-} 2>&1 | tee -a "$out/gpu_check.log"
+    --autotune-to "$autotune" ${CHECK_ARGS:-} 2>&1 | tee -a "$out/gpu_check.log"
 echo "gpu_check: exit ${PIPESTATUS[0]} after $((SECONDS - began)) s"
 if [ -n "${PROFILE_ARGS:-}" ]; then
     began=$SECONDS
+    tuned="${XLA_FLAGS:-}"
+    if [ -s "$autotune" ]; then
+        tuned+=" --xla_gpu_load_autotune_results_from=$autotune"
+    fi
     # Its log goes to the terminal only, and it writes no autotune file: eight files come back.
-    timeout -k 10 "${PROFILE_LIMIT:-150}" python3 benchmarks/gpu_check.py --out "$out/profile" \
-        --profile --skip-training --repeats 3 ${PROFILE_ARGS} 2>&1 | tail -n 30
+    XLA_FLAGS="$tuned" timeout -k 10 "${PROFILE_LIMIT:-150}" python3 benchmarks/gpu_check.py \
+        --out "$out/profile" --profile --skip-training --repeats 3 ${PROFILE_ARGS} 2>&1 | tail -n 30
     echo "gpu_check --profile: exit ${PIPESTATUS[0]} after $((SECONDS - began)) s"
 fi
 if [ "$test_limit" -le 0 ]; then
