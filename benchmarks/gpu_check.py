@@ -1,6 +1,6 @@
-"""The GPU check: gdn_jax's chunked ops against flash-linear-attention's Triton kernels and
-jax-linear-attention's Mosaic GPU kernels on the same inputs, then the MQAR training step and
-``python train.py`` to its stop.
+"""The GPU check: gdn_jax's ops, in each form that ``gpu_compile_report.py`` lists, against
+flash-linear-attention's Triton kernels and jax-linear-attention's Mosaic GPU kernels on the same
+inputs, then the MQAR training step and ``python train.py`` to its stop.
 
     python benchmarks/gpu_check.py --out DIR            # on a GPU host (benchmarks/gpu_run.sh)
     python benchmarks/gpu_check.py --out DIR --smoke    # tiny shapes, anywhere: a check that it runs
@@ -8,20 +8,29 @@ jax-linear-attention's Mosaic GPU kernels on the same inputs, then the MQAR trai
 For Gated DeltaNet, KDA and GDN-2 at each shape (B=4, T=4096 and B=1, T=32768; H=16, K=V=128;
 bf16 q, k, v; float32 gates and state; the L2 norm of q and k inside the op):
 
-- **agreement**: gdn_jax's output, final state and the gradient of every input against each
-  peer's, with the bf16 row of the tests' tolerance table (``tests/support/tolerance.py``);
+- **agreement**: each implementation's output, final state and the gradient of every input
+  against those of each one measured before it on the item, with the bf16 row of the tests'
+  tolerance table (``tests/support/tolerance.py``);
 - **time**: forward, and forward+backward (the gradient of ``sum(o * do)`` with respect to
   every input, ``do`` fixed), median of ``--repeats`` synchronised runs after two warm-ups,
-  for gdn_jax in each schedule and its Pallas kernel (``impl="pallas"``, Gated DeltaNet only),
-  fla (torch autograd) and jax-linear-attention;
+  for gdn_jax's Mosaic GPU kernels (``impl="mosaic_gpu"``, Gated DeltaNet only) and its
+  chunked form in each schedule (``associative``, ``hoisted``, ``in_scan``), fla (torch
+  autograd) and jax-linear-attention, in the order ``--item`` names them;
 - **memory**: the peak device memory of each program: for JAX its compiled arguments, outputs
   and temporaries (``memory_analysis``), for torch ``max_memory_allocated`` over the call with
   the inputs resident.
 
-A peer that is not installed, or that refuses the call, is recorded as skipped with the
-reason. Results go to ``DIR/gpu_check.json`` and ``DIR/gpu_check.md`` after every item, so
-a run cut short keeps what it measured. ``--budget`` seconds bound the op measurements: an item
-that would start after it is recorded as skipped.
+A peer that is not installed, or an implementation that refuses the call (the kernel for a
+rule without one, or on a JAX without Mosaic GPU's interpret mode off a GPU), is recorded as
+skipped with the reason. Results go to ``DIR/gpu_check.json`` and ``DIR/gpu_check.md`` after
+every item, so a run cut short keeps what it measured. ``--budget`` seconds bound the op
+measurements: an item that would start after it is recorded as skipped.
+
+``--autotune-to FILE`` has XLA write its autotune results (the gemm and fusion tilings it
+measured on the GPU) to FILE at every timed program's compile. XLA keeps one cache a process
+and writes all of it each time, so the file holds every timed JAX program's results once the
+run ends; ``.textproto`` writes it as text. ``gpu_compile_report.py --autotune-results FILE``
+compiles with those tilings on a host without the GPU.
 """
 
 from __future__ import annotations
@@ -47,17 +56,22 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from gpu_report import Report, environment  # noqa: E402 (after the path it is found on)
-from triton_sm90 import parse_launch  # noqa: E402
+from gpu_report import Report, autotune_record, environment  # noqa: E402 (after its path)
 
-# (B, T) at H heads of K = V = DIM: the issue's shapes, and tiny ones for --smoke.
+# (B, T) at H heads of K = V = DIM: the issue's shapes, and tiny ones for --smoke (chunks of
+# 64, the kernels' only size; 96 tokens end off the chunk grid).
 FULL = dict(shapes=[(4, 4096), (1, 32768)], heads=16, dim=128, chunk=64)
-SMOKE = dict(shapes=[(1, 96)], heads=2, dim=16, chunk=32)
-# gdn_jax's forms measured: the XLA chunked form in each schedule, and the Pallas kernel
-# (impl="pallas", Gated DeltaNet only).
-SCHEDULES = ("hoisted", "in_scan", "pallas")
-IMPLS = ("fla", "jla", *SCHEDULES)
+SMOKE = dict(shapes=[(1, 96)], heads=2, dim=16, chunk=64)
+# gdn_jax's forms measured, as gpu_compile_report.py lists them: its kernel, and the chunked
+# form in each schedule.
+KERNEL = "mosaic_gpu"
+FORMS = (KERNEL, "associative", "hoisted", "in_scan")
+# Every implementation, in the order an item measures them by default: what no GPU has timed
+# yet first; fla last, since its first call autotunes Triton kernels for minutes.
+IMPLS = (KERNEL, "associative", "jla", "hoisted", "in_scan", "fla")
 WARMUPS = 2
+# XLA options for every timed program's compile (main sets the autotune dump here).
+COMPILE_OPTIONS: dict[str, str] = {}
 # jax-linear-attention's implementation measured: its Hopper kernels ("chunked" is its XLA form).
 JLA_IMPL = "mosaic_gpu"
 SMOKE_RUN = [
@@ -138,7 +152,7 @@ def jax_program(fn, args, repeats, profile=False):
     import jax
 
     start = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()
+    compiled = jax.jit(fn).lower(*args).compile(dict(COMPILE_OPTIONS))
     compile_s = time.perf_counter() - start
     memory = compiled.memory_analysis()
     peak = None
@@ -164,9 +178,10 @@ def jax_program(fn, args, repeats, profile=False):
 # --- the three implementations -------------------------------------------------------------
 
 
-def gdn_jax_runs(op: Op, arrays, schedule, chunk, repeats, profile=False):
-    """gdn_jax's forward and forward+backward: ``{"fwd": ..., "fwd+bwd": ...}`` with each
-    program's time and memory, and the values to compare (state as ``[B, H, K, V]``)."""
+def gdn_jax_runs(op: Op, arrays, form, chunk, repeats, profile=False):
+    """gdn_jax's forward and forward+backward in ``form`` (its kernel or a schedule of the
+    chunked form): ``{"fwd": ..., "fwd+bwd": ...}`` with each program's time and memory, and
+    the values to compare (state as ``[B, H, K, V]``)."""
     import jax
     import jax.numpy as jnp
 
@@ -177,10 +192,10 @@ def gdn_jax_runs(op: Op, arrays, schedule, chunk, repeats, profile=False):
     args = [jnp.asarray(arrays[n], jnp.bfloat16 if n in "qkv" else jnp.float32) for n in names]
     do = jnp.asarray(arrays["do"])
 
-    form = dict(impl="pallas") if schedule == "pallas" else dict(schedule=schedule)
+    options = dict(impl=KERNEL) if form == KERNEL else dict(impl="chunked", schedule=form)
 
     def forward(*args):
-        return fn(*args, chunk_size=chunk, use_qk_l2norm=True, **form)
+        return fn(*args, chunk_size=chunk, use_qk_l2norm=True, **options)
 
     def loss(*args_and_do):
         *args, do = args_and_do
@@ -301,8 +316,7 @@ def agreement(actual: dict, expected: dict) -> dict[str, float]:
     for name, e in expected.items():
         if name not in actual:
             continue
-        a = np.asarray(actual[name], np.float64)
-        e = np.asarray(e, np.float64)
+        a, e = np.asarray(actual[name], np.float32), np.asarray(e, np.float32)
         if a.shape != e.shape:
             raise ValueError(f"{name}: shape {a.shape} against {e.shape}")
         bound = atol * max(1.0, float(np.max(np.abs(e), initial=0.0))) + rtol * np.abs(e)
@@ -365,41 +379,11 @@ def parse_items(specs: list[str], sizes) -> list[tuple]:
     return items
 
 
-def parse_launches(specs: list[str]) -> list[str | None]:
-    """``--pallas-launch`` values (``triton_sm90.parse_launch``'s form) as given, checked;
-    none given is the kernel's own launch."""
-    for spec in specs:
-        try:
-            parse_launch(spec)
-        except ValueError as error:
-            raise ValueError(f"--pallas-launch {error}") from None
-    return list(specs) or [None]
-
-
-@contextlib.contextmanager
-def pallas_launch(spec: str | None):
-    """The Pallas kernels launched as ``spec`` says while the block runs (None: as they are)."""
-    if spec is None:
-        yield
-        return
-    import jax
-
-    from gdn_jax.ops import chunked_pallas
-
-    before = chunked_pallas.LAUNCH
-    chunked_pallas.LAUNCH = parse_launch(spec)
-    jax.clear_caches()
-    try:
-        yield
-    finally:
-        chunked_pallas.LAUNCH = before
-        jax.clear_caches()
-
-
-def check_ops(report: Report, sizes, items, repeats, deadline, launches=(None,), profile=False):
-    """Each item measured; with ``profile``, each JAX forward+backward program is also
-    profiled after it is timed."""
-    heads, dim, chunk = sizes["heads"], sizes["dim"], sizes["chunk"]
+def check_ops(report: Report, sizes, items, repeats, deadline, profile=False):
+    """Each item measured, its implementations in the order it names them, each one's values
+    checked against those of every one measured before it; with ``profile``, each JAX
+    forward+backward program is also profiled after it is timed."""
+    heads, dim = sizes["heads"], sizes["dim"]
     peers = peers_available()
     for peer, why in peers.items():
         if why is not None:
@@ -411,42 +395,33 @@ def check_ops(report: Report, sizes, items, repeats, deadline, launches=(None,),
             report.skip(label, "the --budget ran out")
             continue
         arrays = make_inputs(op, batch, seq_len, heads, dim)
-        peer_values = {}  # the values each implementation computed, by its name
-        for peer in ("fla", "jla"):
-            if peer not in impls or peers[peer] is not None:
+        measured = {}  # the values (on the host) each implementation computed, by its row
+        for impl in impls:
+            if peers.get(impl) is not None:
                 continue
+            row_name = impl if impl in peers else f"gdn_jax {impl}"
             try:
-                if peer in IN_CHILD:
-                    timings, values = in_child(peer, op, sizes, (batch, seq_len), repeats, profile)
-                else:
-                    timings, values = RUNNERS[peer](op, arrays, repeats, chunk, profile)
-            except Exception as error:  # a peer that refuses is recorded, not fatal
-                report.skip(f"{peer} {label}", f"{type(error).__name__}: {error}"[:400])
+                timings, values = measure(
+                    impl, op, arrays, sizes, (batch, seq_len), repeats, profile
+                )
+            except Exception as error:  # a refusal or a failed compile is recorded, not fatal
+                report.skip(f"{row_name} {label}", f"{type(error).__name__}: {error}"[:400])
                 continue
-            peer_values[peer] = values
-            report.add_op(dict(op=op.name, shape=shape, impl=peer, **timings))
-            print(f"{label} {peer}: {_summary(timings)}", flush=True)
-        for schedule in (s for s in SCHEDULES if s in impls):
-            if schedule == "pallas" and op.key != "gdn":
-                report.skip(f"pallas {label}", "the kernel is Gated DeltaNet's only")
-                continue
-            for launch in launches if schedule == "pallas" else [None]:
-                impl = f"gdn_jax {schedule}" + ("" if launch is None else f" {launch}")
-                try:
-                    with pallas_launch(launch):
-                        timings, values = gdn_jax_runs(
-                            op, arrays, schedule, chunk, repeats, profile
-                        )
-                except Exception as error:  # a kernel that fails to compile is recorded
-                    report.skip(f"{impl} {label}", f"{type(error).__name__}: {error}"[:400])
-                    continue
-                fractions = {peer: agreement(values, pv) for peer, pv in peer_values.items()}
-                row = dict(op=op.name, shape=shape, impl=impl, **timings)
-                report.add_op(dict(row, agreement=fractions))
-                print(f"{label} {impl}: {_summary(timings)} {fractions}", flush=True)
-                # The other forms are checked against this one too (on a host without the
-                # peers, the only comparison there is).
-                peer_values[impl] = values
+            values = {n: np.asarray(x, np.float32) for n, x in values.items()}
+            fractions = {other: agreement(values, seen) for other, seen in measured.items()}
+            report.add_op(
+                dict(op=op.name, shape=shape, impl=row_name, **timings, agreement=fractions)
+            )
+            print(f"{label} {row_name}: {_summary(timings)} {fractions}", flush=True)
+            measured[row_name] = values
+
+
+def measure(impl, op, arrays, sizes, shape, repeats, profile):
+    """``(timings, values)`` of ``impl`` on one item, in a child process where ``IN_CHILD``
+    says so."""
+    if impl in IN_CHILD:
+        return in_child(impl, op, sizes, shape, repeats, profile)
+    return RUNNERS[impl](op, arrays, repeats, sizes["chunk"], profile)
 
 
 # fla runs in a child process with a time limit: its first call autotunes its Triton kernels,
@@ -460,13 +435,13 @@ def _runners():
     runners["jla"] = lambda op, arrays, repeats, chunk, profile: jla_runs(
         op, arrays, repeats, profile
     )
-    for schedule in SCHEDULES:
-        runners[schedule] = functools.partial(_gdn_jax_runner, schedule=schedule)
+    for form in FORMS:
+        runners[form] = functools.partial(_gdn_jax_runner, form=form)
     return runners
 
 
-def _gdn_jax_runner(op, arrays, repeats, chunk, profile, *, schedule):
-    return gdn_jax_runs(op, arrays, schedule, chunk, repeats, profile)
+def _gdn_jax_runner(op, arrays, repeats, chunk, profile, *, form):
+    return gdn_jax_runs(op, arrays, form, chunk, repeats, profile)
 
 
 RUNNERS = _runners()
@@ -506,6 +481,21 @@ def run_child(spec: str, sizes, out: Path, repeats: int, profile: bool = False):
     out.mkdir(parents=True, exist_ok=True)
     (out / "timings.json").write_text(json.dumps(timings))
     np.savez(out / "values.npz", **{k: np.asarray(v, np.float32) for k, v in values.items()})
+
+
+@contextlib.contextmanager
+def dumping_autotune(path: Path | None):
+    """Every timed program compiled while the block runs writes XLA's autotune results (the
+    process's whole cache) to ``path``; None: none written."""
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    COMPILE_OPTIONS["xla_gpu_dump_autotune_results_to"] = str(path.resolve())
+    try:
+        yield
+    finally:
+        del COMPILE_OPTIONS["xla_gpu_dump_autotune_results_to"]
 
 
 def _summary(timings):
@@ -584,10 +574,8 @@ def main(argv=None):
         f"IMPL in {list(IMPLS)}, e.g. kda@4x4096:jla,hoisted",
     )  # fmt: skip
     parser.add_argument(
-        "--pallas-launch", action="append", default=[], metavar="FBVxFWxBBVxBW[:P]",
-        help="time impl 'pallas' launched so (repeatable): each kernel's value block and "
-        "warps, and the float32 products' precision, e.g. 64x4x64x8:ieee; default the "
-        "kernel's own",
+        "--autotune-to", type=Path, metavar="FILE",
+        help="write XLA's autotune results of the timed programs here (.textproto: as text)",
     )  # fmt: skip
     parser.add_argument("--child", metavar="IMPL:OP:BxT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -599,13 +587,17 @@ def main(argv=None):
         return
     try:
         items = parse_items(args.item, sizes)
-        launches = parse_launches(args.pallas_launch)
     except ValueError as error:
         parser.error(str(error))
     began = time.perf_counter()
     report = Report(args.out, environment())
     print(report.data["environment"], flush=True)
-    check_ops(report, sizes, items, args.repeats, began + args.budget, launches, args.profile)
+    with dumping_autotune(args.autotune_to):
+        check_ops(report, sizes, items, args.repeats, began + args.budget, args.profile)
+    if args.autotune_to is not None:
+        report.data["autotune"] = autotune_record(args.autotune_to)
+        report.write()
+        print(f"XLA autotune results: {report.data['autotune']}", flush=True)
     if not args.skip_training:
         check_training(report, args.smoke, args.repeats)
     print(f"done in {time.perf_counter() - began:.0f} s; {args.out / 'gpu_check.md'}")

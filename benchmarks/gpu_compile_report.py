@@ -12,6 +12,12 @@ backward the gradients of ``sum(o * do)`` for every input. With jax-linear-atten
 installed (``pip install jax-linear-attention``) its Mosaic GPU ops are compiled beside them
 as ``jla``. Each program compiles in a child process, so that one the compiler cannot build
 (or that crashes it) is a row that says so.
+
+Without a GPU, XLA keeps its gemms' default tilings. ``--autotune-results FILE`` compiles with
+the ones it measured on a GPU: the file ``benchmarks/gpu_run.sh`` brings back
+(``xla_autotune.textproto``). XLA finds a result only for a GPU described as the target is (the
+description is part of each result's key), so the report prints the file's descriptions beside
+the target's.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -27,6 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 SHAPES = [(4, 4096), (1, 32768)]  # (B, T) at H = 16 heads of K = V = 128, chunks of 64
 HEADS, DIM, CHUNK = 16, 128, 64
@@ -123,7 +131,7 @@ def _as_if_on_hopper():
             module.is_hopper = lambda: True
 
 
-def measure(rule_key, impl, schedule, batch, seq_len, target) -> dict:
+def measure(rule_key, impl, schedule, batch, seq_len, target, autotune_results=None) -> dict:
     """One row: both programs' reports (in this process)."""
     from gdn_jax import gpu_compile
 
@@ -131,7 +139,7 @@ def measure(rule_key, impl, schedule, batch, seq_len, target) -> dict:
     for name, backward in (("fwd", False), ("fwd_bwd", True)):
         fn, args = program(rule_key, impl, schedule, batch, seq_len, backward)
         start = time.perf_counter()
-        report = gpu_compile.report(fn, *args, target=target)
+        report = gpu_compile.report(fn, *args, target=target, autotune_results=autotune_results)
         row[f"{name}_compile_s"] = round(time.perf_counter() - start, 1)
         row[name] = summary(report)
     return row
@@ -208,12 +216,51 @@ def table(rows) -> list[str]:
     return lines
 
 
+def target_key(target: str) -> str:
+    """The target's description as XLA's autotune keys write a GPU's (compute capability,
+    cores, clock, memory bandwidth in GB/s rounded, L2 in MiB)."""
+    from gdn_jax import gpu_compile
+
+    config = gpu_compile.target_config(target)
+
+    def field(name, default="0"):
+        found = re.search(rf"^\s*{name}: ([\d.]+)", config, re.M)
+        return float(found.group(1) if found else default)
+
+    capability = config.split("cuda_compute_capability {")[1].split("}")[0]
+    major, minor = (re.search(rf"{n}: (\d+)", capability) for n in ("major", "minor"))
+    return (
+        f"CUDA: {major.group(1) if major else 0}.{minor.group(1) if minor else 0}, "
+        f"Cores: {field('core_count'):g}, GPU clock: {field('clock_rate_ghz'):g} GHz, "
+        f"Memory bandwidth: {round(field('memory_bandwidth') / 1e9):g} GB/s, "
+        f"L2 cache: {field('l2_cache_size') / 2**20:g} MB"
+    )
+
+
+def autotune_note(path: Path, target: str) -> str:
+    """What the autotune results file holds, beside the target's description."""
+    from gpu_report import autotune_record
+
+    record = autotune_record(path)
+    if "devices" in record:
+        devices = ", ".join(f"'{d}'" for d in record["devices"]) or "no device"
+        held = f"{record['results']} results for {devices}"
+    else:
+        held = f"{record['bytes']:,} bytes (binary: its devices not read)"
+    return (
+        f"XLA autotune results from {path}: {held}; the {target} target is "
+        f"'{target_key(target)}' (a result is found only where these agree)"
+    )
+
+
 def main(argv=None) -> int:
     from gdn_jax.ops import RULES as OPS
     from gdn_jax.ops.checks import KERNEL_IMPLS
     from gdn_jax.ops.dispatch import kernel_of
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="gpu_compile_report.py", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--rules", default="gdn,kda,gdn2,gdp,gla")
     parser.add_argument(
         "--forms",
@@ -224,15 +271,26 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default="h200", choices=("h100", "h200"))
     parser.add_argument("--out", type=Path, help="also write the table (markdown) here")
     parser.add_argument("--json", type=Path, help="also write every row (JSON lines) here")
+    parser.add_argument(
+        "--autotune-results", type=Path, metavar="FILE",
+        help="compile with XLA's autotune results from a GPU (gpu_run.sh's xla_autotune.textproto)",
+    )  # fmt: skip
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         spec = json.loads(args.child)
         print(json.dumps(measure(**spec)))
         return 0
+    if args.autotune_results is not None and not args.autotune_results.is_file():
+        parser.error(f"--autotune-results {str(args.autotune_results)!r} is not a file")
     forms = [tuple((f.split(":") + [""])[:2]) for f in args.forms.split(",")]
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     have_jla = importlib.util.find_spec("jla") is not None
+    tuned, note = None, []
+    if args.autotune_results is not None:
+        tuned = str(args.autotune_results.resolve())
+        note = [autotune_note(args.autotune_results, args.target), ""]
+        print(note[0], flush=True)
     rows = []
     for rule_key in args.rules.split(","):
         for impl, schedule in forms:
@@ -242,7 +300,7 @@ def main(argv=None) -> int:
                 continue
             for batch, seq_len in shapes:
                 spec = dict(rule_key=rule_key, impl=impl, schedule=schedule, batch=batch,
-                            seq_len=seq_len, target=args.target)  # fmt: skip
+                            seq_len=seq_len, target=args.target, autotune_results=tuned)  # fmt: skip
                 row = in_child(spec)
                 row.update(rule=rule_key, impl=impl, schedule=schedule, shape=f"{batch}x{seq_len}")
                 rows.append(row)
@@ -250,7 +308,7 @@ def main(argv=None) -> int:
                 if args.json:
                     with args.json.open("a") as f:
                         f.write(json.dumps(row) + "\n")
-    text = "\n".join(table(rows))
+    text = "\n".join([*note, *table(rows)])
     print(text)
     if args.out:
         args.out.write_text(text + "\n")

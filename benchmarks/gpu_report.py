@@ -1,12 +1,14 @@
 """What ``gpu_check.py`` measured, written as it goes: ``Report`` keeps the measurements and
 writes ``gpu_check.json`` and the markdown table ``gpu_check.md`` after every item, so that a
-run cut short keeps what it measured; ``environment`` records the versions it ran with."""
+run cut short keeps what it measured; ``environment`` records the versions it ran with, and
+``autotune_record`` what XLA's autotune results file holds."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import platform
+import re
 import subprocess
 from pathlib import Path
 
@@ -81,6 +83,8 @@ def markdown(data) -> str:
         run = training["train_py"]
         lines += ["", f"`python train.py`: {run['wall_s']:.1f} s wall, stopped at step "
                   f"{run['final_step']} ({run['reason']}), held-out accuracy {run['eval_accuracy']}"]  # fmt: skip
+    if "autotune" in data:
+        lines += ["", _autotune_line(data["autotune"])]
     if data["skipped"]:
         lines += ["", "Skipped:", *(f"- {s['what']}: {s['why']}" for s in data["skipped"])]
     return "\n".join(lines) + "\n"
@@ -88,23 +92,27 @@ def markdown(data) -> str:
 
 def _stage_table(rows) -> list[str]:
     """Where each profiled forward+backward spends its time: ms per call by stage (the
-    chunked form's, the Pallas kernels', ``other``) and its costliest instruction."""
-    from stage_profile import OTHER, STAGES
+    chunked form's, the kernels', ``other``: those found in any row) and its costliest
+    instruction."""
+    from stage_profile import OTHER, ordered
 
     profiled = [r for r in rows if "stages" in r["fwd+bwd"]]
     if not profiled:
         return []
+    found = {s for r in profiled for s in r["fwd+bwd"]["stages"].get("ms_per_call", {})}
+    columns = ordered(found) or [OTHER]
     lines = [
         "",
         "Forward+backward by stage (ms per call, from JAX's profiler; `stage_profile.py`):",
         "",
-        "| op | B×T | implementation | " + " | ".join((*STAGES, OTHER)) + " | costliest op |",
-        "|---|---|---|" + "---:|" * (len(STAGES) + 1) + "---|",
+        "| op | B×T | implementation | " + " | ".join(columns) + " | costliest op |",
+        "|---|---|---|" + "---:|" * len(columns) + "---|",
     ]
     for row in profiled:
         stages = row["fwd+bwd"]["stages"]
         if "error" in stages:
-            cells = [stages["error"] + f" ({stages.get('where', '')})", *[""] * len(STAGES)]
+            cells = [f"{stages['error']} ({stages.get('where', '')})"]
+            cells += [""] * (len(columns) - 1)
             lines.append(
                 f"| {row['op']} | {row['shape']} | {row['impl']} | " + " | ".join(cells) + " | |"
             )
@@ -114,13 +122,37 @@ def _stage_table(rows) -> list[str]:
         costliest = (
             "-" if top is None else f"{top['op']} ({top['stage']}, {top['ms_per_call']:.2f})"
         )
-        cells = [f"{ms[s]:.2f}" if s in ms else "-" for s in (*STAGES, OTHER)]
+        cells = [f"{ms[s]:.2f}" if s in ms else "-" for s in columns]
         lines.append(
             f"| {row['op']} | {row['shape']} | {row['impl']} | "
             + " | ".join(cells)
             + f" | {costliest} |"
         )
     return lines
+
+
+def autotune_record(path: Path) -> dict:
+    """What XLA's autotune results file at ``path`` holds: its size and, written as text
+    (``.textproto``), how many results and for which devices (the GPU's description, part of
+    every result's key: a compile for a target of other figures finds none of them)."""
+    if not path.is_file():
+        # On a GPU, XLA writes the file at every compile that has the option, tuned or not.
+        return dict(file=path.name, written=False, why="no program was compiled for a GPU")
+    record = dict(file=path.name, written=True, bytes=path.stat().st_size)
+    if path.suffix in (".textproto", ".txt", ".pbtxt", ".prototxt"):
+        text = path.read_text()
+        record["results"] = len(re.findall(r"^results \{", text, re.M))
+        record["devices"] = sorted(set(re.findall(r'^\s*device: "(.*)"$', text, re.M)))
+    return record
+
+
+def _autotune_line(record: dict) -> str:
+    if not record["written"]:
+        return f"XLA autotune results: none written to `{record['file']}` ({record['why']})"
+    held = f"{record['bytes']:,} bytes"
+    if "results" in record:
+        held = f"{record['results']} results for {'; '.join(record['devices']) or 'no device'}"
+    return f"XLA autotune results: `{record['file']}`, {held}"
 
 
 def environment() -> dict:

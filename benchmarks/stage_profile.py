@@ -5,8 +5,10 @@
 runs ``compiled(*args)`` ``calls`` times under ``jax.profiler.trace``, takes the trace's op
 events (each names the HLO instruction it ran, ``hlo_op``), and gives each instruction the
 stage whose named scope its ``op_name`` metadata holds: the chunked form's
-or the Pallas kernels' (``gdn_jax.ops.stages``). An instruction in none of them is
-``"other"``: the layouts, the norms of q and k, the gates, casts and pads around the stages.
+(``gdn_jax.ops.stages``), else the Mosaic GPU kernel's it runs in (each kernel is the scope of
+its name, ``gdn_mosaic_*``; interpreted off a GPU, every instruction of its interpreter). An
+instruction in none of them is ``"other"``: the layouts, the norms of q and k, the gates,
+casts and pads around the stages.
 
 Time is each event's own time, its nested events taken out (a loop's event on the CPU holds
 its body's). On a GPU the device's "XLA Ops" line is read where the trace has it, else its
@@ -27,20 +29,33 @@ from gdn_jax.ops import stages as stage_names
 
 STAGES = stage_names.ALL
 OTHER = "other"
+# A Mosaic GPU kernel of gdn_jax's: the scope of its name (ops/mosaic_forward.py, _backward.py).
+KERNEL = re.compile(r"gdn_mosaic_\w+")
 # One instruction of HLO text: its name and its metadata's op_name.
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?op_name=\"([^\"]*)\"")
 
 
 def op_stages(hlo_text: str) -> dict[str, str]:
     """Each instruction with an ``op_name`` in the HLO text: its stage, the outermost named
-    scope of ``STAGES`` on its path (the backward's ``factors_again`` holds ``factors``)."""
+    scope of ``STAGES`` on its path (the backward's ``factors_again`` holds ``factors``), else
+    the kernel's whose scope it is in, else ``OTHER``."""
     stages = {}
     for line in hlo_text.splitlines():
         match = _INSTRUCTION.match(line)
         if match:
             names = re.findall(r"\w+", match.group(2))
-            stages[match.group(1)] = next((n for n in names if n in STAGES), OTHER)
+            stage = next((n for n in names if n in STAGES), None)
+            stage = stage or next((n for n in names if KERNEL.fullmatch(n)), OTHER)
+            stages[match.group(1)] = stage
     return stages
+
+
+def ordered(stages) -> list[str]:
+    """``stages`` in the order of a table's columns: the chunked form's, the kernels'
+    (by name), then ``OTHER``."""
+    found = set(stages)
+    kernels = sorted(found - {*STAGES, OTHER})
+    return [s for s in STAGES if s in found] + kernels + [OTHER] * (OTHER in found)
 
 
 def _trace_events(folder: Path) -> list[dict]:
@@ -115,7 +130,7 @@ def attribute(events: list[dict], stages: dict[str, str], calls: int, top: int =
     return dict(
         where=where,
         calls=calls,
-        ms_per_call={s: per_stage[s] * ms for s in (*STAGES, OTHER) if s in per_stage},
+        ms_per_call={s: per_stage[s] * ms for s in ordered(per_stage)},
         unmatched_ms_per_call=unknown * ms,
         top=[dict(op=op, stage=stages[op], ms_per_call=t * ms) for op, t in ranked],
     )

@@ -1,6 +1,6 @@
 """``benchmarks/gpu_check.py --smoke`` on this CPU: every part of the GPU check runs at tiny
-shapes, the peers that cannot run here are recorded as skipped with the reason, and what it
-writes is a table a reader can use."""
+shapes, the peers that cannot run here and the forms this JAX cannot run are recorded as
+skipped with the reason, and what it writes is a table a reader can use."""
 
 import importlib.util
 import json
@@ -8,9 +8,15 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 REPO = Path(__file__).resolve().parents[2]
+# Mosaic GPU's interpret mode, which runs impl="mosaic_gpu" off a GPU (jax >= 0.11).
+INTERPRETS = hasattr(plgpu, "InterpretGPUParams")
+FORMS = ["gdn_jax mosaic_gpu", "gdn_jax associative", "gdn_jax hoisted", "gdn_jax in_scan"]
+GDN_VALUES = ["dbeta", "dk", "dlog_alpha", "dq", "dv", "final_state", "o"]
 
 
 def load_check():
@@ -21,106 +27,141 @@ def load_check():
     return module
 
 
+def skipped(data) -> dict[str, str]:
+    return {entry["what"]: entry["why"] for entry in data["skipped"]}
+
+
 @pytest.mark.costly(25)
 def test_smoke_run_writes_every_measurement(tmp_path):
     check = load_check()
+    autotune = tmp_path / "xla_autotune.textproto"
     with jax.numpy_dtype_promotion("standard"):  # optax mixes float and int32 in Adam
         check.main(
-            [
-                "--smoke",
-                "--out",
-                str(tmp_path),
-                "--repeats",
-                "1",
-                "--item",
-                "gdn:hoisted,in_scan,pallas",
-                "--profile",
-                "--pallas-launch",
-                "8x2x4x8:ieee",
-            ]
-        )
+            ["--smoke", "--out", str(tmp_path), "--repeats", "1", "--profile",
+             "--item", "gdn:mosaic_gpu,associative,hoisted,in_scan",
+             "--autotune-to", str(autotune)]
+        )  # fmt: skip
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     rows = {row["impl"]: row for row in data["ops"]}
-    assert sorted(rows) == [
-        "gdn_jax hoisted",
-        "gdn_jax in_scan",
-        "gdn_jax pallas 8x2x4x8:ieee",  # two value blocks of 8 a forward program, four of 4 back
-    ]
+    measured = FORMS if INTERPRETS else FORMS[1:]
+    assert list(rows) == measured  # in the order the item names them
+    if not INTERPRETS:
+        assert skipped(data)["gdn_jax mosaic_gpu Gated DeltaNet 1×96"] == (
+            "ValueError: gated_delta_rule: impl='mosaic_gpu' needs jax >= 0.11 (Mosaic GPU's "
+            f"interpret mode), got jax {jax.__version__}; use impl='auto' or 'chunked'"
+        )
     for row in rows.values():
         for part in ("fwd", "fwd+bwd"):
             assert row[part]["ms"] > 0 and row[part]["peak_bytes"] > 0, row
-    # The two schedules and the kernel agree on the output, the final state and every
-    # input's gradient.
-    for later in ("gdn_jax in_scan", "gdn_jax pallas 8x2x4x8:ieee"):
-        fractions = rows[later]["agreement"]["gdn_jax hoisted"]
-        assert sorted(fractions) == ["dbeta", "dk", "dlog_alpha", "dq", "dv", "final_state", "o"]
-        assert max(fractions.values()) <= 1.0, fractions
-    skipped = {entry["what"]: entry["why"] for entry in data["skipped"]}
-    assert skipped["jla"] in (
+    # Each form agrees with every one measured before it on the output, the final state and
+    # every input's gradient.
+    for i, impl in enumerate(measured):
+        assert sorted(rows[impl]["agreement"]) == sorted(measured[:i])
+        for fractions in rows[impl]["agreement"].values():
+            assert sorted(fractions) == GDN_VALUES
+            assert max(fractions.values()) <= 1.0, fractions
+    assert skipped(data)["jla"] in (
         "jax-linear-attention is not installed",
         "its kernels need a GPU backend",
     )
-    assert skipped["fla"] in ("fla-core is not installed", "torch sees no CUDA device")
+    assert skipped(data)["fla"] in ("fla-core is not installed", "torch sees no CUDA device")
     training = data["training"]
     assert training["step_ms"] > 0
     assert training["train_py"]["final_step"] == 4 and training["train_py"]["reason"] == "steps"
+    # No GPU compiled anything here, so XLA autotuned nothing and wrote no file.
+    assert data["autotune"] == dict(
+        file="xla_autotune.textproto", written=False, why="no program was compiled for a GPU"
+    )
+    assert not autotune.exists()
     table = (tmp_path / "gpu_check.md").read_text()
     assert "| Gated DeltaNet | 1×96 | gdn_jax in_scan |" in table
     assert "`python train.py`" in table and "- fla: " in table
-    # --profile: each program's time by stage, every stage of its form found in the trace.
-    for impl, stages in (
-        ("gdn_jax hoisted", ("factors", "state_pass", "state_pass_backward", "input_grads")),
-        ("gdn_jax pallas 8x2x4x8:ieee", ("pallas_forward", "pallas_backward")),
-    ):
+    assert "XLA autotune results: none written to `xla_autotune.textproto`" in table
+    # --profile: each program's time by stage, every stage of its form found in the trace,
+    # each kernel of impl="mosaic_gpu" its own.
+    chunked = ("factors", "state_pass", "factors_again", "state_pass_backward", "input_grads")
+    kernels = ("gdn_mosaic_factors", "gdn_mosaic_states", "gdn_mosaic_reverse", "gdn_mosaic_grads")
+    for impl in measured:
         profile = rows[impl]["fwd+bwd"]["stages"]
         assert profile["where"] == "host" and profile["calls"] == 3, profile
+        stages = kernels if impl == "gdn_jax mosaic_gpu" else chunked
         assert all(profile["ms_per_call"].get(s, 0) > 0 for s in stages), profile
-    assert (
-        "| Gated DeltaNet | 1×96 | gdn_jax pallas 8x2x4x8:ieee | - |" in table.split("by stage")[1]
-    )
-    # The launch that was set for a row is undone after it.
-    from gdn_jax.ops import chunked_pallas
-
-    assert chunked_pallas.LAUNCH == chunked_pallas.Launch()
+    by_stage = table.split("by stage")[1]
+    assert "| op | B×T | implementation | factors | state_pass | " in by_stage
+    assert ("gdn_mosaic_grads" in by_stage) == INTERPRETS
 
 
 def test_a_form_that_fails_is_recorded_and_the_rest_measured(tmp_path, monkeypatch):
-    """A kernel that Triton refuses on the GPU must not end the run that measures the rest."""
+    """A kernel that fails to compile on the GPU, or a rule without the kernel, must not end
+    the run that measures the rest."""
     check = load_check()
     measure = check.gdn_jax_runs
 
-    def refuse_the_kernel(op, arrays, schedule, chunk, repeats, profile):
-        if schedule == "pallas":
+    def refuse_the_kernel(op, arrays, form, chunk, repeats, profile):
+        if form == "mosaic_gpu" and op.key == "gdn":
             raise RuntimeError("out of shared memory")
-        return measure(op, arrays, schedule, chunk, repeats, profile)
+        return measure(op, arrays, form, chunk, repeats, profile)
 
     monkeypatch.setattr(check, "gdn_jax_runs", refuse_the_kernel)
     out = ["--smoke", "--out", str(tmp_path), "--repeats", "1", "--skip-training"]
-    check.main([*out, "--item", "gdn:pallas,hoisted"])
+    check.main([*out, "--item", "gdn:mosaic_gpu,hoisted", "--item", "kda:mosaic_gpu"])
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [row["impl"] for row in data["ops"]] == ["gdn_jax hoisted"]
-    skipped = {entry["what"]: entry["why"] for entry in data["skipped"]}
-    assert skipped["gdn_jax pallas Gated DeltaNet 1×96"] == "RuntimeError: out of shared memory"
+    assert skipped(data)["gdn_jax mosaic_gpu Gated DeltaNet 1×96"] == (
+        "RuntimeError: out of shared memory"
+    )
+    assert skipped(data)["gdn_jax mosaic_gpu KDA 1×96"] == (
+        "ValueError: kda: impl='mosaic_gpu' is a kernel kda does not have (its kernels: none); "
+        "use impl='auto' or 'chunked'"
+    )
+    assert "autotune" not in data  # not asked for
 
 
 def test_bad_item_is_one_error_naming_it(capsys):
     check = load_check()
     with pytest.raises(SystemExit) as exit_info:
-        check.main(["--smoke", "--out", "unused", "--item", "kdx@1x96:hoisted,bogus"])
+        check.main(["--smoke", "--out", "unused", "--item", "kdx@1x96:hoisted,pallas"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == (
-        "gpu_check.py: error: --item 'kdx@1x96:hoisted,bogus': unknown op 'kdx' (one of "
-        "['gdn', 'gdn2', 'kda']), implementation 'bogus' (one of ['fla', 'jla', 'hoisted', "
-        "'in_scan', 'pallas'])"
+        "gpu_check.py: error: --item 'kdx@1x96:hoisted,pallas': unknown op 'kdx' (one of "
+        "['gdn', 'gdn2', 'kda']), implementation 'pallas' (one of ['mosaic_gpu', "
+        "'associative', 'jla', 'hoisted', 'in_scan', 'fla'])"
     )
-    with pytest.raises(SystemExit) as exit_info:
-        check.main(["--smoke", "--out", "unused", "--pallas-launch", "0x4x4x4"])
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "gpu_check.py: error: --pallas-launch '0x4x4x4': give FBVxFWxBBVxBW[:ieee|:tf32x3] "
-        "(each kernel's value block, 0 for a whole value head in the backward, and warps, then "
-        "the products' precision), e.g. 64x8x64x8:tf32x3"
+
+
+def test_the_autotune_dump_is_an_option_xla_takes_for_one_block(tmp_path):
+    """The option reaches each timed program's compile (XLA refuses one it does not know)
+    while the block runs, and none after."""
+    check = load_check()
+    path = tmp_path / "sub" / "xla_autotune.textproto"
+    x = jnp.ones((8, 8))
+    with check.dumping_autotune(path):
+        assert check.COMPILE_OPTIONS == {"xla_gpu_dump_autotune_results_to": str(path.resolve())}
+        check.jax_program(lambda a: a @ a, [x], repeats=1)
+        check.COMPILE_OPTIONS["xla_gpu_dump_autotune_resultz_to"] = str(path)
+        with pytest.raises(Exception, match="No such compile option"):
+            check.jax_program(lambda a: a @ a + 1, [x], repeats=1)
+        del check.COMPILE_OPTIONS["xla_gpu_dump_autotune_resultz_to"]
+    assert check.COMPILE_OPTIONS == {} and path.parent.is_dir()
+
+
+def test_the_autotune_record_counts_results_by_device(tmp_path):
+    load_check()  # puts benchmarks/ on the path
+    from gpu_report import autotune_record, markdown
+
+    device = "CUDA: 9.0, Cores: 132, GPU clock: 1.98 GHz, Memory bandwidth: 4800 GB/s"
+    result = f'results {{\n  device: "{device}"\n  hlo: "(f32[8]) fusion"\n  result {{\n  }}\n}}\n'
+    path = tmp_path / "xla_autotune.textproto"
+    path.write_text("version: 3\n" + result * 2)
+    record = autotune_record(path)
+    assert record == dict(
+        file="xla_autotune.textproto", written=True, bytes=path.stat().st_size, results=2,
+        devices=[device],
+    )  # fmt: skip
+    data = dict(environment={}, ops=[], training={}, skipped=[], autotune=record)
+    assert f"XLA autotune results: `xla_autotune.textproto`, 2 results for {device}" in (
+        markdown(data)
     )
 
 

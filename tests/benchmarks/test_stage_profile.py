@@ -27,18 +27,26 @@ HloModule jit_loss, entry_computation_layout={...}
   %fusion.3 = f32[4,64,64]{2,1,0} fusion(%p0), kind=kLoop, calls=%fc, metadata={op_name="jit(loss)/jvp(factors)/dot_general" source_file="x.py" source_line=3}
   ROOT %while.2 = (f32[8]) while(%t), condition=%c, body=%b, metadata={op_name="jit(loss)/while"}
   dot.9 = f32[8] dot(%a, %b), metadata={op_name="jit(loss)/transpose(jvp(factors_again))/factors/dot_general"}
-  custom-call.1 = f32[8] custom-call(%a), metadata={op_name="jit(loss)/pallas_backward/pallas_call"}
+  custom-call.1 = f32[8] custom-call(%a), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(loss)/transpose(jvp())/gdn_mosaic_grads/mpmd_map"}
+  %add.4 = f32[8] add(%a, %b), metadata={op_name="jit(loss)/jvp()/gdn_mosaic_states/while/body/add"}
   %p0 = f32[8] parameter(0)
 """
 
 
 def test_instructions_take_the_outermost_stage_of_their_scopes(profile):
+    """A chunked form's stage, else the Mosaic GPU kernel's: its launch on a GPU, or an
+    instruction of its interpreter elsewhere."""
     assert profile.op_stages(HLO) == {
         "fusion.3": "factors",
         "while.2": "other",
         "dot.9": "factors_again",
-        "custom-call.1": "pallas_backward",
+        "custom-call.1": "gdn_mosaic_grads",
+        "add.4": "gdn_mosaic_states",
     }
+    found = {"other", "gdn_mosaic_states", "input_grads", "gdn_mosaic_factors", "factors"}
+    assert profile.ordered(found) == [
+        "factors", "input_grads", "gdn_mosaic_factors", "gdn_mosaic_states", "other"
+    ]  # fmt: skip
 
 
 def event(name, ts, dur, pid=1, tid=1, **args):
@@ -81,7 +89,7 @@ def test_a_gpu_trace_is_read_on_its_xla_ops_line(profile):
     ]
     reading = profile.attribute(events, profile.op_stages(HLO), calls=1)
     assert reading["where"] == "device, XLA Ops line"
-    assert reading["ms_per_call"] == pytest.approx({"factors": 0.02, "pallas_backward": 0.06})
+    assert reading["ms_per_call"] == pytest.approx({"factors": 0.02, "gdn_mosaic_grads": 0.06})
 
 
 def test_a_trace_without_the_program_says_so(profile):
