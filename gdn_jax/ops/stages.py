@@ -1,7 +1,7 @@
 """The names of the chunked forms' stages in a compiled program's op metadata.
 
-``chunked.py``, ``channel_chunked.py`` and the kernels (``Rule.kernels``) run
-each stage under ``jax.named_scope`` of its name here. The scopes are metadata only (the
+``chunked.py`` and ``channel_chunked.py`` run each stage under ``jax.named_scope`` of its
+name here. The scopes are metadata only (the
 programs are the same without them); ``benchmarks/stage_profile.py`` reads a profile's time
 by them.
 """
@@ -14,6 +14,5 @@ BACKWARD = (FACTORS_AGAIN, STATE_PASS_BACKWARD, INPUT_GRADS) = (
     "state_pass_backward",
     "input_grads",
 )
-# The Pallas kernels, each one fused program.
-KERNELS = (KERNEL_FORWARD, KERNEL_BACKWARD) = ("pallas_forward", "pallas_backward")
-ALL = (*FORWARD, *BACKWARD, *KERNELS)
+# A kernel (``Rule.kernels``) is a stage of its own, named by the kernel.
+ALL = (*FORWARD, *BACKWARD)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gdn_jax.ops import stages
 from gdn_jax.ops.blocks import scan_blocks
 
 over_pairs = jax.vmap
@@ -150,7 +151,8 @@ def scan_forward(step, blocks, factors, initial_states, resets):
     restarted = (begins[:, 0] | begins[:, 1])[:, None, None]
     maps = jnp.where(restarted, 0, maps)
     writes = jnp.where(restarted, from_start, writes)
-    _, pair_ends = jax.lax.associative_scan(_compose, (maps, writes))
+    with jax.named_scope(stages.STATE_PASS):
+        _, pair_ends = jax.lax.associative_scan(_compose, (maps, writes))
     before = jnp.concatenate([jnp.zeros_like(pair_ends[:1]), pair_ends[:-1]])
     first_starts = jnp.where(begins[:, 0, None, None], inits[0], before)
     first_ends = stepped(first_starts, *_first(pair_blocks))
@@ -186,7 +188,9 @@ def end_cotangents(step_bwd, xs, factors, d_finals, resets):
     # own[p + 1] + finals[p]: the scan runs last pair first over these shifted maps.
     next_maps = jnp.concatenate([maps_t[1:], jnp.zeros_like(maps_t[:1])])
     next_own = jnp.concatenate([own[1:], jnp.zeros_like(own[:1])]) + finals[1]
-    _, second_ends = jax.lax.associative_scan(_compose, (next_maps, next_own), reverse=True)
+    with jax.named_scope(stages.STATE_PASS_BACKWARD):
+        scanned = jax.lax.associative_scan(_compose, (next_maps, next_own), reverse=True)
+    second_ends = scanned[1]
     into_first = pulled(second_ends, *_second(pair_xs))
     first_ends = jnp.where(cut[:, 1, None, None], 0, into_first) + finals[0]
     d_ends = jnp.stack([first_ends, second_ends], 1).reshape(-1, *first_ends.shape[1:])
