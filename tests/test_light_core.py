@@ -17,7 +17,7 @@ from packaging.requirements import Requirement
 CORE = {"jax", "jaxlib", "jaxtyping", "numpy", "flax"}
 # (Not libtpu: JAX itself imports it where it is installed.)
 TRAINING = {"optax", "orbax", "yaml", "tqdm", "matplotlib", "safetensors", "torch"}
-EXTRAS = {"train", "interop", "tpu-compile", "docs", "test-core", "test"}
+EXTRAS = {"train", "interop", "tpu-compile", "gpu-compile", "docs", "test-core", "test"}
 
 # One interpreter, three stages: the top-level package and its ops; Flax alone; the layers,
 # the models, the loaders and a lazily loaded layer name.
