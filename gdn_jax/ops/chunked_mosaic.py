@@ -31,8 +31,15 @@ import jax.numpy as jnp
 from gdn_jax.ops import mosaic_backward, mosaic_forward
 from gdn_jax.ops import mosaic_chunk as mc
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
+from gdn_jax.ops.forward_mode import first_order_only
 from gdn_jax.ops.mosaic_chunk import CHUNK, F32
 from gdn_jax.ops.mosaic_layout import token_layout
+
+SECOND_ORDER = (
+    "gated_delta_rule: impl='mosaic_gpu' differentiates once, in reverse mode: its backward is "
+    "Mosaic GPU kernels, which JAX cannot differentiate again (forward over reverse, "
+    "jax.hessian, a gradient of a gradient); use impl='chunked' for second order"
+)
 
 
 def _padded(x, axis: int):
@@ -113,6 +120,9 @@ def _core(q, k, v, log_alpha, beta, initial_states, table, static):
 
 
 def _core_fwd(q, k, v, log_alpha, beta, initial_states, table, static):
+    q, k, v, log_alpha, beta, initial_states = first_order_only(
+        SECOND_ORDER, (q, k, v, log_alpha, beta, initial_states)
+    )
     y, finals, residuals = _forward(
         q, k, v, log_alpha, beta, initial_states, table, keep_starts=True, interpret=static[0]
     )
@@ -121,6 +131,7 @@ def _core_fwd(q, k, v, log_alpha, beta, initial_states, table, static):
 
 def _core_bwd(static, saved, cotangents):
     interpret, dtypes, dims = static
+    saved, cotangents = first_order_only(SECOND_ORDER, (saved, cotangents))
     residuals, table = saved
     grads = _backward(
         residuals, table, *cotangents, dims=dims, v_dtype=dtypes[2], interpret=interpret

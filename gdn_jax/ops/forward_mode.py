@@ -86,3 +86,28 @@ def reverse_mode_only(fn: str, instead: str, gate_names, q, k, v, gates: tuple, 
             arrays[i] = x
     q, k, v, *gates, initial_state = arrays
     return q, k, v, tuple(gates), initial_state
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _once(message: str, arrays: tuple) -> tuple:
+    return arrays
+
+
+@functools.partial(_once.defjvp, symbolic_zeros=True)
+def _once_jvp(message, primals, tangents):
+    (arrays,), (tangents,) = primals, tangents
+    if all(isinstance(t, SymbolicZero) for t in tangents):
+        return arrays, tangents
+    raise ValueError(message)
+
+
+def first_order_only(message: str, tree):
+    """``tree`` as it is, for a backward that JAX cannot differentiate again (a kernel's):
+    differentiating it (forward over reverse, ``jax.hessian``, a gradient of a gradient)
+    raises ``ValueError(message)`` when traced, where JAX would fail on the kernel itself."""
+    leaves, treedef = jax.tree.flatten(tree)
+    floating = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    passed = _once(message, tuple(leaves[i] for i in floating))
+    for i, x in zip(floating, passed, strict=True):
+        leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)

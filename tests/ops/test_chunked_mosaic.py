@@ -208,3 +208,19 @@ def test_the_kernels_compiled_for_an_h200_fit_a_hopper_block_on_the_tensor_cores
         spills = 20 if "grads" in kernel.name else 0
         assert kernel.spill_stores <= spills, (kernel.name, kernel.spill_stores)
     assert report.launches.total <= 40 and not report.launches.loops
+
+
+def test_second_order_through_the_kernels_is_one_named_error():
+    """Their backward is Mosaic GPU kernels, which JAX cannot differentiate again: forward
+    over reverse and jax.hessian are a ValueError that says to use the chunked form, not
+    JAX's own NotImplementedError from inside the kernel."""
+    q, k, v, la, b = random_inputs(11, 20, 16, 16, lead=(1,), heads=(1, 1))
+
+    def loss(v, q):
+        return jnp.sum(mosaic_rule(q, k, v, la, b)[0] ** 2)
+
+    message = r"impl='mosaic_gpu' differentiates once, in reverse mode.*use impl='chunked'"
+    with pytest.raises(ValueError, match=message):
+        jax.jvp(lambda q: jax.grad(loss)(v, q), (q,), (q,))
+    with pytest.raises(ValueError, match=message):
+        jax.hessian(loss)(v, q)
