@@ -189,11 +189,16 @@ def _value_grads(s, out, decays, beta, index, v_hbm):
         mc.store(du, d_u + mc.product(shape, (attn.T, d_y)))
         mc.commit()
         d_write = mc.product(shape, (s["inverse"].T, du))
-        d_v = out["d_v"].at[tokens, head, pl.ds(value_start + first, CHUNK)]
-        d_v[...] = (d_write * mc.by_row(beta, shape)).astype(d_v.dtype)
         d_beta = d_beta + jnp.sum(d_write * v_hbm(first), axis=1)
+        # dv leaves by TMA from shared memory: a warpgroup's store of a bf16 WGMMA tile
+        # to HBM writes half sectors (16 bytes a row of 4 lanes), which jax >= 0.12's
+        # Mosaic GPU refuses to plan. The previous block's copy must have read the tile.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        s["d_v"][...] = (d_write * mc.by_row(beta, shape)).astype(s["d_v"].dtype)
         mc.store(du, d_write)
         mc.commit()
+        d_v = out["d_v"].at[tokens, head, pl.ds(value_start + first, CHUNK)]
+        plgpu.copy_smem_to_gmem(s["d_v"], d_v)
         return d_beta
 
     return mc.over_blocks(s["du"].refs[0].shape[1], block, beta * 0.0)
@@ -311,6 +316,7 @@ def _grads_kernel(*refs, group: int, **s):
     d_beta = d_beta + d_beta_system + decays.from_start * d_k_proj
     out["d_gates"].at[block, 0, head, tokens][...] = d_log_alpha
     out["d_gates"].at[block, 1, head, tokens][...] = d_beta
+    plgpu.wait_smem_to_gmem(0)
 
 
 def grads(q, k, v, d_y, gates, starts, d_ends, *, d_v_dtype=F32, interpret=None):
@@ -335,6 +341,7 @@ def grads(q, k, v, d_y, gates, starts, d_ends, *, d_v_dtype=F32, interpret=None)
         du=mc.pieces(count, (CHUNK, value_block)),
         loaded=plgpu.Barrier(num_arrivals=5 * count + 1),
         strict=mc.pieces(1, (CHUNK, CHUNK)),
+        d_v=mc.smem((CHUNK, CHUNK), d_v_dtype),
         **factor_scratch(count, key_dim, value_block),
     )
     del scratch["erase"]  # the grads kernel applies K S^T's decays to the product
