@@ -172,13 +172,11 @@ def _corrections(s, decays, beta, v_hbm) -> None:
     mc.over_blocks(s["write"].refs[0].shape[1], block, 0)
 
 
-def _value_grads(s, out, decays, beta, index, v_hbm):
+def _value_grads(s, out, decays, beta, attn, index, v_hbm):
     """``dU`` and ``dVb = T^T dU``, 64 value channels at a time: writes dv, leaves ``dVb``
-    in ``du`` and returns the share of d beta from the writes, ``rowsum(dVb * V)``."""
+    in ``du`` and returns the share of d beta from the writes, ``rowsum(dVb * V)``.
+    ``attn``: ``Q K^T * Gamma`` in shared memory (committed before its first product)."""
     shape = (CHUNK, CHUNK)
-    attn = Pieces(s["terms"].refs[: len(s["q"].refs)])
-    mc.store(attn, mc.product(shape, (s["q"], s["k"].T)) * decays.within)
-    mc.commit()
     tokens, head, value_start = index
 
     def block(first, d_beta):
@@ -306,9 +304,14 @@ def _grads_kernel(*refs, group: int, **s):
         values = pl.ds(block * value_block + first, CHUNK)
         return mc.load_global([ref.at[tokens, head, values] for ref in hbm["v"]])
 
-    decays, beta = mc.chunk_system(s, s["k"], s["gates"])
+    # Q K^T * Gamma as soon as the decays are made: Gamma [C, C] held in registers through
+    # the inverse and the corrections until dU needed it, and ptxas spilled.
+    decays = mc.chunk_decays(s["gates"], s)
+    attn = Pieces(s["terms"].refs[: len(s["q"].refs)])  # the segment sums are done with it
+    mc.store(attn, mc.product((CHUNK, CHUNK), (s["q"], s["k"].T)) * decays.within)
+    decays, beta = mc.chunk_system(s, s["k"], s["gates"], decays)
     _corrections(s, decays, beta, v_hbm)
-    d_beta = _value_grads(s, out, decays, beta, index, v_hbm)
+    d_beta = _value_grads(s, out, decays, beta, attn, index, v_hbm)
     decays, d_beta_system = _square_grads(s, s["gates"])
     shares = dict(d_q=out["d_q"].at[block], d_k=out["d_k"].at[block])
     d_from_start, d_to_end, d_k_proj = _key_grads(s, shares, decays, beta, index)
