@@ -30,19 +30,24 @@ _SMEM = re.compile(r"smem_scratch_bytes=(\d+)")
 
 def kernel_figures(dump: Path) -> dict[str, dict]:
     """Per Mosaic kernel in ``dump`` (``MOSAIC_GPU_DUMP_TO``): registers, spill bytes,
-    shared memory and the wgmma shapes of its PTX."""
+    shared memory and the wgmma shapes of its PTX. A kernel's shared memory is the largest
+    that a kernel of its name asked for: jax 0.12 numbers the resource dumps (one a
+    lowering) apart from the PTX dumps (one a compile), so the suffixes do not pair."""
+    smem = {}
+    for resources in dump.glob("*.resources.txt"):
+        kernel = resources.name.removesuffix(".resources.txt").rsplit("_", 1)[0]
+        found = _SMEM.search(resources.read_text())
+        smem[kernel] = max(smem.get(kernel, 0), int(found.group(1)) if found else 0)
     figures = {}
     for ptxas in sorted(dump.glob("*.ptxas")):
         name = ptxas.stem
         spill_stores, spill_loads, registers = map(int, _PTXAS.search(ptxas.read_text()).groups())
-        resources = ptxas.with_suffix(".resources.txt")
-        smem = _SMEM.search(resources.read_text()) if resources.exists() else None
         ptx = ptxas.with_suffix(".ptx")
         shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\w+)\.f32\.(\w+)", ptx.read_text())
         figures[name] = dict(
             registers=registers,
             spill_bytes=spill_stores + spill_loads,
-            smem_bytes=int(smem.group(1)) if smem else None,
+            smem_bytes=smem.get(name.rsplit("_", 1)[0]),
             wgmma=sorted({f"{m}.{t}" for m, t in shapes}),
             wgmma_count=len(shapes),
         )

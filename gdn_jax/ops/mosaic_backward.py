@@ -172,13 +172,11 @@ def _corrections(s, decays, beta, v_hbm) -> None:
     mc.over_blocks(s["write"].refs[0].shape[1], block, 0)
 
 
-def _value_grads(s, out, decays, beta, index, v_hbm):
+def _value_grads(s, out, decays, beta, attn, index, v_hbm):
     """``dU`` and ``dVb = T^T dU``, 64 value channels at a time: writes dv, leaves ``dVb``
-    in ``du`` and returns the share of d beta from the writes, ``rowsum(dVb * V)``."""
+    in ``du`` and returns the share of d beta from the writes, ``rowsum(dVb * V)``.
+    ``attn``: ``Q K^T * Gamma`` in shared memory (committed before its first product)."""
     shape = (CHUNK, CHUNK)
-    attn = Pieces(s["terms"].refs[: len(s["q"].refs)])
-    mc.store(attn, mc.product(shape, (s["q"], s["k"].T)) * decays.within)
-    mc.commit()
     tokens, head, value_start = index
 
     def block(first, d_beta):
@@ -189,11 +187,16 @@ def _value_grads(s, out, decays, beta, index, v_hbm):
         mc.store(du, d_u + mc.product(shape, (attn.T, d_y)))
         mc.commit()
         d_write = mc.product(shape, (s["inverse"].T, du))
-        d_v = out["d_v"].at[tokens, head, pl.ds(value_start + first, CHUNK)]
-        d_v[...] = (d_write * mc.by_row(beta, shape)).astype(d_v.dtype)
         d_beta = d_beta + jnp.sum(d_write * v_hbm(first), axis=1)
+        # dv leaves by TMA from shared memory: a warpgroup's store of a bf16 WGMMA tile
+        # to HBM writes half sectors (16 bytes a row of 4 lanes), which jax >= 0.12's
+        # Mosaic GPU refuses to plan. The previous block's copy must have read the tile.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        s["d_v"][...] = (d_write * mc.by_row(beta, shape)).astype(s["d_v"].dtype)
         mc.store(du, d_write)
         mc.commit()
+        d_v = out["d_v"].at[tokens, head, pl.ds(value_start + first, CHUNK)]
+        plgpu.copy_smem_to_gmem(s["d_v"], d_v)
         return d_beta
 
     return mc.over_blocks(s["du"].refs[0].shape[1], block, beta * 0.0)
@@ -301,9 +304,14 @@ def _grads_kernel(*refs, group: int, **s):
         values = pl.ds(block * value_block + first, CHUNK)
         return mc.load_global([ref.at[tokens, head, values] for ref in hbm["v"]])
 
-    decays, beta = mc.chunk_system(s, s["k"], s["gates"])
+    # Q K^T * Gamma as soon as the decays are made: Gamma [C, C] held in registers through
+    # the inverse and the corrections until dU needed it, and ptxas spilled.
+    decays = mc.chunk_decays(s["gates"], s)
+    attn = Pieces(s["terms"].refs[: len(s["q"].refs)])  # the segment sums are done with it
+    mc.store(attn, mc.product((CHUNK, CHUNK), (s["q"], s["k"].T)) * decays.within)
+    decays, beta = mc.chunk_system(s, s["k"], s["gates"], decays)
     _corrections(s, decays, beta, v_hbm)
-    d_beta = _value_grads(s, out, decays, beta, index, v_hbm)
+    d_beta = _value_grads(s, out, decays, beta, attn, index, v_hbm)
     decays, d_beta_system = _square_grads(s, s["gates"])
     shares = dict(d_q=out["d_q"].at[block], d_k=out["d_k"].at[block])
     d_from_start, d_to_end, d_k_proj = _key_grads(s, shares, decays, beta, index)
@@ -311,6 +319,7 @@ def _grads_kernel(*refs, group: int, **s):
     d_beta = d_beta + d_beta_system + decays.from_start * d_k_proj
     out["d_gates"].at[block, 0, head, tokens][...] = d_log_alpha
     out["d_gates"].at[block, 1, head, tokens][...] = d_beta
+    plgpu.wait_smem_to_gmem(0)
 
 
 def grads(q, k, v, d_y, gates, starts, d_ends, *, d_v_dtype=F32, interpret=None):
@@ -335,6 +344,7 @@ def grads(q, k, v, d_y, gates, starts, d_ends, *, d_v_dtype=F32, interpret=None)
         du=mc.pieces(count, (CHUNK, value_block)),
         loaded=plgpu.Barrier(num_arrivals=5 * count + 1),
         strict=mc.pieces(1, (CHUNK, CHUNK)),
+        d_v=mc.smem((CHUNK, CHUNK), d_v_dtype),
         **factor_scratch(count, key_dim, value_block),
     )
     del scratch["erase"]  # the grads kernel applies K S^T's decays to the product

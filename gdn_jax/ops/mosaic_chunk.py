@@ -236,13 +236,13 @@ def unit_lower_inverse(strict, off: Pieces, inverse: Pieces, half: Pieces):
     return jax.lax.fori_loop(jnp.int32(1), jnp.int32(shape[0].bit_length() - 1), level, d)
 
 
-def chunk_system(s: dict, k: Pieces, gates) -> tuple[Decays, jax.Array]:
+def chunk_system(s: dict, k: Pieces, gates, decays=None) -> tuple[Decays, jax.Array]:
     """The decays and ``beta`` (ROWS) of one chunk whose tiles ``k [C, K]`` and ``gates
     [GATES, C]`` are in shared memory, and the inverse ``T = (I + A)^{-1}`` of its system
     ``A = tril(diag(beta) (K K^T * Gamma), -1)`` (``wy.py``), left in ``s["inverse"]``.
     Scratch in ``s``: the masks (``write_masks``), ``terms``, ``off``, ``inverse``,
-    ``half`` ``[C, C]``."""
-    decays = chunk_decays(gates, s)
+    ``half`` ``[C, C]``. ``decays``: the chunk's, where the caller has made them."""
+    decays = chunk_decays(gates, s) if decays is None else decays
     beta = plgpu.load(gates.at[1], layout=ROWS)
     shape = (CHUNK, CHUNK)
     rows, cols = iotas(shape)

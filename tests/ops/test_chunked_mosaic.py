@@ -187,7 +187,7 @@ def test_float32_gradients_past_64_key_channels_are_a_named_error():
 def test_the_kernels_compiled_for_an_h200_fit_a_hopper_block_on_the_tensor_cores():
     """Compiled for an H200 on this host (``gdn_jax.gpu_compile``): every kernel launchable
     (shared memory within a Hopper block's), its products on the tensor cores (wgmma), no
-    spills but the grads kernel's 20 B (benchmarks/mosaic_sm90.py has its figures), and the
+    spills (benchmarks/mosaic_sm90.py has their figures, on jax 0.11.2 and 0.12), and the
     forward+backward a few dozen launches. A kernel's resources depend on K and V, not on B,
     T or H: the report's K = V = 128 at a small B and T."""
     gpu_compile = pytest.importorskip("gdn_jax.gpu_compile")
@@ -205,8 +205,8 @@ def test_the_kernels_compiled_for_an_h200_fit_a_hopper_block_on_the_tensor_cores
     for kernel in report.kernels:
         assert kernel.launchable, (kernel.name, kernel.problem)
         assert kernel.tensor_core_instructions > 0, kernel.name
-        spills = 20 if "grads" in kernel.name else 0
-        assert kernel.spill_stores <= spills, (kernel.name, kernel.spill_stores)
+        spills = (kernel.spill_stores, kernel.spill_loads)
+        assert spills == (0, 0), (kernel.name, spills)
     assert report.launches.total <= 40 and not report.launches.loops
 
 
