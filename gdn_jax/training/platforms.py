@@ -1,14 +1,18 @@
-"""Which JAX backends the training command starts: never libtpu's on a host without TPUs.
+"""Which JAX backends the training command starts: never an accelerator's that the host
+lacks.
 
 With libtpu installed (the test and ``tpu-compile`` extras bring it, to compile for TPUs
 ahead of time) and ``JAX_PLATFORMS`` unset, JAX tries a TPU backend in every process. On a
 host without TPU chips that fails, as it should, but libtpu first prints warnings and an
 ``INVALID_ARGUMENT`` error on stderr (it cannot find the slice's accelerator type and worker
-hostnames) and writes logs to ``/tmp/tpu_logs``: a user reads a broken install. So before the
-first computation the command names the backends itself when JAX would find no TPU chip, by
-the same check of the host's PCI devices that JAX's own TPU set-up makes. A TPU host keeps
-JAX's choice, and so does any process whose user chose (``JAX_PLATFORMS``,
-``JAX_FORCE_TPU_INIT``).
+hostnames) and writes logs to ``/tmp/tpu_logs``: a user reads a broken install. JAX's CUDA
+plugin (the test and ``gpu-compile`` extras bring it, to compile for GPUs) does the same on a
+host without an NVIDIA driver: it looks for cuDNN first and logs a traceback when it finds
+none. So before the first computation the command names the backends itself when an
+installed one's hardware is absent: TPU chips by the same check of the host's PCI devices
+that JAX's own TPU set-up makes, an NVIDIA or AMD GPU by its driver's device files. A host
+that has them keeps JAX's choice, and so does any process whose user chose
+(``JAX_PLATFORMS``, ``JAX_FORCE_TPU_INIT``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,11 @@ from collections.abc import Mapping
 
 # JAX's GPU plugins, as modules of its ``jax_plugins`` namespace, and the platforms they add.
 GPU_PLUGINS = {"xla_cuda12": "cuda", "xla_cuda13": "cuda", "xla_rocm": "rocm"}
+# A file each GPU platform's kernel driver makes, present exactly where its GPUs can be used.
+GPU_DRIVER_FILES = {
+    "cuda": ("/proc/driver/nvidia/version", "/dev/nvidiactl"),
+    "rocm": ("/dev/kfd",),
+}
 
 
 def tpu_chips() -> int | None:
@@ -47,26 +56,38 @@ def gpu_platforms() -> list[str] | None:
     return sorted(set(found))
 
 
-def platforms_without_tpu(environ: Mapping[str, str] = os.environ) -> str | None:
-    """The ``jax_platforms`` value that keeps JAX off libtpu here, or None to leave JAX's
-    choice: when libtpu is installed, nobody chose, and the host has no TPU chip, the
-    installed GPU platforms and the CPU (``"cuda,cpu"``, or ``"cpu"``)."""
+def gpu_present(platform: str) -> bool:
+    """Whether this host has a GPU of ``platform`` (``"cuda"``, ``"rocm"``): its driver's
+    device files."""
+    return any(os.path.exists(path) for path in GPU_DRIVER_FILES.get(platform, ()))
+
+
+def host_platforms(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The ``jax_platforms`` value that keeps JAX off the installed accelerators this host
+    lacks (module docstring), or None to leave JAX's choice: when nobody chose and libtpu is
+    installed without TPU chips, or a GPU plugin without its GPU, the installed platforms
+    whose hardware is here and the CPU (``"cuda,cpu"``, or ``"cpu"``)."""
     if environ.get("JAX_PLATFORMS") or "JAX_FORCE_TPU_INIT" in environ:
         return None
-    if importlib.util.find_spec("libtpu") is None or tpu_chips() != 0:
-        return None
     gpus = gpu_platforms()
-    return None if gpus is None else ",".join([*gpus, "cpu"])
+    libtpu = importlib.util.find_spec("libtpu") is not None
+    chips = tpu_chips() if libtpu else 0
+    if gpus is None or chips is None:
+        return None
+    present = [p for p in gpus if gpu_present(p)]
+    if len(present) == len(gpus) and not (libtpu and chips == 0):
+        return None
+    return ",".join([*(["tpu"] if chips else []), *present, "cpu"])
 
 
 def use_host_platforms(environ: Mapping[str, str] = os.environ) -> str | None:
-    """Apply ``platforms_without_tpu`` to JAX's configuration, before its first computation
+    """Apply ``host_platforms`` to JAX's configuration, before its first computation
     (the backends start then); returns the value set, if any."""
     import jax
 
     if jax.config.jax_platforms:  # set in this process already
         return None
-    chosen = platforms_without_tpu(environ)
+    chosen = host_platforms(environ)
     if chosen is not None:
         jax.config.update("jax_platforms", chosen)
     return chosen

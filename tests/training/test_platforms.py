@@ -1,5 +1,6 @@
 """The training command's choice of JAX backends (``gdn_jax.training.platforms``): off
-libtpu on a host without TPU chips, JAX's own choice everywhere else."""
+libtpu on a host without TPU chips and off a GPU plugin on a host without its GPU, JAX's own
+choice everywhere else."""
 
 import os
 
@@ -14,9 +15,11 @@ def host(monkeypatch):
     """A host with ``chips`` TPU chips, the GPU platforms ``gpus`` (None: a plugin of
     unknown kind) and libtpu installed or not."""
 
-    def make(chips=0, gpus=(), libtpu=True):
+    def make(chips=0, gpus=(), libtpu=True, present=None):
         monkeypatch.setattr(platforms, "tpu_chips", lambda: chips)
         monkeypatch.setattr(platforms, "gpu_platforms", lambda: gpus)
+        here = gpus if present is None else present
+        monkeypatch.setattr(platforms, "gpu_present", lambda p: p in here)
         find_spec = platforms.importlib.util.find_spec
 
         def fake(name, *args):
@@ -31,9 +34,22 @@ def host(monkeypatch):
 
 def test_a_host_without_tpus_keeps_jax_off_libtpu(host):
     host(chips=0)
-    assert platforms.platforms_without_tpu({}) == "cpu"
+    assert platforms.host_platforms({}) == "cpu"
     host(chips=0, gpus=["cuda"])
-    assert platforms.platforms_without_tpu({}) == "cuda,cpu"
+    assert platforms.host_platforms({}) == "cuda,cpu"
+
+
+def test_a_host_without_the_gpu_of_an_installed_plugin_keeps_jax_off_it(host):
+    """The CUDA plugin of the gpu-compile extra logged a cuDNN traceback on every run of a
+    host without an NVIDIA driver."""
+    host(chips=0, gpus=["cuda"], present=[])
+    assert platforms.host_platforms({}) == "cpu"
+    host(chips=0, gpus=["cuda"], libtpu=False, present=[])
+    assert platforms.host_platforms({}) == "cpu"
+    host(chips=4, gpus=["cuda"], present=[])
+    assert platforms.host_platforms({}) == "tpu,cpu"
+    host(chips=0, gpus=["cuda"], libtpu=False)  # a GPU host without libtpu: JAX's choice
+    assert platforms.host_platforms({}) is None
 
 
 @pytest.mark.parametrize(
@@ -49,12 +65,13 @@ def test_a_host_without_tpus_keeps_jax_off_libtpu(host):
 )
 def test_everyone_else_keeps_jaxs_choice(host, environ, chips, gpus, libtpu):
     host(chips=chips, gpus=gpus, libtpu=libtpu)
-    assert platforms.platforms_without_tpu(environ) is None
+    assert platforms.host_platforms(environ) is None
 
 
 def test_jax_counts_the_tpu_chips_of_this_host():
     assert platforms.tpu_chips() == 0  # the suite runs on CPU hosts
-    assert platforms.gpu_platforms() == []
+    assert set(platforms.gpu_platforms()) <= {"cuda"}  # the test extra's CUDA plugin, if any
+    assert not platforms.gpu_present("cuda")
 
 
 def test_compile_only_keeps_libtpu_logs_in_a_directory_removed_at_exit(monkeypatch, tmp_path):
