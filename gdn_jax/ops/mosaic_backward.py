@@ -30,22 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gdn_jax.ops import mosaic_chunk as mc
 from gdn_jax.ops.mosaic_chunk import CHUNK, F32, Pieces
-from gdn_jax.ops.mosaic_forward import VALUE_BLOCK, factor_scratch
-
-
-def _fetch_reverse(hbm, s, chunk, slot, *, head, group, block):
-    """Start the TMA copies of one chunk's q, k, w, value block of dY and gates."""
-    tokens = pl.ds(chunk * CHUNK, CHUNK)
-    values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
-    sources = (
-        *(ref.at[tokens, head // group] for ref in (*hbm["q"], *hbm["k"])),
-        *(ref.at[tokens, head] for ref in hbm["w"]),
-        *(ref.at[tokens, head, values] for ref in hbm["d_y"]),
-        hbm["gates"].at[:, head, tokens],
-    )
-    tiles = (*s["q"].refs, *s["k"].refs, *s["w"].refs, *s["d_y"].refs, s["gates"])
-    for src, dst in zip(sources, tiles, strict=True):
-        plgpu.copy_gmem_to_smem(src, dst.at[slot], s["loaded"].at[slot])
+from gdn_jax.ops.mosaic_forward import VALUE_BLOCK, factor_scratch, fetch_chunk
 
 
 def _reverse_step(out, s, chunk, slot, d_state, *, head, block):
@@ -80,7 +65,9 @@ def _reverse_kernel(table, *refs, group: int, slots: int, **s):
     out = {name: hbm.pop(name) for name in names[5:]}
     seq, head, block = (jax.lax.axis_index(axis) for axis in ("seq", "head", "block"))
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
-    fetch = functools.partial(_fetch_reverse, hbm, s, head=head, group=group, block=block)
+    fetch = functools.partial(
+        fetch_chunk, hbm, s, head=head, group=group, block=block, values="d_y"
+    )
     step = functools.partial(_reverse_step, out, s, head=head, block=block)
     mc.write_masks(s)
     d_final = out["d_finals"].at[seq, head, values]

@@ -97,18 +97,18 @@ def factors(k, v, gates, *, interpret=None):
     return call(tuple(k), tuple(v), gates)
 
 
-def _fetch(hbm, s, chunk, slot, *, head, group, block):
+def fetch_chunk(hbm, s, chunk, slot, *, head, group, block, values="u"):
     """Start the TMA copies of one chunk's tiles into ``slot``: q, k (key head), w, the
-    value block of u, and the gates."""
+    value block of ``values`` (u in the forward, dY in the reverse pass), and the gates."""
     tokens = pl.ds(chunk * CHUNK, CHUNK)
-    values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
+    channels = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
     sources = (
         *(ref.at[tokens, head // group] for ref in (*hbm["q"], *hbm["k"])),
         *(ref.at[tokens, head] for ref in hbm["w"]),
-        *(ref.at[tokens, head, values] for ref in hbm["u"]),
+        *(ref.at[tokens, head, channels] for ref in hbm[values]),
         hbm["gates"].at[:, head, tokens],
     )
-    tiles = (*s["q"].refs, *s["k"].refs, *s["w"].refs, *s["u"].refs, s["gates"])
+    tiles = (*s["q"].refs, *s["k"].refs, *s["w"].refs, *s[values].refs, s["gates"])
     for src, dst in zip(sources, tiles, strict=True):
         plgpu.copy_gmem_to_smem(src, dst.at[slot], s["loaded"].at[slot])
 
@@ -156,7 +156,7 @@ def _states_kernel(table, *refs, group: int, slots: int, **s):
     h0 = hbm.pop("h0")
     seq, head, block = (jax.lax.axis_index(axis) for axis in ("seq", "head", "block"))
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
-    fetch = functools.partial(_fetch, hbm, s, head=head, group=group, block=block)
+    fetch = functools.partial(fetch_chunk, hbm, s, head=head, group=group, block=block)
     step = functools.partial(_state_step, out, s, head=head, block=block)
     mc.write_masks(s)
     initial = plgpu.load(h0.at[seq, head, values], layout=mc.WGMMA, optimized=False)
