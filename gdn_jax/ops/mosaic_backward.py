@@ -30,7 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gdn_jax.ops import mosaic_chunk as mc
 from gdn_jax.ops.mosaic_chunk import CHUNK, F32, Pieces
-from gdn_jax.ops.mosaic_forward import VALUE_BLOCK, factor_scratch, fetch_chunk
+from gdn_jax.ops.mosaic_forward import VALUE_BLOCK, factor_scratch, fetch_chunk, pass_scratch
 
 
 def _reverse_step(out, s, chunk, slot, d_state, *, head, block):
@@ -88,22 +88,7 @@ def reverse(table, q, k, w, d_y, gates, d_finals, *, interpret=None):
     count = len(q)
     tokens, heads, key_dim = q[0].shape
     v_heads, value_dim = d_y[0].shape[1:]
-    slots = 2 if count == 1 else 1
-    square = (CHUNK, CHUNK)
-    tile = (slots, CHUNK, key_dim)
-    scratch = dict(
-        q=mc.pieces(count, tile),
-        k=mc.pieces(count, tile),
-        w=mc.pieces(count, tile),
-        d_y=mc.pieces(count, (slots, CHUNK, VALUE_BLOCK)),
-        gates=plgpu.SMEM((slots, mc.GATES, CHUNK), F32),
-        terms=mc.pieces(mc.SEGMENT_PIECES, square),
-        ones=mc.pieces(1, square),
-        strict=mc.pieces(1, square),
-        extra=mc.extra_squares(count, 2),
-        state=mc.pieces(count, (VALUE_BLOCK, key_dim)),
-        loaded=plgpu.Barrier(num_arrivals=4 * count + 1, num_barriers=slots),
-    )
+    slots, scratch = pass_scratch(count, key_dim, values="d_y", squares=2)
     shape = (tokens // CHUNK, v_heads, value_dim, key_dim)
     out_type = (
         jax.ShapeDtypeStruct(d_finals.shape, F32),

@@ -97,6 +97,31 @@ def factors(k, v, gates, *, interpret=None):
     return call(tuple(k), tuple(v), gates)
 
 
+def pass_scratch(count: int, key_dim: int, *, values: str, squares: int) -> tuple[int, dict]:
+    """``(slots, scratch)``: the shared memory of a state pass, forward or reverse: the
+    chunk's tiles of q, k, w and the value block of ``values`` (u, or dY) in ``slots``
+    (two, streamed, where one bf16 piece an operand leaves room), the gates, the squares
+    of the decays and the system, ``squares`` more, the state's pieces, and a barrier a
+    slot."""
+    slots = 2 if count == 1 else 1  # two pieces a tile leave no room for a second slot
+    square = (CHUNK, CHUNK)
+    tile = (slots, CHUNK, key_dim)
+    scratch = dict(
+        q=mc.pieces(count, tile),
+        k=mc.pieces(count, tile),
+        w=mc.pieces(count, tile),
+        gates=plgpu.SMEM((slots, mc.GATES, CHUNK), F32),
+        terms=mc.pieces(mc.SEGMENT_PIECES, square),
+        ones=mc.pieces(1, square),
+        strict=mc.pieces(1, square),
+        extra=mc.extra_squares(count, squares),
+        state=mc.pieces(count, (VALUE_BLOCK, key_dim)),
+        loaded=plgpu.Barrier(num_arrivals=4 * count + 1, num_barriers=slots),
+    )
+    scratch[values] = mc.pieces(count, (slots, CHUNK, VALUE_BLOCK))
+    return slots, scratch
+
+
 def fetch_chunk(hbm, s, chunk, slot, *, head, group, block, values="u"):
     """Start the TMA copies of one chunk's tiles into ``slot``: q, k (key head), w, the
     value block of ``values`` (u in the forward, dY in the reverse pass), and the gates."""
@@ -174,23 +199,8 @@ def states(table, q, k, w, u, gates, h0, *, keep_starts: bool, interpret=None):
     count = len(q)
     tokens, heads, key_dim = q[0].shape
     v_heads, value_dim = u[0].shape[1:]
-    slots = 2 if count == 1 else 1  # two pieces a tile leave no room for a second slot
-    square = (CHUNK, CHUNK)
-    tile = (slots, CHUNK, key_dim)
-    scratch = dict(
-        q=mc.pieces(count, tile),
-        k=mc.pieces(count, tile),
-        w=mc.pieces(count, tile),
-        u=mc.pieces(count, (slots, CHUNK, VALUE_BLOCK)),
-        gates=plgpu.SMEM((slots, mc.GATES, CHUNK), F32),
-        terms=mc.pieces(mc.SEGMENT_PIECES, square),
-        ones=mc.pieces(1, square),
-        strict=mc.pieces(1, square),
-        extra=mc.extra_squares(count, 3),
-        state=mc.pieces(count, (VALUE_BLOCK, key_dim)),
-        y=mc.smem((CHUNK, VALUE_BLOCK), F32),
-        loaded=plgpu.Barrier(num_arrivals=4 * count + 1, num_barriers=slots),
-    )
+    slots, scratch = pass_scratch(count, key_dim, values="u", squares=3)
+    scratch["y"] = mc.smem((CHUNK, VALUE_BLOCK), F32)
     if count == 1:  # room for the state in shared memory through a chunk's products
         scratch["carry"] = mc.smem((VALUE_BLOCK, key_dim), F32)
     out_type = [
