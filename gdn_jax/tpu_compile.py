@@ -191,16 +191,22 @@ def compile_for(fn: Callable, *args, device: jax.Device | None = None) -> jax.st
     placed = place_arguments("compile_for", args, device)
     jitted = fn if isinstance(fn, jax.stages.Wrapped) else jax.jit(fn)
     lowered = jitted.trace(*placed).lower()
-    # A compile-only TPU client cannot load an executable back: with the persistent
-    # compilation cache on, a second compile of the same program would read the entry the
-    # first wrote and fail. Whether the cache is used is fixed when a process first
-    # compiles, so the entry is kept from being written: no compile takes this long.
+    with no_cache_entry(), _host_flags_hidden():
+        return lowered.compile()
+
+
+@contextlib.contextmanager
+def no_cache_entry():
+    """No persistent-cache entry for the compiles inside: a compile-only client (a TPU
+    topology's, a GPU target's) cannot load an executable back, so with the persistent
+    compilation cache on, a second compile of the same program would read the entry the
+    first wrote and fail. Whether the cache is used is fixed when a process first compiles,
+    so the entry is kept from being written: no compile takes this long."""
     threshold = "jax_persistent_cache_min_compile_time_secs"
     saved = getattr(jax.config, threshold)
     jax.config.update(threshold, 1e9)
     try:
-        with _host_flags_hidden():
-            return lowered.compile()
+        yield
     finally:
         jax.config.update(threshold, saved)
 

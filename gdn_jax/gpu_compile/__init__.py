@@ -36,7 +36,7 @@ from gdn_jax.gpu_compile import kernels as kernel_reports
 from gdn_jax.gpu_compile import thunks
 from gdn_jax.gpu_compile.kernels import Kernel
 from gdn_jax.gpu_compile.thunks import Launches, Loop
-from gdn_jax.tpu_compile import place_arguments
+from gdn_jax.tpu_compile import no_cache_entry, place_arguments
 
 __all__ = [
     "INSTALL_COMMAND",
@@ -57,7 +57,7 @@ __all__ = [
 ]
 
 INSTALL_COMMAND = 'pip install "gdn_jax[gpu-compile]"'
-# Each target and its config file in targets/
+# Each target's config file, in targets/.
 TARGETS = {"h100": "h100.txtpb", "h200": "h200.txtpb"}
 
 
@@ -175,7 +175,7 @@ def compile_for(
     jitted = fn if isinstance(fn, jax.stages.Wrapped) else jax.jit(fn)
     with _abstract_gpu(next(iter(gpus))):
         lowered = jitted.trace(*placed).lower()
-    with _no_cache_entry():
+    with no_cache_entry():
         return lowered.compile(options)
 
 
@@ -285,20 +285,6 @@ def _abstract_gpu(device):
     )
     with jax.sharding.use_abstract_mesh(mesh):
         yield
-
-
-@contextlib.contextmanager
-def _no_cache_entry():
-    """No persistent-cache entry for a compile-only client: it cannot load an executable
-    back, so a second compile of the same program would fail on the entry the first wrote
-    (``tpu_compile.compile_for`` keeps out of the cache the same way)."""
-    threshold = "jax_persistent_cache_min_compile_time_secs"
-    saved = getattr(jax.config, threshold)
-    jax.config.update(threshold, 1e9)
-    try:
-        yield
-    finally:
-        jax.config.update(threshold, saved)
 
 
 @contextlib.contextmanager

@@ -40,8 +40,9 @@ class Kernel(NamedTuple):
       refuses: ``(key_dim, value_dim, v_dtype, compute_dtype, chunk_size) -> reason or
         None``: why it cannot take such inputs (an explicit ``impl`` is then an error that
         says so, ``"auto"`` runs the chunked form).
-      platform: the platform it is compiled for (a ``jax.lax.platform_dependent`` key);
-        lowered for any other, it runs in Pallas's interpret mode (slow, faithful).
+      platform: the platform it is compiled for, as ``dispatch.compiled_for`` names it
+        (``"cuda"``); traced for any other, it runs in Pallas's interpret mode (slow,
+        faithful).
       auto: whether ``impl="auto"`` takes it on its platform: only once a GPU has timed it
         faster than the chunked form (docs/benchmarks.md).
     """
