@@ -2,17 +2,14 @@
 shapes, the peers that cannot run here and the forms this JAX cannot run are recorded as
 skipped with the reason, and what it writes is a table a reader can use."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from support import benchmark_scripts
 
-REPO = Path(__file__).resolve().parents[2]
 # Mosaic GPU's interpret mode, which runs impl="mosaic_gpu" off a GPU (jax >= 0.11).
 INTERPRETS = hasattr(plgpu, "InterpretGPUParams")
 FORMS = ["gdn_jax mosaic_gpu", "gdn_jax associative", "gdn_jax hoisted", "gdn_jax in_scan"]
@@ -20,11 +17,7 @@ GDN_VALUES = ["dbeta", "dk", "dlog_alpha", "dq", "dv", "final_state", "o"]
 
 
 def load_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks/gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_scripts.load("gpu_check")
 
 
 def skipped(data) -> dict[str, str]:

@@ -2,24 +2,13 @@
 error before any compile, and the report says which GPU the file's results are for beside the
 target's description (XLA's autotune keys hold it, so results of another find no use)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
+from support import benchmark_scripts
 
 
 @pytest.fixture(scope="module")
 def report():
-    spec = importlib.util.spec_from_file_location(
-        "gpu_compile_report", REPO / "benchmarks/gpu_compile_report.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_compile_report"] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_scripts.load("gpu_compile_report")
 
 
 def test_a_missing_autotune_file_is_one_error(report, tmp_path, capsys):

@@ -2,24 +2,13 @@
 nested events to their own time, and a GPU trace's "XLA Ops" line chosen over its kernels.
 (The smoke test of ``gpu_check.py`` profiles real programs on this CPU.)"""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
+from support import benchmark_scripts
 
 
 @pytest.fixture(scope="module")
 def profile():
-    spec = importlib.util.spec_from_file_location(
-        "stage_profile", REPO / "benchmarks/stage_profile.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["stage_profile"] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_scripts.load("stage_profile")
 
 
 HLO = """\
