@@ -78,7 +78,7 @@ def _forward(q, k, v, log_alpha, beta, initial_states, table, *, keep_starts, in
     return y[..., :value_dim], finals[..., :value_dim, :key_dim], residuals
 
 
-def _backward(residuals, table, d_y, d_finals, *, dims, v_dtype, interpret):
+def _backward(residuals, table, d_y, d_finals, *, dims, dtypes, interpret):
     """Both backward kernels, and the sums of the shares of q's, k's and the gates'
     gradients over value blocks and each key head's value heads."""
     (q, k, v, gates), w, starts = residuals
@@ -96,12 +96,15 @@ def _backward(residuals, table, d_y, d_finals, *, dims, v_dtype, interpret):
         table, q, k, w, d_y, gates, d_finals, interpret=interpret
     )
     d_q, d_k, d_v, d_gates = mosaic_backward.grads(
-        q, k, v, d_y, gates, starts, d_ends, d_v_dtype=v_dtype, interpret=interpret
+        q, k, v, d_y, gates, starts, d_ends, dtypes=dtypes, interpret=interpret
     )
     tokens, heads = q[0].shape[:2]
 
     def key_grad(shares):  # [blocks, tokens, HV, K] -> [tokens, H, K]
-        shares = shares.sum(0).reshape(tokens, heads, -1, shares.shape[-1]).sum(2)
+        if shares.shape[0] > 1 or shares.shape[2] > heads:  # shares to sum, in float32
+            shares = shares.sum(0).reshape(tokens, heads, -1, shares.shape[-1]).sum(2)
+        else:  # one program's gradient, maybe in q's dtype: no sum, no copy
+            shares = shares[0]
         return shares[..., :key_dim]
 
     d_log_alpha, d_beta = d_gates.sum(0)
@@ -133,9 +136,14 @@ def _core_bwd(static, saved, cotangents):
     interpret, dtypes, dims = static
     saved, cotangents = first_order_only(SECOND_ORDER, (saved, cotangents))
     residuals, table = saved
+    # With one bf16 piece an operand (bf16 v) the products are bf16's, and the kernel may
+    # write the gradients of q and k in bf16 too: float32 ones, kept for the sum of the
+    # programs' shares, were a quarter of the backward's peak (the H200 compile report).
+    key_dtype = mc.BF16 if dtypes[2] == mc.BF16 else F32
     grads = _backward(
-        residuals, table, *cotangents, dims=dims, v_dtype=dtypes[2], interpret=interpret
-    )
+        residuals, table, *cotangents, dims=dims, dtypes=(key_dtype, dtypes[2]),
+        interpret=interpret,
+    )  # fmt: skip
     d_q, d_k, d_v = (d.astype(dtype) for d, dtype in zip(grads[:3], dtypes, strict=True))
     return (d_q, d_k, d_v, *grads[3:], None)
 

@@ -144,6 +144,22 @@ def _corrections(s, decays, beta, v_hbm) -> None:
     mc.over_blocks(s["write"].refs[0].shape[1], block, 0)
 
 
+def _write_tile(s, dst, tile) -> None:
+    """A ``[C, 64]`` float32 tile (WGMMA layout) into ``dst`` in HBM, in ``dst``'s dtype,
+    after committing the warpgroup's earlier writes to shared memory. A float32 tile is
+    stored straight from registers; a narrower one leaves by TMA from ``s["out_tile"]``: a
+    warpgroup's store of a bf16 WGMMA tile writes half sectors (16 bytes a row of 4 lanes),
+    which jax >= 0.12's Mosaic GPU refuses to plan."""
+    if dst.dtype == F32:
+        mc.commit()
+        dst[...] = tile
+        return
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous copy has read the tile
+    s["out_tile"][...] = tile.astype(dst.dtype)
+    mc.commit()
+    plgpu.copy_smem_to_gmem(s["out_tile"], dst)
+
+
 def _value_grads(s, out, decays, beta, attn, index, v_hbm):
     """``dU`` and ``dVb = T^T dU``, 64 value channels at a time: writes dv, leaves ``dVb``
     in ``du`` and returns the share of d beta from the writes, ``rowsum(dVb * V)``.
@@ -160,15 +176,9 @@ def _value_grads(s, out, decays, beta, attn, index, v_hbm):
         mc.commit()
         d_write = mc.product(shape, (s["inverse"].T, du))
         d_beta = d_beta + jnp.sum(d_write * v_hbm(first), axis=1)
-        # dv leaves by TMA from shared memory: a warpgroup's store of a bf16 WGMMA tile
-        # to HBM writes half sectors (16 bytes a row of 4 lanes), which jax >= 0.12's
-        # Mosaic GPU refuses to plan. The previous block's copy must have read the tile.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        s["d_v"][...] = (d_write * mc.by_row(beta, shape)).astype(s["d_v"].dtype)
         mc.store(du, d_write)
-        mc.commit()
         d_v = out["d_v"].at[tokens, head, pl.ds(value_start + first, CHUNK)]
-        plgpu.copy_smem_to_gmem(s["d_v"], d_v)
+        _write_tile(s, d_v, d_write * mc.by_row(beta, shape))
         return d_beta
 
     return mc.over_blocks(s["du"].refs[0].shape[1], block, beta * 0.0)
@@ -211,7 +221,8 @@ def _key_grads(s, out, decays, beta, index):
         d_y_start = mc.product(shape, (s["d_y"], start))
         d_from_start = d_from_start + jnp.sum(d_y_start * mc.load(q), axis=1)
         d_q = d_y_start * mc.by_row(decays.from_start, shape)
-        out["d_q"].at[tokens, head, keys[1]][...] = d_q + mc.product(shape, (s["sq_attn"], k))
+        d_q = d_q + mc.product(shape, (s["sq_attn"], k))
+        _write_tile(s, out["d_q"].at[tokens, head, keys[1]], d_q)
         return d_from_start
 
     def key_block(first, sums):
@@ -225,7 +236,7 @@ def _key_grads(s, out, decays, beta, index):
         d_k_to_end = mc.product(shape, (s["write"], d_end))  # U dS'
         d_to_end = jnp.sum(d_k_to_end * mc.load(k), axis=1)
         d_k = d_k + d_k_to_end * mc.by_row(decays.to_end, shape)
-        out["d_k"].at[tokens, head, keys[1]][...] = d_k
+        _write_tile(s, out["d_k"].at[tokens, head, keys[1]], d_k)
         return sums[0] + d_to_end, sums[1] + d_k_proj
 
     zero = beta * 0.0
@@ -294,17 +305,23 @@ def _grads_kernel(*refs, group: int, **s):
     plgpu.wait_smem_to_gmem(0)
 
 
-def grads(q, k, v, d_y, gates, starts, d_ends, *, d_v_dtype=F32, interpret=None):
+def grads(q, k, v, d_y, gates, starts, d_ends, *, dtypes=(F32, F32), interpret=None):
     """Every chunk's gradients from its start state and end-state cotangent (pieces
     ``[chunks, HV, V, K]``): returns ``(d_q, d_k [blocks, tokens, HV, K], d_v [tokens, HV,
     V], d_gates [blocks, 2, HV, tokens])``, the shares of each value head and block of value
-    channels (a whole value head of up to 128 with bf16 operands) in float32; ``d_v``, which
-    no two programs share, in ``d_v_dtype`` (v's own: the op returns it so)."""
+    channels (a whole value head of up to 128 with bf16 operands); ``d_v``, which no two
+    programs share, in ``dtypes[1]`` (v's own: the op returns it so). The shares of d_q and
+    d_k are float32, or in ``dtypes[0]`` (q's and k's) where no two programs share them
+    (one value head a key head, one value block) and the kernel can write that dtype: the
+    op then returns them as they are, no float32 copy of either."""
     count = len(q)
     tokens, heads, key_dim = q[0].shape
     v_heads, value_dim = v[0].shape[1:]
     value_block = value_dim if count == 1 and value_dim <= 128 else VALUE_BLOCK
     blocks = value_dim // value_block
+    d_key_dtype, d_v_dtype = dtypes
+    if blocks > 1 or v_heads > heads or d_key_dtype not in (F32, d_v_dtype):
+        d_key_dtype = F32
     state = (value_block, key_dim)
     scratch = dict(
         q=mc.pieces(count, (CHUNK, key_dim)),
@@ -316,11 +333,11 @@ def grads(q, k, v, d_y, gates, starts, d_ends, *, d_v_dtype=F32, interpret=None)
         du=mc.pieces(count, (CHUNK, value_block)),
         loaded=plgpu.Barrier(num_arrivals=5 * count + 1),
         strict=mc.pieces(1, (CHUNK, CHUNK)),
-        d_v=mc.smem((CHUNK, CHUNK), d_v_dtype),
+        out_tile=mc.smem((CHUNK, CHUNK), d_v_dtype),
         **factor_scratch(count, key_dim, value_block),
     )
     del scratch["erase"]  # the grads kernel applies K S^T's decays to the product
-    key_share = jax.ShapeDtypeStruct((blocks, tokens, v_heads, key_dim), F32)
+    key_share = jax.ShapeDtypeStruct((blocks, tokens, v_heads, key_dim), d_key_dtype)
     out_type = (
         key_share,
         key_share,
