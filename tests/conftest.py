@@ -124,6 +124,12 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
+        "slow: one of the suite's slowest tests (compiles for a TPU, eight CPU devices, whole "
+        "programs in subprocesses), which the README's command leaves out (pyproject.toml's "
+        "addopts) and CI runs after it: python -m pytest -n 2 -m slow",
+    )
+    config.addinivalue_line(
+        "markers",
         "costly(seconds): a long test (subprocesses, several devices) and its time in a full "
         "run on 2 cores; it is scheduled first, longest first",
     )

@@ -57,6 +57,7 @@ def test_op_compiles_for_tpu_with_its_schedules_loops(schedule):
         assert all(has_square(body, CHUNK) for body in (*forward.bodies, *both.bodies))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", ["kda", "gdn2"])
 def test_channel_gated_rules_compile_for_tpu_with_state_sized_loops(op):
     """KDA and GDN-2, hoisted, have Gated DeltaNet's two state passes, each body state-sized:
@@ -106,6 +107,7 @@ SMALL_RUN = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.costly(8)
 @pytest.mark.parametrize(("topology", "mesh"), [("v5e:2x2", (1, 2, 2)), ("v6e:2x2", (2, 2, 1))])
 def test_train_step_compiles_for_a_tpu_mesh(topology, mesh):

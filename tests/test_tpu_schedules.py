@@ -46,6 +46,7 @@ def program(op):
     return op_program("v5e:2x2", "hoisted", "bfloat16", SHAPE, CHUNK, grad=True, op=op)
 
 
+@pytest.mark.slow
 @pytest.mark.costly(20)
 def test_hoisted_schedule_is_lean_on_tpu_v5e():
     both = program("gated_delta_rule")

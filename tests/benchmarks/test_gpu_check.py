@@ -24,6 +24,7 @@ def skipped(data) -> dict[str, str]:
     return {entry["what"]: entry["why"] for entry in data["skipped"]}
 
 
+@pytest.mark.slow
 @pytest.mark.costly(25)
 def test_smoke_run_writes_every_measurement(tmp_path):
     check = load_check()

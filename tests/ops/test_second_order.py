@@ -109,6 +109,7 @@ CASES = [(name, "in_scan") for name in RULES] + [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "schedule"), CASES)
 def test_hessian_and_hvp_of_the_chunked_form_equal_the_recurrent_forms(name, schedule):
     assert_second_order_equal(

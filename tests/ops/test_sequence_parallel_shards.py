@@ -28,7 +28,7 @@ from gdn_jax.ops import gated_delta_rule_seq_parallel
 from gdn_jax.ops.conv import causal_depthwise_conv, halo_from_previous
 from gdn_jax.ops.rules import RULES
 
-pytestmark = pytest.mark.child(devices=8)
+pytestmark = [pytest.mark.child(devices=8), pytest.mark.slow]
 
 # T / n = 40, 20, 10 tokens per shard: none a multiple of C, one shorter than C, and none
 # equal to another dimension, so a token-sized collective cannot pass for a state-sized one.

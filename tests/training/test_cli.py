@@ -612,6 +612,7 @@ def documented_compile_only_output():
     return sample.group(1)
 
 
+@pytest.mark.slow
 @pytest.mark.costly(20)
 def test_compile_only_prints_the_memory_per_chip_and_whether_it_fits(tmp_path, command):
     pytest.importorskip("libtpu", reason='--compile-only needs libtpu: pip install -e ".[test]"')

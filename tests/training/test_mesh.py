@@ -285,6 +285,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.costly(13)
 def test_two_processes_train_like_one(subprocess_env, tmp_path, finished_run):
     """Two processes of 2 CPU devices each (jax.distributed, a localhost coordinator, gloo)
