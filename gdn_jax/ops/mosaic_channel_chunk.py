@@ -1,0 +1,134 @@
+"""What the channel-decay Mosaic GPU kernels (KDA, GDN-2) do inside one chunk: the per-channel
+decays of ``channel_decays.py`` and the scores they weight, on one warpgroup's register tiles
+and shared-memory operands (``mosaic_chunk.py``'s products, pieces and layouts).
+
+A chunk's log-decays ``g [C, K]`` (float32, one per token and key channel, each ``<= 0``) are
+in shared memory as ``SEGMENT_PIECES`` bf16 pieces, which hold them exactly. The halving
+levels of ``channel_decays.py`` need, for half-blocks of ``h`` tokens, the sums within blocks
+of ``h``: ``P_h[t]``, the gates of ``t``'s block up to and including ``t``, and ``S_h[t]``,
+those after ``t`` in it. Each is one product of a 0/1 mask ``[C, C]`` with the gates' pieces
+(``block_sums``): a sum of the gates of its own segment, never a difference of running sums,
+so that a -1e4 reset rounds nothing after it away. The blocks of ``C`` (``h = C``) give the
+chunk's decays, ``exp(P_C)`` from its start and ``exp(S_C)`` to its end.
+
+The scores ``M_ti = sum_c x_tc k_ic exp(G_tc - G_ic)`` (``i <= t``) are the diagonal ``x_t .
+k_t`` plus one product a level (``channel_scores``): for half ``h`` the rows ``x_t
+exp(P_h[t])`` of each block's second half against the columns ``k_i exp(S_h[i])`` of its first
+half, kept where ``t`` and ``i`` are the two halves of one ``2h``-block (``t ^ i`` in ``[h,
+2h)``). Every ``exp`` is of a sum of gates, ``<= 0``: no level overflows, however strongly a
+chunk decays. Elementwise work runs over blocks of 64 key channels (``mosaic_chunk.over_blocks``)
+so that a register tile is ``[64, 64]``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from gdn_jax.ops import mosaic_chunk as mc
+from gdn_jax.ops.mosaic_chunk import BF16, CHUNK, Pieces
+
+SQUARE = (CHUNK, CHUNK)
+LEVELS = CHUNK.bit_length() - 1  # halving levels of a chunk: half-blocks of 1, 2, ..., C/2
+
+
+def key_block(first) -> tuple:
+    """The index of the 64 key channels from ``first`` of a ``[C, K]`` operand."""
+    return (slice(None), pl.ds(first, CHUNK))
+
+
+def write_sum_masks(masks: tuple[Pieces, Pieces], half) -> None:
+    """The masks of the sums within blocks of ``half`` tokens (a power of two, possibly
+    traced) into ``masks`` (two ``[C, C]`` operands of one piece), committed: ``[t, j] = 1``
+    where ``j`` is in ``t``'s block and ``j <= t`` (``P``), and ``j > t`` (``S``)."""
+    rows, cols = mc.iotas(SQUARE)
+    same = (rows ^ cols) < half
+    masks[0].refs[0][...] = jnp.where(same & (cols <= rows), 1.0, 0.0).astype(BF16)
+    masks[1].refs[0][...] = jnp.where(same & (cols > rows), 1.0, 0.0).astype(BF16)
+    mc.commit()
+
+
+def block_sums(masks: tuple[Pieces, Pieces], gates: Pieces):
+    """``(P, S)``: the sums within the blocks of ``masks`` (``write_sum_masks``) of the gates
+    ``gates`` (a ``[C, 64]`` view of their pieces), float32 ``[C, 64]`` tiles (WGMMA)."""
+    shape = (CHUNK, gates.refs[0].shape[1])
+    return mc.product(shape, (masks[0], gates)), mc.product(shape, (masks[1], gates))
+
+
+def level_factors(sums, half):
+    """The factors of the level with half-blocks of ``half`` tokens from the sums within
+    blocks of ``half`` (``block_sums``): ``(rows, cols)``, ``rows = exp(P)`` on the second
+    half of each ``2 half``-block and 0 on the first, ``cols = exp(S)`` on the first half and
+    0 on the second. Both sums are ``<= 0``, so the exps are finite before the mask."""
+    p, s = sums
+    rows, _ = mc.iotas(p.shape)
+    second = (rows & half) != 0
+    return jnp.where(second, jnp.exp(p), 0.0), jnp.where(second, 0.0, jnp.exp(s))
+
+
+def in_level(half):
+    """``[C, C]`` bool: where the level with half-blocks of ``half`` puts its products
+    (``t`` and ``i`` in different halves of one ``2 half``-block)."""
+    rows, cols = mc.iotas(SQUARE)
+    apart = rows ^ cols
+    return (apart >= half) & (apart < 2 * half)
+
+
+def _level_operands(s: dict, xs: tuple[Pieces, ...], k: Pieces, gates: Pieces, half) -> None:
+    """The decayed operands of one level into ``s["rows"]`` (one per ``x``) and
+    ``s["cols"]``, committed."""
+    write_sum_masks(s["masks"], half)
+
+    def block(first, carry):
+        keys = key_block(first)
+        rows, cols = level_factors(block_sums(s["masks"], gates.at(*keys)), half)
+        for x, dst in zip(xs, s["rows"], strict=True):
+            mc.store(dst.at(*keys), mc.load(x.at(*keys)) * rows)
+        mc.store(s["cols"].at(*keys), mc.load(k.at(*keys)) * cols)
+        return carry
+
+    mc.over_blocks(k.refs[0].shape[1], block, 0)
+    mc.commit()
+
+
+def channel_scores(s: dict, xs: tuple[Pieces, ...], k: Pieces, gates: Pieces, *, diagonal=True):
+    """``M_ti = sum_c x_tc k_ic exp(G_tc - G_ic)`` for each row factor ``x`` of ``xs`` against
+    ``k`` (``[C, K]`` operands), ``i <= t`` with ``diagonal``, else ``i < t`` (the WY system's
+    ``A``), 0 elsewhere: float32 ``[C, C]`` tiles (WGMMA), one per ``x``. ``gates``: the
+    chunk's log-decays ``[C, K]`` in ``SEGMENT_PIECES`` pieces. Scratch in ``s``: ``masks``
+    (two ``[C, C]`` operands of one piece), ``rows`` (one ``[C, K]`` operand per ``x``) and
+    ``cols`` (``[C, K]``). ``diagonal`` is one bool or one per ``x``."""
+    flags = diagonal if isinstance(diagonal, tuple) else (diagonal,) * len(xs)
+    rows, cols = mc.iotas(SQUARE)
+    eye = rows == cols
+    zero = rows.astype(jnp.float32) * 0.0  # a zero tile in the WGMMA layout
+    totals = tuple(
+        jnp.where(eye, mc.product(SQUARE, (x, k.T)), 0.0) if flag else zero
+        for x, flag in zip(xs, flags, strict=True)
+    )
+
+    def level(j, totals):
+        half = jax.lax.shift_left(jnp.int32(1), j)
+        _level_operands(s, xs, k, gates, half)
+        kept = in_level(half)
+        return tuple(
+            total + jnp.where(kept, mc.product(SQUARE, (x_rows, s["cols"].T)), 0.0)
+            for total, x_rows in zip(totals, s["rows"], strict=True)
+        )
+
+    return jax.lax.fori_loop(jnp.int32(0), jnp.int32(LEVELS), level, totals)
+
+
+def write_chunk_masks(masks: tuple[Pieces, Pieces]) -> None:
+    """The masks of the sums over the whole chunk (``write_sum_masks`` for ``half = C``):
+    from its start through ``t``, and after ``t`` to its end."""
+    write_sum_masks(masks, CHUNK)
+
+
+def chunk_decays(masks: tuple[Pieces, Pieces], gates: Pieces):
+    """``(from_start, to_end)``: ``exp(G_t)`` and ``exp(G_C - G_t)`` of the 64 key channels
+    of ``gates`` (a ``[C, 64]`` view of the pieces), float32 ``[C, 64]`` tiles (WGMMA), with
+    the masks of ``write_chunk_masks`` in ``masks``."""
+    from_start, to_end = block_sums(masks, gates)
+    return jnp.exp(from_start), jnp.exp(to_end)
