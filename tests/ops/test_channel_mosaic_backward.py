@@ -22,10 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 from support.tolerance import assert_close
 
-from gdn_jax.ops import channel_chunked, mosaic_channel_backward
+from gdn_jax.ops import mosaic_channel_backward, mosaic_channel_forward, mosaic_channel_grads
 from gdn_jax.ops import mosaic_chunk as mc
+from gdn_jax.ops.channel_decays import channel_scores
 from gdn_jax.ops.chunked import state_pass_bwd
 from gdn_jax.ops.mosaic_chunk import CHUNK
+from gdn_jax.ops.wy import two_products
 
 # Chunks a sequence: three sequences, the second empty (its state's cotangent passes through).
 COUNTS = (2, 0, 1)
@@ -58,6 +60,22 @@ def by_value_head(x, heads):
     return jnp.repeat(x, heads[1] // heads[0], axis=1)
 
 
+def chunk_factors(q, k, e, x, g):
+    """Stage 1 of one chunk in XLA (``channel_chunked.chunk_factors`` with ``e`` and ``x``
+    given): ``(M, decays, w, u)``."""
+    (scores, erase_scores), decays = channel_scores((q, e), k, g)
+    w, u, _ = two_products(jnp.tril(erase_scores, -1), e * decays.from_start, x)
+    return scores, decays, w, u
+
+
+def chunk_outputs(q, k, e, x, g, start):
+    """One chunk's outputs and end state from its start state, in XLA."""
+    scores, decays, w, u = chunk_factors(q, k, e, x, g)
+    corrections = u - w @ start.T
+    y = (q * decays.from_start) @ start.T + scores @ corrections
+    return y, start * decays.whole[None, :] + corrections.T @ (k * decays.to_end)
+
+
 def xla_factors(q, k, e, x, g, heads):
     """The forward's factors per chunk and value head from the XLA form
     (``channel_chunked.chunk_factors``): ``q_start``, ``k_end``, ``w``, ``u`` ``[tokens, HV,
@@ -66,8 +84,8 @@ def xla_factors(q, k, e, x, g, heads):
     tokens, hv = q.shape[:2]
 
     def per_chunk(q, k, e, x, g):
-        f = channel_chunked.chunk_factors(q, k, x, g, e / k, channel_chunked.WRITTEN)
-        return (q * f.decays.from_start, k * f.decays.to_end, f.w, f.u, f.scores, f.decays.whole)
+        scores, decays, w, u = chunk_factors(q, k, e, x, g)
+        return (q * decays.from_start, k * decays.to_end, w, u, scores, decays.whole)
 
     def chunked(a):  # [tokens, HV, D] -> [chunks, HV, C, D]
         return a.reshape(tokens // CHUNK, CHUNK, hv, -1).transpose(0, 2, 1, 3)
@@ -124,3 +142,66 @@ def test_reverse_pass_equals_the_xla_state_pass_backward(dtype):
     assert_close(d_initial, expected_initial, dtype, err_msg="d_initial")
     d_ends = sum(p.astype(jnp.float32) for p in d_ends)
     assert_close(d_ends, expected_ends, dtype, err_msg="d_ends")
+
+
+def by_chunk(a):
+    """``[tokens, HV, D]`` to ``[chunks, HV, C, D]``."""
+    return a.reshape(a.shape[0] // CHUNK, CHUNK, *a.shape[1:]).swapaxes(1, 2)
+
+
+def by_token(a):
+    return a.swapaxes(1, 2).reshape(-1, *a.shape[1:2], a.shape[-1])
+
+
+def xla_grads(q, k, e, x, g, d_y, starts, d_ends, heads):
+    """Every chunk's gradients by ``jax.vjp`` of ``chunk_outputs``: ``(d_q, d_k, d_e, d_x,
+    d_g)`` on the token layout, those of q and k summed over a key head's value heads."""
+
+    def chunk_grads(q, k, e, x, g, start, d_y, d_end):
+        _, pullback = jax.vjp(chunk_outputs, q, k, e, x, g, start)
+        return pullback((d_y, d_end))[:5]
+
+    inputs = (by_value_head(q, heads), by_value_head(k, heads), e, x, g, d_y)
+    inputs = [by_chunk(a) for a in inputs]
+    grads = jax.vmap(jax.vmap(chunk_grads))(*inputs[:5], starts, inputs[5], d_ends)
+    d_q, d_k, d_e, d_x, d_g = (by_token(a) for a in grads)
+    group = heads[1] // heads[0]
+
+    def key_heads(a):
+        return a.reshape(a.shape[0], heads[0], group, -1).sum(2)
+
+    return key_heads(d_q), key_heads(d_k), d_e, d_x, d_g
+
+
+@pytest.mark.parametrize(
+    "dtype, key_dim, value_dim", [(jnp.float32, 64, 128), (jnp.bfloat16, 128, 64)]
+)
+def test_grads_kernel_equals_the_vjp_of_each_chunk(dtype, key_dim, value_dim):
+    """Grouped value heads, two chunks; float32 over two value blocks (two bf16 pieces an
+    operand), bf16 over two blocks of key channels. Each chunk's start state and end
+    cotangent are its own (the kernel needs nothing carried)."""
+    heads, chunks = (1, 2), 2
+    q, k, e, x, g = contract_inputs(2, chunks, heads, key_dim, value_dim)
+    rng = np.random.default_rng(3)
+    state_shape = (chunks, heads[1], value_dim, key_dim)
+    d_y, starts, d_ends = (
+        jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        for shape in (x.shape, state_shape, state_shape)
+    )
+    count = 1 if dtype == jnp.bfloat16 else 2
+    pieces = [mc.operand(a, count) for a in (q, k, e, x, d_y, starts, d_ends)]
+    q, k, e, x, d_y, starts, d_ends = (sum(p.astype(jnp.float32) for p in a) for a in pieces)
+    shares = mosaic_channel_grads.grads(
+        *pieces[:4], mosaic_channel_forward.gate_pieces(g), *pieces[4:], interpret=True
+    )
+    d_q, d_k, d_e, d_x, d_g = shares
+    group = heads[1] // heads[0]
+
+    def key_heads(a):  # [blocks, tokens, HV, K] -> [tokens, H, K]
+        return a.sum(0).reshape(a.shape[1], heads[0], group, -1).sum(2)
+
+    actual = (key_heads(d_q), key_heads(d_k), d_e.sum(0), d_x, d_g.sum(0))
+    expected = xla_grads(q, k, e, x, g, d_y, starts, d_ends, heads)
+    for name, a, b in zip(("q", "k", "e", "x", "g"), actual, expected, strict=True):
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        assert_close(a, b, dtype, err_msg=f"d_{name}")
