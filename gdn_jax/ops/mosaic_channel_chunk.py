@@ -77,15 +77,20 @@ def in_level(half):
 
 def _level_operands(s: dict, xs: tuple[Pieces, ...], k: Pieces, gates: Pieces, half) -> None:
     """The decayed operands of one level into ``s["rows"]`` (one per ``x``) and
-    ``s["cols"]``, committed."""
+    ``s["cols"]``, committed. The row factor is used up before the column factor is made,
+    so that one ``[C, 64]`` factor is live at a time (registers)."""
     write_sum_masks(s["masks"], half)
 
     def block(first, carry):
         keys = key_block(first)
-        rows, cols = level_factors(block_sums(s["masks"], gates.at(*keys)), half)
+        second = (mc.iotas(SQUARE)[0] & half) != 0
+        sums = mc.product(SQUARE, (s["masks"][0], gates.at(*keys)))
+        factor = jnp.where(second, jnp.exp(sums), 0.0)
         for x, dst in zip(xs, s["rows"], strict=True):
-            mc.store(dst.at(*keys), mc.load(x.at(*keys)) * rows)
-        mc.store(s["cols"].at(*keys), mc.load(k.at(*keys)) * cols)
+            mc.store(dst.at(*keys), mc.load(x.at(*keys)) * factor)
+        sums = mc.product(SQUARE, (s["masks"][1], gates.at(*keys)))
+        factor = jnp.where(second, 0.0, jnp.exp(sums))
+        mc.store(s["cols"].at(*keys), mc.load(k.at(*keys)) * factor)
         return carry
 
     mc.over_blocks(k.refs[0].shape[1], block, 0)

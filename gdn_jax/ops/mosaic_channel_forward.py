@@ -80,13 +80,14 @@ def chunk_wholes(g):
 
 
 def _decayed(s, key_dim: int) -> None:
-    """``q_start``, ``E * exp(G)`` and ``k_end`` into ``s["rows"]`` and ``s["cols"]``."""
+    """``q_start``, ``E * exp(G)`` and ``k_end`` into ``s["rows"][0]``, ``s["e"]`` and
+    ``s["cols"]``, committed."""
     mcc.write_chunk_masks(s["masks"])
 
     def block(first, carry):
         keys = mcc.key_block(first)
         from_start, to_end = mcc.chunk_decays(s["masks"], s["g"].at(*keys))
-        for src, dst in zip((s["q"], s["e"]), s["rows"], strict=True):
+        for src, dst in ((s["q"], s["rows"][0]), (s["e"], s["e"])):
             mc.store(dst.at(*keys), mc.load(src.at(*keys)) * from_start)
         mc.store(s["cols"].at(*keys), mc.load(s["k"].at(*keys)) * to_end)
         return carry
@@ -122,17 +123,19 @@ def _factors_kernel(q_hbm, k_hbm, e_hbm, x_hbm, g_hbm, *out, group: int, **s):
     for src, dst in zip(sources, tiles, strict=True):
         plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
     plgpu.barrier_wait(s["loaded"])
-    scores, strict = mcc.channel_scores(s, (s["q"], s["e"]), s["k"], s["g"], diagonal=(True, False))
+    # One score a pass over the levels: both at once held more registers than ptxas had.
+    (scores,) = mcc.channel_scores(s, (s["q"],), s["k"], s["g"])
     mc.store(s["off"], scores)
     mc.commit()
     for src, dst in zip(s["off"].refs, scores_hbm, strict=True):
         plgpu.copy_smem_to_gmem(src, dst.at[tokens, head])
+    (strict,) = mcc.channel_scores(s, (s["e"],), s["k"], s["g"], diagonal=False)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the inverse writes over ``off``
     inverse = mc.unit_lower_inverse(strict, s["off"], s["inverse"], s["half"])
     mc.store(s["inverse"], inverse)
     key_dim = s["q"].refs[0].shape[1]
     _decayed(s, key_dim)
-    _times_inverse(s, s["rows"][1], s["e"])  # w
+    _times_inverse(s, s["e"], s["e"])  # w, each block of E * exp(G) read before it is written
     _times_inverse(s, s["x"], s["x"])  # u, each block of x read before it is written
     results = ((s["e"], w_hbm), (s["x"], u_hbm), (s["rows"][0], q_start_hbm))
     for tile, hbm in (*results, (s["cols"], k_end_hbm)):
@@ -154,7 +157,7 @@ def factors(q, k, e, x, g, *, interpret=None) -> Factors:
         x=mc.pieces(count, (CHUNK, value_dim)),
         g=mc.pieces(mc.SEGMENT_PIECES, tile),
         masks=(mc.pieces(1, mcc.SQUARE), mc.pieces(1, mcc.SQUARE)),
-        rows=(mc.pieces(count, tile), mc.pieces(count, tile)),
+        rows=(mc.pieces(count, tile),),
         cols=mc.pieces(count, tile),
         off=mc.pieces(count, mcc.SQUARE),
         inverse=mc.pieces(count, mcc.SQUARE),
