@@ -30,6 +30,7 @@ from gdn_jax.ops import mosaic_chunk as mc
 from gdn_jax.ops.api import over_batch_and_heads
 from gdn_jax.ops.channel_chunked import channel_chunked_rule
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
+from gdn_jax.ops.dispatch import AUTO_SCHEDULES, compiled_for
 from gdn_jax.ops.forward_mode import first_order_only
 from gdn_jax.ops.mosaic_chunk import CHUNK, F32
 from gdn_jax.ops.mosaic_layout import token_layout
@@ -86,7 +87,10 @@ def xla_form(q, k, v, gates, initial_states, table):
     ``table`` is its chunks, packed."""
     counts = table[:, 1]
     cu = CHUNK * jnp.concatenate([jnp.zeros(1, counts.dtype), jnp.cumsum(counts)])
-    one_head = functools.partial(channel_chunked_rule, chunk_size=CHUNK, schedule="auto")
+    # The schedule "auto" takes where the program is compiled for, chosen here, not by
+    # platform_dependent: one schedule traced, not three.
+    schedule = AUTO_SCHEDULES.get(compiled_for(), AUTO_SCHEDULES["default"])
+    one_head = functools.partial(channel_chunked_rule, chunk_size=CHUNK, schedule=schedule)
     inputs = (x[None] for x in (q, k, v))
     y, finals = over_batch_and_heads(
         one_head, *inputs, tuple(x[None] for x in gates), initial_states, cu, share_qk=False
