@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gdn_jax.ops import mosaic_chunk as mc
 from gdn_jax.ops.mosaic_chunk import BF16, CHUNK, Pieces
@@ -38,14 +39,32 @@ def key_block(first) -> tuple:
     return (slice(None), pl.ds(first, CHUNK))
 
 
+def indices():
+    """``(rows, cols)``: the token index of each row (``ROWS``) and of each column (``COLS``)
+    of a ``[C, C]`` tile, as vectors: a thread holds 2 and 16 of them, where ``[C, C]``
+    index tiles held 32 registers each through every loop that LLVM hoisted them out of."""
+    return tuple(
+        plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=layout)
+        for layout in (mc.ROWS, mc.COLS)
+    )
+
+
+def same_block(size):
+    """``[C, C]`` bool: where ``t`` and ``i`` lie in one block of ``size`` tokens (a power
+    of two, possibly traced)."""
+    rows, cols = indices()
+    return mc.by_row(rows & -size, SQUARE) == mc.by_col(cols & -size, SQUARE)
+
+
 def write_sum_masks(masks: tuple[Pieces, Pieces], half) -> None:
     """The masks of the sums within blocks of ``half`` tokens (a power of two, possibly
     traced) into ``masks`` (two ``[C, C]`` operands of one piece), committed: ``[t, j] = 1``
     where ``j`` is in ``t``'s block and ``j <= t`` (``P``), and ``j > t`` (``S``)."""
-    rows, cols = mc.iotas(SQUARE)
-    same = (rows ^ cols) < half
-    masks[0].refs[0][...] = jnp.where(same & (cols <= rows), 1.0, 0.0).astype(BF16)
-    masks[1].refs[0][...] = jnp.where(same & (cols > rows), 1.0, 0.0).astype(BF16)
+    rows, cols = indices()
+    same = same_block(half)
+    upto = mc.by_col(cols, SQUARE) <= mc.by_row(rows, SQUARE)
+    masks[0].refs[0][...] = jnp.where(same & upto, 1.0, 0.0).astype(BF16)
+    masks[1].refs[0][...] = jnp.where(same & ~upto, 1.0, 0.0).astype(BF16)
     mc.commit()
 
 
@@ -56,23 +75,28 @@ def block_sums(masks: tuple[Pieces, Pieces], gates: Pieces):
     return mc.product(shape, (masks[0], gates)), mc.product(shape, (masks[1], gates))
 
 
+def second_halves(half, shape):
+    """``[C, n]`` float32: 1 on the rows of the second half of each block of ``2 half``
+    tokens, 0 on the first."""
+    rows, _ = indices()
+    return mc.by_row(jnp.minimum(rows & half, 1).astype(jnp.float32), shape)
+
+
 def level_factors(sums, half):
     """The factors of the level with half-blocks of ``half`` tokens from the sums within
     blocks of ``half`` (``block_sums``): ``(rows, cols)``, ``rows = exp(P)`` on the second
     half of each ``2 half``-block and 0 on the first, ``cols = exp(S)`` on the first half and
     0 on the second. Both sums are ``<= 0``, so the exps are finite before the mask."""
     p, s = sums
-    rows, _ = mc.iotas(p.shape)
-    second = (rows & half) != 0
-    return jnp.where(second, jnp.exp(p), 0.0), jnp.where(second, 0.0, jnp.exp(s))
+    second = second_halves(half, p.shape)
+    return jnp.exp(p) * second, jnp.exp(s) * (1.0 - second)
 
 
 def in_level(half):
     """``[C, C]`` bool: where the level with half-blocks of ``half`` puts its products
-    (``t`` and ``i`` in different halves of one ``2 half``-block)."""
-    rows, cols = mc.iotas(SQUARE)
-    apart = rows ^ cols
-    return (apart >= half) & (apart < 2 * half)
+    (``t`` and ``i`` in one ``2 half``-block; its factors are 0 but on ``t``'s second half
+    and ``i``'s first)."""
+    return same_block(2 * half)
 
 
 def _level_operands(s: dict, xs: tuple[Pieces, ...], k: Pieces, gates: Pieces, half) -> None:
@@ -83,13 +107,13 @@ def _level_operands(s: dict, xs: tuple[Pieces, ...], k: Pieces, gates: Pieces, h
 
     def block(first, carry):
         keys = key_block(first)
-        second = (mc.iotas(SQUARE)[0] & half) != 0
+        second = second_halves(half, SQUARE)
         sums = mc.product(SQUARE, (s["masks"][0], gates.at(*keys)))
-        factor = jnp.where(second, jnp.exp(sums), 0.0)
+        factor = jnp.exp(sums) * second  # exp(P) <= 1: no inf meets the mask
         for x, dst in zip(xs, s["rows"], strict=True):
             mc.store(dst.at(*keys), mc.load(x.at(*keys)) * factor)
         sums = mc.product(SQUARE, (s["masks"][1], gates.at(*keys)))
-        factor = jnp.where(second, 0.0, jnp.exp(sums))
+        factor = jnp.exp(sums) * (1.0 - second)
         mc.store(s["cols"].at(*keys), mc.load(k.at(*keys)) * factor)
         return carry
 
@@ -105,9 +129,8 @@ def channel_scores(s: dict, xs: tuple[Pieces, ...], k: Pieces, gates: Pieces, *,
     (two ``[C, C]`` operands of one piece), ``rows`` (one ``[C, K]`` operand per ``x``) and
     ``cols`` (``[C, K]``). ``diagonal`` is one bool or one per ``x``."""
     flags = diagonal if isinstance(diagonal, tuple) else (diagonal,) * len(xs)
-    rows, cols = mc.iotas(SQUARE)
-    eye = rows == cols
-    zero = rows.astype(jnp.float32) * 0.0  # a zero tile in the WGMMA layout
+    eye = same_block(1)
+    zero = mc.by_row(indices()[0].astype(jnp.float32) * 0.0, SQUARE)  # in a WGMMA layout
     totals = tuple(
         jnp.where(eye, mc.product(SQUARE, (x, k.T)), 0.0) if flag else zero
         for x, flag in zip(xs, flags, strict=True)
