@@ -38,7 +38,7 @@ def _add(ref, tile) -> None:
     ref[...] = plgpu.load(ref, layout=mc.WGMMA, optimized=False) + tile
 
 
-def _write_level_masks(s, j) -> None:
+def _write_level_masks(s, j, z) -> None:
     """The masks of the level with half-blocks of ``h = 2^j`` (``j`` traced): the sums'
     within blocks of ``h`` (``[t, i] = 1`` where ``i`` is in ``t``'s block, ``i <= t``, and
     ``i > t``) and, in the third, ``i <= t`` within blocks of ``2 h``, which keeps a level's
@@ -47,7 +47,7 @@ def _write_level_masks(s, j) -> None:
     no ``[C, C]`` tile of them out of the loop over the levels."""
     rows, cols = mc.iotas(SQUARE)
     half = jax.lax.shift_left(jnp.int32(1), j)
-    masks = (*s["masks"], s["block_mask"])
+    masks = (*(mask.at(z) for mask in s["masks"]), s["block_mask"])
     for dst, size, after in zip(masks, (half, half, 2 * half), (False, True, False), strict=True):
         same = (rows & -size) == (cols & -size)
         later = (cols & (size - 1)) > (rows & (size - 1))
@@ -60,8 +60,6 @@ def _levels_stage(s, outputs):
     """Every level's terms, added to the outputs, 64 key channels at a time (the levels
     inside, so that a level's factors are made where they are used). ``outputs(first)``:
     the ``d_q, d_k, d_e, d_g`` blocks in HBM."""
-    d_m_level, d_a_level = s["level_scores"]
-    x_rows, k_cols, sums = s["x_rows"], s["k_cols"], s["sums"]
 
     def key_block(first, carry):
         keys = mcc.key_block(first)
@@ -71,17 +69,27 @@ def _levels_stage(s, outputs):
             ref[...] = zero
 
         def level(j, carry):
+            # Every operand of a product is viewed at an index read from HBM each level (a
+            # 0): its wgmma descriptors are made in the loop, where LLVM had hoisted them out
+            # of it and ptxas spilled the registers that held them through it.
+            z = s["zero"][0]
+            d_m_level, d_a_level = (x.at(z) for x in s["level_scores"])
+            x_rows = tuple(x.at(z) for x in s["x_rows"])
+            k_cols = s["k_cols"].at(z)
+            sums = tuple(x.at(z) for x in s["sums"])
+            masks = tuple(x.at(z) for x in s["masks"])
+            gates = s["g"].at(z).at(*keys)
             half = jax.lax.shift_left(jnp.int32(1), j)
-            _write_level_masks(s, j)
+            _write_level_masks(s, j, z)
             block = mc.load(s["block_mask"])
             mc.store(d_m_level, mc.load(s["d_m"]) * block)
             mc.store(d_a_level, mc.load(s["d_a"]) * block)
             second = mcg.token_rows(lambda t: (t & half) != 0)
-            p_sums = mc.product(SQUARE, (s["masks"][0], s["g"].at(*keys)))
+            p_sums = mc.product(SQUARE, (masks[0], gates))
             rows = jnp.exp(p_sums) * second  # exp(P) on the second halves
             mc.store(x_rows[0], mc.load(s["q"].at(*keys)) * rows)
             mc.store(x_rows[1], mc.load(s["e"].at(*keys)) * rows)
-            s_sums = mc.product(SQUARE, (s["masks"][1], s["g"].at(*keys)))
+            s_sums = mc.product(SQUARE, (masks[1], gates))
             cols = jnp.exp(s_sums) * (1.0 - second)  # exp(S) on the first halves
             mc.store(k_cols, mc.load(s["k"].at(*keys)) * cols)
             mc.commit()
@@ -95,7 +103,7 @@ def _levels_stage(s, outputs):
             _add(d_k, d_k_cols * cols)
             mc.store(sums[1], d_k_cols * mc.load(s["k"].at(*keys)) * cols)
             mc.commit()
-            _add(d_g, mcg.gate_product(s, sums))
+            _add(d_g, mc.product(SQUARE, (masks[0].T, sums[0]), (masks[1].T, sums[1])))
             return carry
 
         return jax.lax.fori_loop(jnp.int32(0), jnp.int32(mcc.LEVELS), level, carry)
@@ -105,9 +113,10 @@ def _levels_stage(s, outputs):
 
 def _levels_kernel(*refs, group: int, **s):
     """One chunk and value head: every level's terms of the gradients of q, k, e and g."""
-    names = ("q", "k", "e", "g", "d_m", "d_a", *_OUTPUTS)
+    names = ("q", "k", "e", "g", "d_m", "d_a", "zero", *_OUTPUTS)
     hbm = dict(zip(names, refs, strict=True))
     out = {name: hbm.pop(name) for name in _OUTPUTS}
+    s = dict(s, zero=hbm.pop("zero"))
     chunk, head = jax.lax.axis_index("chunk"), jax.lax.axis_index("head")
     tokens = pl.ds(chunk * CHUNK, CHUNK)
     sources = (
@@ -115,7 +124,7 @@ def _levels_kernel(*refs, group: int, **s):
         *(ref.at[tokens, head] for name in ("e", "g", "d_m", "d_a") for ref in hbm[name]),
     )
     names = ("q", "k", "e", "g", "d_m", "d_a")
-    tiles = (ref for name in names for ref in s[name].refs)
+    tiles = (ref.at[0] if name == "g" else ref for name in names for ref in s[name].refs)
     for src, dst in zip(sources, tiles, strict=True):
         plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
     plgpu.barrier_wait(s["loaded"])
@@ -137,15 +146,15 @@ def levels(q, k, e, g, d_m, d_a, *, interpret=None):
     tokens, heads, key_dim = q[0].shape
     v_heads = e[0].shape[1]
     tile = (CHUNK, key_dim)
-    square = functools.partial(mc.pieces, count, SQUARE)
+    square = functools.partial(mc.pieces, count, (1, *SQUARE))
     scratch = dict(
         q=mc.pieces(count, tile),
         k=mc.pieces(count, tile),
         e=mc.pieces(count, tile),
-        g=mc.pieces(mc.SEGMENT_PIECES, tile),
-        d_m=square(),
-        d_a=square(),
-        masks=(mc.pieces(1, SQUARE), mc.pieces(1, SQUARE)),
+        g=mc.pieces(mc.SEGMENT_PIECES, (1, *tile)),
+        d_m=mc.pieces(count, SQUARE),
+        d_a=mc.pieces(count, SQUARE),
+        masks=(mc.pieces(1, (1, *SQUARE)), mc.pieces(1, (1, *SQUARE))),
         block_mask=mc.pieces(1, SQUARE),
         level_scores=(square(), square()),
         x_rows=(square(), square()),
@@ -162,4 +171,5 @@ def levels(q, k, e, g, d_m, d_a, *, interpret=None):
         grid=dict(chunk=tokens // CHUNK, head=v_heads),
         interpret=interpret,
     )
-    return call(*(tuple(a) for a in (q, k, e, g, d_m, d_a)))
+    zero = jnp.zeros((1,), jnp.int32)
+    return call(*(tuple(a) for a in (q, k, e, g, d_m, d_a)), zero)
