@@ -40,25 +40,47 @@ _OUTPUTS = ("d_q", "d_k", "d_e", "d_g", "d_x", "d_scores")
 
 
 def _scratch(count: int, key_dim: int) -> dict:
-    """The chunk's tiles, F's scratch of ``channel_scores`` (``masks``, ``rows``, ``cols``),
-    which also holds the states and the levels' operands once the scores are made, and four
-    ``[C, C]`` squares."""
+    """The chunk's tiles, the scratch of ``channel_scores`` (``masks``, ``rows``, ``cols``),
+    which also holds the states once the system's scores are made, and four ``[C, C]``
+    squares; every operand with a leading axis of one (``views``)."""
+
+    def operand(number, shape):
+        return mc.pieces(number, (1, *shape))
+
     tile = (CHUNK, key_dim)
     block = (CHUNK, VALUE_BLOCK)
     return dict(
-        q=mc.pieces(count, tile),
-        k=mc.pieces(count, tile),
-        e=mc.pieces(count, tile),
-        g=mc.pieces(mc.SEGMENT_PIECES, tile),
-        x=mc.pieces(count, block),
-        d_y=mc.pieces(count, block),
-        masks=(mc.pieces(1, SQUARE), mc.pieces(1, SQUARE)),
-        rows=(mc.pieces(count, tile), mc.pieces(count, tile)),
-        cols=mc.pieces(count, tile),
-        squares=tuple(mc.pieces(count, SQUARE) for _ in range(4)),
+        q=operand(count, tile),
+        k=operand(count, tile),
+        e=operand(count, tile),
+        g=operand(mc.SEGMENT_PIECES, tile),
+        x=operand(count, block),
+        d_y=operand(count, block),
+        masks=(operand(1, SQUARE), operand(1, SQUARE)),
+        rows=(operand(count, tile), operand(count, tile)),
+        cols=operand(count, tile),
+        squares=tuple(operand(count, SQUARE) for _ in range(4)),
         loaded=plgpu.Barrier(num_arrivals=6 * count + mc.SEGMENT_PIECES),
         states_loaded=plgpu.Barrier(num_arrivals=2 * count),
     )
+
+
+def views(s: dict, zero) -> dict:
+    """``s`` with every operand (a ``Pieces`` with a leading axis of one, alone or in a
+    tuple) viewed at index ``zero[0]`` (a 0 read from HBM). A stage or a loop's step that
+    reads its operands through views of its own makes their wgmma descriptors where it uses
+    them: LLVM cannot hoist them out of the loop or merge them with another stage's (each
+    holding registers from one use to the next), which made ptxas spill."""
+    index = zero[0]
+
+    def view(x):
+        if isinstance(x, Pieces):
+            return x.at(index)
+        if isinstance(x, tuple) and x and isinstance(x[0], Pieces):
+            return tuple(p.at(index) for p in x)
+        return x
+
+    return {name: view(x) for name, x in s.items()}
 
 
 def _copy_inputs(hbm, s, *, chunk, head, group, block):
@@ -143,20 +165,22 @@ def _decay(s, keys, which: int):
     return jnp.exp(mc.product(SQUARE, (s["masks"][which], s["g"].at(*keys))))
 
 
-def _top_stage(s, shares):
+def _top_stage(scratch, shares):
     """The chunk's decays and the diagonal of ``M``: the first terms of every share, 64 key
     channels at a time, each tile used as soon as it is made. ``shares(first)``: the ``d_q,
     d_k, d_e, d_g`` blocks in HBM."""
-    sq = s["squares"]
-    start, d_end = s["rows"]
+    s = views(scratch, scratch["zero"])
     # dM's diagonal, dY_t . U_t, without a [C, C] mask.
-    diagonal = mc.by_row(jnp.sum(mc.load(s["d_y"]) * mc.load(sq[1]), axis=1), SQUARE)
+    diagonal = mc.by_row(jnp.sum(mc.load(s["d_y"]) * mc.load(s["squares"][1]), axis=1), SQUARE)
     mcc.write_chunk_masks(s["masks"])
-    # The sums' cotangents go where dY (read by the next block) is not: x holds dU no more,
-    # cols K exp(G_C - G) no more.
-    sums = (s["x"], s["cols"].at(*mcc.key_block(0)))
 
     def block(first, carry):
+        s = views(scratch, scratch["zero"])
+        sq = s["squares"]
+        start, d_end = s["rows"]
+        # The sums' cotangents go where dY (read by the next block) is not: x holds dU no
+        # more, cols K exp(G_C - G) no more.
+        sums = (s["x"], s["cols"].at(*mcc.key_block(0)))
         keys = mcc.key_block(first)
         d_q, d_k, d_e, d_g = shares(first)
         from_start = _decay(s, keys, 0)
@@ -188,11 +212,13 @@ def gate_product(s, sums: tuple[Pieces, Pieces]):
     return mc.product(SQUARE, (p_mask.T, sums[0]), (s_mask.T, sums[1]))
 
 
-def _grads_kernel(*refs, group: int, **s):
+def _grads_kernel(*refs, group: int, **scratch):
     """One chunk, value head and value block: its shares of every input's gradient but the
     levels' terms."""
-    hbm = dict(zip(_INPUTS + _OUTPUTS, refs, strict=True))
+    hbm = dict(zip(_INPUTS + ("zero",) + _OUTPUTS, refs, strict=True))
     out = {name: hbm.pop(name) for name in _OUTPUTS}
+    scratch["zero"] = hbm.pop("zero")
+    s = views(scratch, scratch["zero"])
     chunk, head, block = (jax.lax.axis_index(axis) for axis in ("chunk", "head", "block"))
     where = dict(chunk=chunk, head=head, block=block)
     _copy_inputs(hbm, s, group=group, **where)
@@ -203,13 +229,14 @@ def _grads_kernel(*refs, group: int, **s):
     _copy_states(hbm, s, **where)
     mc.store(sq[2], mc.unit_lower_inverse(strict, sq[1], sq[2], sq[3]))
     tokens = pl.ds(chunk * CHUNK, CHUNK)
-    _value_stage(s, out, (tokens, head, pl.ds(block * VALUE_BLOCK, VALUE_BLOCK), block))
+    index = (tokens, head, pl.ds(block * VALUE_BLOCK, VALUE_BLOCK), block)
+    _value_stage(views(scratch, scratch["zero"]), out, index)
 
     def shares(first):
         keys = pl.ds(first, CHUNK)
         return tuple(out[name].at[block, tokens, head, keys] for name in _OUTPUTS[:4])
 
-    _top_stage(s, shares)
+    _top_stage(scratch, shares)
 
 
 def grads(q, k, e, x, g, scores, d_y, starts, d_ends, *, interpret=None):
@@ -244,4 +271,4 @@ def grads(q, k, e, x, g, scores, d_y, starts, d_ends, *, interpret=None):
         interpret=interpret,
     )
     inputs = (q, k, e, x, g, scores, d_y, starts, d_ends)
-    return call(*(tuple(a) for a in inputs))
+    return call(*(tuple(a) for a in inputs), jnp.zeros((1,), jnp.int32))
