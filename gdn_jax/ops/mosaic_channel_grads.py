@@ -41,8 +41,10 @@ _OUTPUTS = ("d_q", "d_k", "d_e", "d_g", "d_x", "d_scores")
 
 def _scratch(count: int, key_dim: int) -> dict:
     """The chunk's tiles, the scratch of ``channel_scores`` (``masks``, ``rows``, ``cols``),
-    which also holds the states once the system's scores are made, and four ``[C, C]``
-    squares; every operand with a leading axis of one (``views``)."""
+    which also holds the states once the system's scores are made, and three ``[C, C]``
+    squares: ``u`` (the inverse's scratch, then ``U``), ``inverse`` (``T``) and ``m`` (the
+    inverse's scratch, then ``M``, then ``dX``); every operand with a leading axis of one
+    (``views``)."""
 
     def operand(number, shape):
         return mc.pieces(number, (1, *shape))
@@ -59,9 +61,12 @@ def _scratch(count: int, key_dim: int) -> dict:
         masks=(operand(1, SQUARE), operand(1, SQUARE)),
         rows=(operand(count, tile), operand(count, tile)),
         cols=operand(count, tile),
-        squares=tuple(operand(count, SQUARE) for _ in range(4)),
-        loaded=plgpu.Barrier(num_arrivals=6 * count + mc.SEGMENT_PIECES),
+        u=operand(count, SQUARE),
+        inverse=operand(count, SQUARE),
+        m=operand(count, SQUARE),
+        loaded=plgpu.Barrier(num_arrivals=5 * count + mc.SEGMENT_PIECES),
         states_loaded=plgpu.Barrier(num_arrivals=2 * count),
+        m_loaded=plgpu.Barrier(num_arrivals=count),
     )
 
 
@@ -84,17 +89,16 @@ def views(s: dict, zero) -> dict:
 
 
 def _copy_inputs(hbm, s, *, chunk, head, group, block):
-    """Start the TMA copies of the chunk's inputs (q and k of the key head, e, the gates'
-    pieces and ``M`` of the value head, x and dY's value block)."""
+    """Start the TMA copies of the chunk's inputs (q and k of the key head, e and the
+    gates' pieces of the value head, x and dY's value block)."""
     tokens = pl.ds(chunk * CHUNK, CHUNK)
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
     sources = (
         *(ref.at[tokens, head // group] for ref in (*hbm["q"], *hbm["k"])),
-        *(ref.at[tokens, head] for ref in (*hbm["e"], *hbm["g"], *hbm["scores"])),
+        *(ref.at[tokens, head] for ref in (*hbm["e"], *hbm["g"])),
         *(ref.at[tokens, head, values] for ref in (*hbm["x"], *hbm["d_y"])),
     )
-    names = ("q", "k", "e", "g", "scores", "x", "d_y")
-    s = dict(s, scores=s["squares"][0])
+    names = ("q", "k", "e", "g", "x", "d_y")
     tiles = (ref for name in names for ref in s[name].refs)
     for src, dst in zip(sources, tiles, strict=True):
         plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
@@ -108,6 +112,13 @@ def _copy_states(hbm, s, *, chunk, head, block):
     for name, dst in zip(("starts", "d_ends"), s["rows"], strict=True):
         for src, ref in zip(hbm[name], dst.refs, strict=True):
             plgpu.copy_gmem_to_smem(src.at[chunk, head, values], ref, s["states_loaded"])
+
+
+def _copy_scores(hbm, s, *, chunk, head):
+    """Start the TMA copies of ``M`` into ``m`` (free once the inverse is made)."""
+    mc.commit()  # the inverse's writes to ``m`` before TMA's
+    for src, ref in zip(hbm["scores"], s["m"].refs, strict=True):
+        plgpu.copy_gmem_to_smem(src.at[pl.ds(chunk * CHUNK, CHUNK), head], ref, s["m_loaded"])
 
 
 def _decayed_into(s, dst: Pieces, src: Pieces, which: int) -> None:
@@ -127,9 +138,8 @@ def _decayed_into(s, dst: Pieces, src: Pieces, which: int) -> None:
 def _value_stage(s, out, index):
     """``U``, ``dU``, ``dX`` (written to ``d_x``), then ``dM = dY U^T`` and ``dA = -dX
     U^T`` (written to ``d_scores``), whole: the levels keep what lies below the diagonal.
-    Leaves ``U`` and ``dX`` in squares 1 and 3 and the states in ``rows``."""
+    Leaves ``U`` and ``dX`` in ``u`` and ``m`` and the states in ``rows``."""
     tokens, head, values, value_block = index
-    sq = s["squares"]
     start, d_end = s["rows"]
     mcc.write_chunk_masks(s["masks"])
     _decayed_into(s, s["cols"], s["e"], 0)  # E * exp(G)
@@ -137,18 +147,19 @@ def _value_stage(s, out, index):
     block = (CHUNK, VALUE_BLOCK)
     mc.store(s["x"], mc.load(s["x"]) - mc.product(block, (s["cols"], start.T)))
     mc.commit()
-    mc.store(sq[1], mc.product(block, (sq[2], s["x"])))  # U = T (X - (E exp(G)) S^T)
+    mc.store(s["u"], mc.product(block, (s["inverse"], s["x"])))  # U = T (X - (E exp(G)) S^T)
     _decayed_into(s, s["cols"], s["k"], 1)  # K * exp(G_C - G); commits U too
-    d_u = mc.product(block, (sq[0].T, s["d_y"]), (s["cols"], d_end.T))
+    plgpu.barrier_wait(s["m_loaded"])
+    d_u = mc.product(block, (s["m"].T, s["d_y"]), (s["cols"], d_end.T))
     mc.store(s["x"], d_u)
     mc.commit()
-    d_x = mc.product(block, (sq[2].T, s["x"]))
+    d_x = mc.product(block, (s["inverse"].T, s["x"]))
     out["d_x"].at[tokens, head, values][...] = d_x
-    mc.store(sq[3], d_x)
+    mc.store(s["m"], d_x)
     mc.commit()
     d_scores = out["d_scores"]
-    d_scores.at[value_block, 0, tokens, head][...] = mc.product(SQUARE, (s["d_y"], sq[1].T))
-    d_scores.at[value_block, 1, tokens, head][...] = -mc.product(SQUARE, (sq[3], sq[1].T))
+    d_scores.at[value_block, 0, tokens, head][...] = mc.product(SQUARE, (s["d_y"], s["u"].T))
+    d_scores.at[value_block, 1, tokens, head][...] = -mc.product(SQUARE, (s["m"], s["u"].T))
 
 
 def token_rows(test):
@@ -171,12 +182,11 @@ def _top_stage(scratch, shares):
     d_k, d_e, d_g`` blocks in HBM."""
     s = views(scratch, scratch["zero"])
     # dM's diagonal, dY_t . U_t, without a [C, C] mask.
-    diagonal = mc.by_row(jnp.sum(mc.load(s["d_y"]) * mc.load(s["squares"][1]), axis=1), SQUARE)
+    diagonal = mc.by_row(jnp.sum(mc.load(s["d_y"]) * mc.load(s["u"]), axis=1), SQUARE)
     mcc.write_chunk_masks(s["masks"])
 
     def block(first, carry):
         s = views(scratch, scratch["zero"])
-        sq = s["squares"]
         start, d_end = s["rows"]
         # The sums' cotangents go where dY (read by the next block) is not: x holds dU no
         # more, cols K exp(G_C - G) no more.
@@ -187,7 +197,7 @@ def _top_stage(scratch, shares):
         d_q_start = mc.product(SQUARE, (s["d_y"], start.at(*keys)))  # dY S
         d_q[...] = d_q_start * from_start + diagonal * mc.load(s["k"].at(*keys))
         d_sum = d_q_start * mc.load(s["q"].at(*keys))
-        d_e_start = -mc.product(SQUARE, (sq[3], start.at(*keys)))  # -dX S
+        d_e_start = -mc.product(SQUARE, (s["m"], start.at(*keys)))  # -dX S
         d_e[...] = d_e_start * from_start
         d_sum = d_sum + d_e_start * mc.load(s["e"].at(*keys))
         # exp(G_C) is row C - 1 of exp(G): d exp(G_C) joins that row's cotangent.
@@ -195,7 +205,7 @@ def _top_stage(scratch, shares):
         last = token_rows(lambda t: t == CHUNK - 1) * mc.by_col(d_whole, SQUARE)
         mc.store(sums[0], (d_sum + last) * from_start)
         to_end = _decay(s, keys, 1)
-        d_k_end = mc.product(SQUARE, (sq[1], d_end.at(*keys)))  # U dS'
+        d_k_end = mc.product(SQUARE, (s["u"], d_end.at(*keys)))  # U dS'
         d_k[...] = d_k_end * to_end + diagonal * mc.load(s["q"].at(*keys))
         mc.store(sums[1], d_k_end * mc.load(s["k"].at(*keys)) * to_end)
         mc.commit()
@@ -223,11 +233,11 @@ def _grads_kernel(*refs, group: int, **scratch):
     where = dict(chunk=chunk, head=head, block=block)
     _copy_inputs(hbm, s, group=group, **where)
     plgpu.barrier_wait(s["loaded"])
-    sq = s["squares"]
     one_row = dict(s, rows=s["rows"][:1])
     (strict,) = mcc.channel_scores(one_row, (s["e"],), s["k"], s["g"], diagonal=False)
     _copy_states(hbm, s, **where)
-    mc.store(sq[2], mc.unit_lower_inverse(strict, sq[1], sq[2], sq[3]))
+    mc.store(s["inverse"], mc.unit_lower_inverse(strict, s["u"], s["inverse"], s["m"]))
+    _copy_scores(hbm, s, chunk=chunk, head=head)
     tokens = pl.ds(chunk * CHUNK, CHUNK)
     index = (tokens, head, pl.ds(block * VALUE_BLOCK, VALUE_BLOCK), block)
     _value_stage(views(scratch, scratch["zero"]), out, index)

@@ -76,7 +76,6 @@ def _levels_stage(s, outputs):
             d_m_level, d_a_level = (x.at(z) for x in s["level_scores"])
             x_rows = tuple(x.at(z) for x in s["x_rows"])
             k_cols = s["k_cols"].at(z)
-            sums = tuple(x.at(z) for x in s["sums"])
             masks = tuple(x.at(z) for x in s["masks"])
             gates = s["g"].at(z).at(*keys)
             half = jax.lax.shift_left(jnp.int32(1), j)
@@ -93,15 +92,17 @@ def _levels_stage(s, outputs):
             cols = jnp.exp(s_sums) * (1.0 - second)  # exp(S) on the first halves
             mc.store(k_cols, mc.load(s["k"].at(*keys)) * cols)
             mc.commit()
+            d_k_cols = mc.product(SQUARE, (d_m_level.T, x_rows[0]), (d_a_level.T, x_rows[1]))
+            _add(d_k, d_k_cols * cols)
+            # The sums' cotangents take the row factors' place, read by now.
+            sums = x_rows
+            mc.store(sums[1], d_k_cols * mc.load(s["k"].at(*keys)) * cols)
             d_q_rows = mc.product(SQUARE, (d_m_level, k_cols))
             _add(d_q, d_q_rows * rows)
             d_sum = d_q_rows * mc.load(s["q"].at(*keys))
             d_e_rows = mc.product(SQUARE, (d_a_level, k_cols))
             _add(d_e, d_e_rows * rows)
             mc.store(sums[0], (d_sum + d_e_rows * mc.load(s["e"].at(*keys))) * rows)
-            d_k_cols = mc.product(SQUARE, (d_m_level.T, x_rows[0]), (d_a_level.T, x_rows[1]))
-            _add(d_k, d_k_cols * cols)
-            mc.store(sums[1], d_k_cols * mc.load(s["k"].at(*keys)) * cols)
             mc.commit()
             _add(d_g, mc.product(SQUARE, (masks[0].T, sums[0]), (masks[1].T, sums[1])))
             return carry
@@ -159,7 +160,6 @@ def levels(q, k, e, g, d_m, d_a, *, interpret=None):
         level_scores=(square(), square()),
         x_rows=(square(), square()),
         k_cols=square(),
-        sums=(square(), square()),
         loaded=plgpu.Barrier(num_arrivals=5 * count + mc.SEGMENT_PIECES),
     )
     share = jax.ShapeDtypeStruct((tokens, v_heads, key_dim), F32)
