@@ -154,9 +154,15 @@ def write_chunk_masks(masks: tuple[Pieces, Pieces]) -> None:
     write_sum_masks(masks, CHUNK)
 
 
+def chunk_decay(masks: tuple[Pieces, Pieces], gates: Pieces, which: int):
+    """``exp(G_t)`` (``which=0``, from the chunk's start) or ``exp(G_C - G_t)`` (``which=1``,
+    to its end) of the 64 key channels of ``gates`` (a ``[C, 64]`` view of the pieces), a
+    float32 ``[C, 64]`` tile (WGMMA), with the masks of ``write_chunk_masks`` in ``masks``.
+    One product: a caller that uses one decay before it makes the other holds one tile."""
+    shape = (CHUNK, gates.refs[0].shape[1])
+    return jnp.exp(mc.product(shape, (masks[which], gates)))
+
+
 def chunk_decays(masks: tuple[Pieces, Pieces], gates: Pieces):
-    """``(from_start, to_end)``: ``exp(G_t)`` and ``exp(G_C - G_t)`` of the 64 key channels
-    of ``gates`` (a ``[C, 64]`` view of the pieces), float32 ``[C, 64]`` tiles (WGMMA), with
-    the masks of ``write_chunk_masks`` in ``masks``."""
-    from_start, to_end = block_sums(masks, gates)
-    return jnp.exp(from_start), jnp.exp(to_end)
+    """``(from_start, to_end)``: both of ``chunk_decay``."""
+    return chunk_decay(masks, gates, 0), chunk_decay(masks, gates, 1)

@@ -86,9 +86,10 @@ def _decayed(s, key_dim: int) -> None:
 
     def block(first, carry):
         keys = mcc.key_block(first)
-        from_start, to_end = mcc.chunk_decays(s["masks"], s["g"].at(*keys))
+        from_start = mcc.chunk_decay(s["masks"], s["g"].at(*keys), 0)
         for src, dst in ((s["q"], s["rows"][0]), (s["e"], s["e"])):
             mc.store(dst.at(*keys), mc.load(src.at(*keys)) * from_start)
+        to_end = mcc.chunk_decay(s["masks"], s["g"].at(*keys), 1)
         mc.store(s["cols"].at(*keys), mc.load(s["k"].at(*keys)) * to_end)
         return carry
 
