@@ -9,10 +9,11 @@ forward (``mosaic_channel_forward.py``) is a kernel over every chunk for the sco
 inverse of the intra-chunk system and the WY factors, then a state pass a (sequence, value
 head, block of 64 value channels) that carries the float32 state on chip.
 
-The backward (``_core_bwd``) is, for now, the reverse-mode derivative of the XLA chunked form
-(``channel_chunked.py``) on the same token layout: each sequence's chunks as one packed
-sequence, its padding tokens inert (no decay, no erase, no write). Correct and complete,
-not fast; the backward kernels replace it.
+The backward (``_core_bwd``, ``mosaic_channel_backward.py``) is a reverse state pass on the
+forward's factors that carries the float32 cotangent of the state on chip, then kernels over
+every chunk for the gradients of the contract's q, k, e, x and g (their value blocks' and
+value heads' shares summed in XLA), pulled back to the rule's inputs through the contract's
+elementwise products in XLA (``_contract``).
 
 Every product is a wgmma with bf16 operands and float32 accumulation: bf16 v makes every
 operand one bf16 piece, any other dtype two (``mosaic_chunk.py``).
@@ -25,6 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from gdn_jax.ops import mosaic_channel_backward as backward
 from gdn_jax.ops import mosaic_channel_forward as forward
 from gdn_jax.ops import mosaic_chunk as mc
 from gdn_jax.ops.api import over_batch_and_heads
@@ -116,13 +118,37 @@ def _core_fwd(q, k, v, gates, initial_states, static, table):
     return (y, finals), ((q, k, v, gates, initial_states), residuals, table)
 
 
+def _contract(q, k, v, gates):
+    """The kernel contract of ``kernel_operands`` in float32, unpadded and whole: ``(q, k,
+    e, x, g)``; its pullback takes the kernels' gradients to the rule's inputs. ``g``
+    passes no gradient to a gate clamped at the floor (as ``channel_chunked.clamped``)."""
+    log_alpha, erase, *write = (x.astype(F32) for x in gates)
+    group = v.shape[1] // q.shape[1]
+    erase = erase[..., None] if erase.ndim == 2 else erase
+    e = jnp.repeat(k.astype(F32), group, axis=1) * erase
+    x = v.astype(F32) * (write[0] if write else erase)
+    g = jnp.where(log_alpha > LOG_ALPHA_FLOOR, log_alpha, LOG_ALPHA_FLOOR)
+    return q.astype(F32), k.astype(F32), e, x, g
+
+
 def _core_bwd(static, saved, cotangents):
-    """The backward: jax.vjp of ``xla_form`` on the saved inputs (the kernels' residuals,
-    ``saved[1]``, unused until the backward kernels take them)."""
+    """The backward kernels on the forward's residuals, then ``_contract``'s pullback."""
     saved, cotangents = first_order_only(SECOND_ORDER.format(rule=static[0]), (saved, cotangents))
-    inputs, _, table = saved
-    _, pullback = jax.vjp(lambda *xs: xla_form(*xs, table), *inputs)
-    return (*pullback(cotangents), None)
+    inputs, (operands, g, f, starts), table = saved
+    d_y, d_finals = cotangents
+    key_dim, value_dim = inputs[0].shape[-1], inputs[2].shape[-1]
+    d_y = mc.operand(padded(d_y, 2), len(operands[0]))
+    d_initial, d_ends = backward.reverse(
+        table, f.q_start, f.k_end, f.w, f.scores, f.whole, d_y,
+        padded(padded(d_finals, 3), 2), interpret=static[1],
+    )  # fmt: skip
+    grads = backward.chunk_grads(
+        *operands, forward.gate_pieces(g), f.scores, d_y, starts, d_ends, interpret=static[1]
+    )
+    widths = (key_dim, key_dim, key_dim, value_dim, key_dim)
+    grads = tuple(d[..., :width] for d, width in zip(grads, widths, strict=True))
+    _, pullback = jax.vjp(_contract, *inputs[:4])
+    return (*pullback(grads), d_initial[..., :value_dim, :key_dim], None)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
