@@ -81,15 +81,15 @@ def chunk_wholes(g):
 
 def _decayed(s, key_dim: int) -> None:
     """``q_start``, ``E * exp(G)`` and ``k_end`` into ``s["rows"][0]``, ``s["e"]`` and
-    ``s["cols"]``, committed."""
-    mcc.write_chunk_masks(s["masks"])
+    ``s["cols"]``, committed. The chunk's masks (``s["chunk_masks"]``) are written before
+    the levels: made here, after the inverse, ptxas spilled at float32 (two pieces)."""
 
     def block(first, carry):
         keys = mcc.key_block(first)
-        from_start = mcc.chunk_decay(s["masks"], s["g"].at(*keys), 0)
+        from_start = mcc.chunk_decay(s["chunk_masks"], s["g"].at(*keys), 0)
         for src, dst in ((s["q"], s["rows"][0]), (s["e"], s["e"])):
             mc.store(dst.at(*keys), mc.load(src.at(*keys)) * from_start)
-        to_end = mcc.chunk_decay(s["masks"], s["g"].at(*keys), 1)
+        to_end = mcc.chunk_decay(s["chunk_masks"], s["g"].at(*keys), 1)
         mc.store(s["cols"].at(*keys), mc.load(s["k"].at(*keys)) * to_end)
         return carry
 
@@ -123,6 +123,7 @@ def _factors_kernel(q_hbm, k_hbm, e_hbm, x_hbm, g_hbm, *out, group: int, **s):
     tiles = tuple(ref for name in names for ref in s[name].refs)
     for src, dst in zip(sources, tiles, strict=True):
         plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
+    mcc.write_chunk_masks(s["chunk_masks"])  # while the tiles load
     plgpu.barrier_wait(s["loaded"])
     # One score a pass over the levels: both at once held more registers than ptxas had.
     (scores,) = mcc.channel_scores(s, (s["q"],), s["k"], s["g"])
@@ -158,6 +159,7 @@ def factors(q, k, e, x, g, *, interpret=None) -> Factors:
         x=mc.pieces(count, (CHUNK, value_dim)),
         g=mc.pieces(mc.SEGMENT_PIECES, tile),
         masks=(mc.pieces(1, mcc.SQUARE), mc.pieces(1, mcc.SQUARE)),
+        chunk_masks=(mc.pieces(1, mcc.SQUARE), mc.pieces(1, mcc.SQUARE)),
         rows=(mc.pieces(count, tile),),
         cols=mc.pieces(count, tile),
         off=mc.pieces(count, mcc.SQUARE),
