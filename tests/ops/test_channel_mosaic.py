@@ -181,9 +181,9 @@ def test_packed_sequences_with_an_empty_one():
 
 
 def test_bf16_inputs_with_the_norm_inside_the_op():
-    """bf16 q, k and v (one bf16 piece an operand); K = 80 pads to two blocks of 64 key
-    channels, the widest the kernels take being 128."""
-    q, k, v, *gates = rule_inputs("kda", 2, 100, 80, 40, batch=1, heads=(1, 2))
+    """bf16 q, k and v (one bf16 piece an operand) over two key heads of two value heads
+    each; K = 80 pads to two blocks of 64 key channels, the widest the kernels take."""
+    q, k, v, *gates = rule_inputs("kda", 2, 70, 80, 40, batch=1, heads=(2, 4))
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
     assert_same("kda", (q, k, v, *gates), jnp.bfloat16, norm=True)
 
@@ -191,8 +191,14 @@ def test_bf16_inputs_with_the_norm_inside_the_op():
 def test_no_sequences_give_empty_outputs_and_no_tokens_the_ops_own_error():
     q, k, v, *gates = rule_inputs("kda", 4, 20, 16, 16, batch=0, heads=(1, 2))
     state = random_state(5, 0, 2, 16, 16)
-    y, final = gdn_jax.kda(q, k, v, *gates, initial_state=state, impl="mosaic_gpu")
+
+    def loss(state):
+        y, final = gdn_jax.kda(q, k, v, *gates, initial_state=state, impl="mosaic_gpu")
+        return jnp.sum(y) + jnp.sum(final), (y, final)
+
+    d_state, (y, final) = jax.grad(loss, has_aux=True)(state)
     assert y.shape == v.shape and final.shape == state.shape
+    np.testing.assert_array_equal(d_state, np.ones(state.shape))
     empty = rule_inputs("kda", 4, 0, 16, 16, batch=2, heads=(1, 2))
     with pytest.raises(ValueError, match=r"kda: need at least one token"):
         gdn_jax.kda(*empty, impl="mosaic_gpu")
