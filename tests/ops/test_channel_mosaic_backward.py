@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from support.tolerance import assert_close
 
+import gdn_jax
 from gdn_jax.ops import mosaic_channel_backward, mosaic_channel_forward
 from gdn_jax.ops import mosaic_chunk as mc
 from gdn_jax.ops.channel_decays import channel_scores
@@ -199,3 +200,36 @@ def test_grads_kernel_equals_the_vjp_of_each_chunk(dtype, key_dim, value_dim):
     for name, a, b in zip(("q", "k", "e", "x", "g"), actual, expected, strict=True):
         assert a.shape == b.shape, (name, a.shape, b.shape)
         assert_close(a, b, dtype, err_msg=f"d_{name}")
+
+
+def test_the_backward_kernels_compiled_for_an_h200_fit_a_hopper_block():
+    """GDN-2's forward and backward through the public op compiled for an H200 on this host
+    (``gdn_jax.gpu_compile``) at K = V = 128 bf16: every kernel launchable (shared memory
+    within a Hopper block's), its products on the tensor cores (wgmma), no register spilled.
+    A kernel's resources depend on K and V, not on B, T or H; KDA's kernels are the same
+    (one contract). The shape (T = 192, two value heads a key head) is this test's own: jax
+    0.12 keeps a compiled Mosaic kernel for the process, and one compiled before would not
+    be dumped again."""
+    gpu_compile = pytest.importorskip("gdn_jax.gpu_compile")
+    if not gpu_compile.plugin_installed():
+        pytest.skip('compiling for a GPU needs the CUDA plugin: pip install -e ".[gpu-compile]"')
+    rng = np.random.default_rng(12)
+    q, k = (jnp.asarray(rng.standard_normal((1, 192, 1, 128)), jnp.bfloat16) for _ in range(2))
+    shape = (1, 192, 2, 128)
+    v = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    log_alpha = jnp.asarray(rng.uniform(-0.05, 0.0, shape), jnp.float32)
+    gates = (log_alpha, *(jnp.asarray(rng.uniform(0.0, 1.0, shape), jnp.float32),) * 2)
+
+    def loss(*args):
+        y, final = gdn_jax.gdn2(*args, use_qk_l2norm=True, impl="mosaic_gpu")
+        return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
+
+    report = gpu_compile.report(jax.grad(loss, argnums=range(6)), q, k, v, *gates)
+    names = sorted(kernel.name.rsplit("_", 1)[0] for kernel in report.kernels)
+    kernels = ("factors", "grads", "levels", "reverse", "states")
+    assert names == [f"channel_mosaic_{name}" for name in kernels]
+    for kernel in report.kernels:
+        assert kernel.launchable, (kernel.name, kernel.problem)
+        assert kernel.tensor_core_instructions > 0, kernel.name
+        spills = (kernel.spill_stores, kernel.spill_loads)
+        assert spills == (0, 0), (kernel.name, spills)
