@@ -29,10 +29,7 @@ import jax.numpy as jnp
 from gdn_jax.ops import mosaic_channel_backward as backward
 from gdn_jax.ops import mosaic_channel_forward as forward
 from gdn_jax.ops import mosaic_chunk as mc
-from gdn_jax.ops.api import over_batch_and_heads
-from gdn_jax.ops.channel_chunked import channel_chunked_rule
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
-from gdn_jax.ops.dispatch import AUTO_SCHEDULES, compiled_for
 from gdn_jax.ops.forward_mode import first_order_only
 from gdn_jax.ops.mosaic_chunk import CHUNK, F32
 from gdn_jax.ops.mosaic_layout import token_layout
@@ -53,19 +50,29 @@ def padded(x, axis: int):
     return jnp.pad(x, widths) if pad else x
 
 
-def kernel_operands(q, k, v, gates):
-    """The kernels' operands from the token layout (q, k ``[tokens, H, K]``, v ``[tokens,
-    HV, V]``, gates ``(log_alpha [tokens, HV, K], beta [tokens, HV])`` or ``(log_alpha, b
-    [tokens, HV, K], w [tokens, HV, V])``): ``(q, k, e, x)`` padded, as pieces (one each
-    when v is bf16, else two), and ``g [tokens, HV, K]`` float32, clamped and padded."""
+def _contract(q, k, v, gates):
+    """The kernel contract in float32, unpadded: ``(q, k, e, x, g)`` (the erase vectors ``e
+    = b * k`` per value head, the writes ``x = w * v``, KDA's ``beta`` for both gates, the
+    log-decays clamped at the floor); its pullback takes the kernels' gradients to the
+    rule's inputs. ``g`` passes no gradient to a gate clamped at the floor (as
+    ``channel_chunked.clamped``)."""
     log_alpha, erase, *write = (x.astype(F32) for x in gates)
     group = v.shape[1] // q.shape[1]
     erase = erase[..., None] if erase.ndim == 2 else erase
     e = jnp.repeat(k.astype(F32), group, axis=1) * erase
     x = v.astype(F32) * (write[0] if write else erase)
-    g = jnp.maximum(log_alpha, LOG_ALPHA_FLOOR)
+    g = jnp.where(log_alpha > LOG_ALPHA_FLOOR, log_alpha, LOG_ALPHA_FLOOR)
+    return q.astype(F32), k.astype(F32), e, x, g
+
+
+def kernel_operands(q, k, v, gates):
+    """The kernels' operands from the token layout (q, k ``[tokens, H, K]``, v ``[tokens,
+    HV, V]``, gates ``(log_alpha [tokens, HV, K], beta [tokens, HV])`` or ``(log_alpha, b
+    [tokens, HV, K], w [tokens, HV, V])``): ``_contract``'s ``(q, k, e, x)`` padded, as
+    pieces (one each when v is bf16, else two), and its ``g [tokens, HV, K]`` padded."""
+    *operands, g = _contract(q, k, v, gates)
     count = 1 if v.dtype == mc.BF16 else 2
-    q, k, e, x = (mc.operand(padded(y, 2), count) for y in (q, k, e, x))
+    q, k, e, x = (mc.operand(padded(y, 2), count) for y in operands)
     return (q, k, e, x), padded(g, 2)
 
 
@@ -84,22 +91,6 @@ def _forward(q, k, v, gates, initial_states, table, *, keep_starts, interpret):
     return y[..., :value_dim], finals[..., :value_dim, :key_dim], residuals
 
 
-def xla_form(q, k, v, gates, initial_states, table):
-    """The XLA chunked form (``impl="chunked"``) on the token layout: each sequence of
-    ``table`` is its chunks, packed."""
-    counts = table[:, 1]
-    cu = CHUNK * jnp.concatenate([jnp.zeros(1, counts.dtype), jnp.cumsum(counts)])
-    # The schedule "auto" takes where the program is compiled for, chosen here, not by
-    # platform_dependent: one schedule traced, not three.
-    schedule = AUTO_SCHEDULES.get(compiled_for(), AUTO_SCHEDULES["default"])
-    one_head = functools.partial(channel_chunked_rule, chunk_size=CHUNK, schedule=schedule)
-    inputs = (x[None] for x in (q, k, v))
-    y, finals = over_batch_and_heads(
-        one_head, *inputs, tuple(x[None] for x in gates), initial_states, cu, share_qk=False
-    )
-    return y[0], finals
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _core(q, k, v, gates, initial_states, static, table):
     """The kernels on the token layout; ``static = (rule name, interpret)``."""
@@ -116,19 +107,6 @@ def _core_fwd(q, k, v, gates, initial_states, static, table):
         q, k, v, gates, initial_states, table, keep_starts=True, interpret=static[1]
     )
     return (y, finals), ((q, k, v, gates, initial_states), residuals, table)
-
-
-def _contract(q, k, v, gates):
-    """The kernel contract of ``kernel_operands`` in float32, unpadded and whole: ``(q, k,
-    e, x, g)``; its pullback takes the kernels' gradients to the rule's inputs. ``g``
-    passes no gradient to a gate clamped at the floor (as ``channel_chunked.clamped``)."""
-    log_alpha, erase, *write = (x.astype(F32) for x in gates)
-    group = v.shape[1] // q.shape[1]
-    erase = erase[..., None] if erase.ndim == 2 else erase
-    e = jnp.repeat(k.astype(F32), group, axis=1) * erase
-    x = v.astype(F32) * (write[0] if write else erase)
-    g = jnp.where(log_alpha > LOG_ALPHA_FLOOR, log_alpha, LOG_ALPHA_FLOOR)
-    return q.astype(F32), k.astype(F32), e, x, g
 
 
 def _core_bwd(static, saved, cotangents):
