@@ -14,14 +14,12 @@ design (``mosaic_backward.py``), on the kernel contract of ``mosaic_channel_forw
    ending with the initial state's cotangent. It reads the forward's factors as they are
    (the decayed queries and keys, ``w``, the scores ``M``, the chunk's decay): the decays
    are per key channel, so the factors carry them and the pass makes none.
-2. ``grads`` (``mosaic_channel_grads.py``), a program per (chunk, value head, value block),
-   from the chunk's inputs, start state and end cotangent: ``dX``, the scores' cotangents
-   and the terms of the chunk's decays in the gradients of q, k, e and g.
-3. ``levels`` (``mosaic_channel_levels.py``), a program per (chunk, value head): the scores'
-   cotangents, summed over value blocks, back through their halving levels.
+2. ``grads`` (``mosaic_channel_grads.py``), a program per (chunk, value head), from the
+   chunk's inputs, its scores, start states and end cotangents: every gradient of the
+   contract (q, k, e, x and g), the scores' pullback through their halving levels last
+   (``mosaic_channel_levels.py``).
 
-``chunk_grads`` runs 2 and 3 and sums their shares. Two kernels, not one: a program that
-did both held more wgmma descriptors than registers, and ptxas spilled.
+``chunk_grads`` runs 2 and sums the gradients of q and k over a key head's value heads.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gdn_jax.ops import mosaic_channel_grads, mosaic_channel_levels
+from gdn_jax.ops import mosaic_channel_grads
 from gdn_jax.ops import mosaic_chunk as mc
 from gdn_jax.ops.mosaic_chunk import CHUNK, F32
 
@@ -143,16 +141,12 @@ def reverse(table, q_start, k_end, w, scores, whole, d_y, d_finals, *, interpret
 
 
 def chunk_grads(q, k, e, x, g, scores, d_y, starts, d_ends, *, interpret=None):
-    """Every chunk's gradients from its start state and end cotangent (``grads``, then
-    ``levels``; the arguments as ``mosaic_channel_grads.grads``'s). Returns float32 ``(d_q,
-    d_k [tokens, H, K], d_e [tokens, HV, K], d_x [tokens, HV, V], d_g [tokens, HV, K])``."""
-    shares = mosaic_channel_grads.grads(
+    """Every chunk's gradients from its start state and end cotangent (the arguments as
+    ``mosaic_channel_grads.grads``'s). Returns float32 ``(d_q, d_k [tokens, H, K], d_e
+    [tokens, HV, K], d_x [tokens, HV, V], d_g [tokens, HV, K])``."""
+    d_q, d_k, d_e, d_g, d_x = mosaic_channel_grads.grads(
         q, k, e, x, g, scores, d_y, starts, d_ends, interpret=interpret
     )
-    *shares, d_x, d_scores = shares
-    d_m, d_a = (mc.operand(d, len(q)) for d in d_scores.sum(0))
-    terms = mosaic_channel_levels.levels(q, k, e, g, d_m, d_a, interpret=interpret)
-    d_q, d_k, d_e, d_g = (share.sum(0) + term for share, term in zip(shares, terms, strict=True))
     tokens, heads, key_dim = q[0].shape
 
     def key_heads(d):  # [tokens, HV, K] -> [tokens, H, K]: a key head's value heads
