@@ -136,9 +136,9 @@ def _factors_kernel(q_hbm, k_hbm, e_hbm, x_hbm, g_hbm, *out, group: int, **s):
     inverse = mc.unit_lower_inverse(strict, s["off"], s["inverse"], s["half"])
     mc.store(s["inverse"], inverse)
     key_dim = s["q"].refs[0].shape[1]
+    _times_inverse(s, s["x"], s["x"])  # u, each block of x read before it is written
     _decayed(s, key_dim)
     _times_inverse(s, s["e"], s["e"])  # w, each block of E * exp(G) read before it is written
-    _times_inverse(s, s["x"], s["x"])  # u, each block of x read before it is written
     results = ((s["e"], w_hbm), (s["x"], u_hbm), (s["rows"][0], q_start_hbm))
     for tile, hbm in (*results, (s["cols"], k_end_hbm)):
         for src, dst in zip(tile.refs, hbm, strict=True):
