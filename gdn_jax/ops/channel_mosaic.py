@@ -124,7 +124,7 @@ def _core_bwd(static, saved, cotangents):
         *operands, forward.gate_pieces(g), f.scores, d_y, starts, d_ends, interpret=static[1]
     )
     widths = (key_dim, key_dim, key_dim, value_dim, key_dim)
-    grads = tuple(d[..., :width] for d, width in zip(grads, widths, strict=True))
+    grads = tuple(d[..., :width].astype(F32) for d, width in zip(grads, widths, strict=True))
     _, pullback = jax.vjp(_contract, *inputs[:4])
     return (*pullback(grads), d_initial[..., :value_dim, :key_dim], None)
 

@@ -142,8 +142,9 @@ def reverse(table, q_start, k_end, w, scores, whole, d_y, d_finals, *, interpret
 
 def chunk_grads(q, k, e, x, g, scores, d_y, starts, d_ends, *, interpret=None):
     """Every chunk's gradients from its start state and end cotangent (the arguments as
-    ``mosaic_channel_grads.grads``'s). Returns float32 ``(d_q, d_k [tokens, H, K], d_e
-    [tokens, HV, K], d_x [tokens, HV, V], d_g [tokens, HV, K])``."""
+    ``mosaic_channel_grads.grads``'s). Returns ``(d_q, d_k [tokens, H, K], d_e [tokens, HV,
+    K], d_x [tokens, HV, V], d_g [tokens, HV, K])``, float32 but ``d_x`` for bf16 operands
+    (bf16)."""
     d_q, d_k, d_e, d_g, d_x = mosaic_channel_grads.grads(
         q, k, e, x, g, scores, d_y, starts, d_ends, interpret=interpret
     )

@@ -114,7 +114,13 @@ def _value_stage(s, out, index):
     mc.store(s["x"], d_u)
     mc.commit()
     d_x = mc.product(block, (s["inverse"].T, s["x"]))
-    out["d_x"].at[tokens, head, values][...] = d_x
+    if "d_x" in s:  # bf16 leaves by TMA: a warpgroup's bf16 store to HBM is half sectors
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last block's copy out
+        s["d_x"][...] = d_x.astype(s["d_x"].dtype)
+        mc.commit()
+        plgpu.copy_smem_to_gmem(s["d_x"], out["d_x"].at[tokens, head, values])
+    else:
+        out["d_x"].at[tokens, head, values][...] = d_x
     mc.store(s["x"], d_x)
     mc.commit()
     add(out["d_scores"].at[0, tokens, head], mc.product(SQUARE, (s["d_y"], s["u"].T)))
@@ -220,6 +226,7 @@ def _grads_kernel(*refs, group: int, **scratch):
 
     mc.over_blocks(hbm["x"][0].shape[-1], value_block, 0)
     levels.levels_stage(scratch, out, outputs, (tokens, head))
+    plgpu.wait_smem_to_gmem(0)
 
 
 def grads(q, k, e, x, g, scores, d_y, starts, d_ends, *, interpret=None):
@@ -227,22 +234,26 @@ def grads(q, k, e, x, g, scores, d_y, starts, d_ends, *, interpret=None):
     ``e`` pieces ``[tokens, HV, K]``, ``x`` and ``d_y`` pieces ``[tokens, HV, V]``, ``g`` the
     log-decays' ``SEGMENT_PIECES`` pieces ``[tokens, HV, K]``
     (``mosaic_channel_forward.gate_pieces``), ``scores`` (``M``) pieces ``[tokens, HV, C]``,
-    ``starts`` and ``d_ends`` pieces ``[chunks, HV, V, K]``. Returns float32 ``(d_q, d_k,
-    d_e, d_g [tokens, HV, K], d_x [tokens, HV, V])``, those of q and k per value head."""
+    ``starts`` and ``d_ends`` pieces ``[chunks, HV, V, K]``. Returns ``(d_q, d_k, d_e, d_g
+    [tokens, HV, K], d_x [tokens, HV, V])`` in float32 (those of q and k per value head),
+    ``d_x`` in bf16 for operands of one bf16 piece (bf16 inputs)."""
     count = len(q)
     tokens, heads, key_dim = q[0].shape
     v_heads, value_dim = x[0].shape[1:]
     grad = jax.ShapeDtypeStruct((tokens, v_heads, key_dim), F32)
     out_type = (
         *(grad,) * 4,
-        jax.ShapeDtypeStruct((tokens, v_heads, value_dim), F32),
+        jax.ShapeDtypeStruct((tokens, v_heads, value_dim), F32 if count > 1 else mc.BF16),
         jax.ShapeDtypeStruct((2, tokens, v_heads, CHUNK), F32),  # dM, dA: the kernel's own
     )
+    scratch = _scratch(count, key_dim)
+    if count == 1:  # bf16 inputs: dX in bf16 (the op returns d v in v's dtype)
+        scratch["d_x"] = mc.smem((CHUNK, VALUE_BLOCK), mc.BF16)
     call = mc.kernel_call(
         functools.partial(_grads_kernel, group=v_heads // heads),
         name="channel_mosaic_grads",
         out_type=out_type,
-        scratch=_scratch(count, key_dim),
+        scratch=scratch,
         grid=dict(chunk=tokens // CHUNK, head=v_heads),
         interpret=interpret,
     )
