@@ -175,12 +175,13 @@ def xla_grads(q, k, e, x, g, d_y, starts, d_ends, heads):
 
 
 @pytest.mark.parametrize(
-    "dtype, key_dim, value_dim", [(jnp.float32, 64, 128), (jnp.bfloat16, 128, 64)]
+    "dtype, key_dim, value_dim", [(jnp.float32, 64, 128), (jnp.bfloat16, 128, 128)]
 )
 def test_grads_kernel_equals_the_vjp_of_each_chunk(dtype, key_dim, value_dim):
-    """Grouped value heads, two chunks; float32 over two value blocks (two bf16 pieces an
-    operand), bf16 over two blocks of key channels. Each chunk's start state and end
-    cotangent are its own (the kernel needs nothing carried)."""
+    """Grouped value heads, two chunks, two blocks of value channels (the kernel's loop over
+    them, dX leaving by TMA in bf16); float32 (two bf16 pieces an operand) at K = 64, bf16
+    over two blocks of key channels. Each chunk's start state and end cotangent are its own
+    (the kernel needs nothing carried)."""
     heads, chunks = (1, 2), 2
     q, k, e, x, g = contract_inputs(2, chunks, heads, key_dim, value_dim)
     rng = np.random.default_rng(3)
