@@ -86,8 +86,8 @@ def test_smoke_run_writes_every_measurement(tmp_path):
 
 
 def test_a_form_that_fails_is_recorded_and_the_rest_measured(tmp_path, monkeypatch):
-    """A kernel that fails to compile on the GPU, or a rule without the kernel, must not end
-    the run that measures the rest."""
+    """A kernel that fails to compile on the GPU must not end the run that measures the
+    rest."""
     check = load_check()
     measure = check.gdn_jax_runs
 
@@ -98,15 +98,11 @@ def test_a_form_that_fails_is_recorded_and_the_rest_measured(tmp_path, monkeypat
 
     monkeypatch.setattr(check, "gdn_jax_runs", refuse_the_kernel)
     out = ["--smoke", "--out", str(tmp_path), "--repeats", "1", "--skip-training"]
-    check.main([*out, "--item", "gdn:mosaic_gpu,hoisted", "--item", "kda:mosaic_gpu"])
+    check.main([*out, "--item", "gdn:mosaic_gpu,hoisted"])
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [row["impl"] for row in data["ops"]] == ["gdn_jax hoisted"]
     assert skipped(data)["gdn_jax mosaic_gpu Gated DeltaNet 1×96"] == (
         "RuntimeError: out of shared memory"
-    )
-    assert skipped(data)["gdn_jax mosaic_gpu KDA 1×96"] == (
-        "ValueError: kda: impl='mosaic_gpu' is a kernel kda does not have (its kernels: none); "
-        "use impl='auto' or 'chunked'"
     )
     assert "autotune" not in data  # not asked for
 

@@ -21,10 +21,24 @@ from jaxtyping import Array, Float, Int
 from gdn_jax.ops import checks
 from gdn_jax.ops.api import batched
 from gdn_jax.ops.channel_chunked import channel_chunked_rule
-from gdn_jax.ops.rule import GateSpec, Rule, public_form
+from gdn_jax.ops.rule import GateSpec, Kernel, Rule, public_form
 from gdn_jax.ops.sequence_parallel import seq_parallel
 from gdn_jax.ops.single_head import chunked_single_head, recurrent_single_head
 from gdn_jax.ops.step import checked_step, erase_write_step
+
+
+def _mosaic_gpu(*args, **kwargs):
+    """The Mosaic GPU kernels (``ops/channel_mosaic.py``), imported when first traced."""
+    from gdn_jax.ops import channel_mosaic
+
+    return channel_mosaic.channel_rule_mosaic(*args, **kwargs, rule="gdn2")
+
+
+def _mosaic_gpu_refuses(*args):
+    from gdn_jax.ops import channel_mosaic
+
+    return channel_mosaic.unsupported(*args)
+
 
 GDN2 = Rule(
     name="gdn2",
@@ -40,6 +54,8 @@ GDN2 = Rule(
     step=erase_write_step,
     chunked=channel_chunked_rule,
     shares_qk=False,
+    # Opt-in until a GPU has timed it against the chunked form.
+    kernels=(Kernel("mosaic_gpu", _mosaic_gpu, _mosaic_gpu_refuses, platform="cuda"),),
 )
 
 

@@ -18,10 +18,24 @@ from jaxtyping import Array, Float, Int
 from gdn_jax.ops import checks
 from gdn_jax.ops.api import batched
 from gdn_jax.ops.channel_chunked import channel_chunked_rule
-from gdn_jax.ops.rule import GateSpec, Rule, public_form
+from gdn_jax.ops.rule import GateSpec, Kernel, Rule, public_form
 from gdn_jax.ops.sequence_parallel import seq_parallel
 from gdn_jax.ops.single_head import chunked_single_head, recurrent_single_head
 from gdn_jax.ops.step import checked_step, delta_step
+
+
+def _mosaic_gpu(*args, **kwargs):
+    """The Mosaic GPU kernels (``ops/channel_mosaic.py``), imported when first traced."""
+    from gdn_jax.ops import channel_mosaic
+
+    return channel_mosaic.channel_rule_mosaic(*args, **kwargs, rule="kda")
+
+
+def _mosaic_gpu_refuses(*args):
+    from gdn_jax.ops import channel_mosaic
+
+    return channel_mosaic.unsupported(*args)
+
 
 KDA = Rule(
     name="kda",
@@ -36,6 +50,8 @@ KDA = Rule(
     step=delta_step,  # its decay broadcasts a [K] gate along the state's rows
     chunked=channel_chunked_rule,  # with beta as both the erase and the write gate
     shares_qk=False,
+    # Opt-in until a GPU has timed it against the chunked form.
+    kernels=(Kernel("mosaic_gpu", _mosaic_gpu, _mosaic_gpu_refuses, platform="cuda"),),
 )
 
 

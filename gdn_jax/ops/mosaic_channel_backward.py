@@ -1,0 +1,156 @@
+"""The backward kernels of ``impl="mosaic_gpu"`` for the channel-gated rules (KDA, GDN-2):
+``channel_chunked.py``'s hand-derived backward as Mosaic GPU kernels of the gated delta rule's
+design (``mosaic_backward.py``), on the kernel contract of ``mosaic_channel_forward.py``
+(``e = b * k`` and ``x = w * v`` formed in XLA, per-channel log-decays ``g``).
+
+1. ``reverse``, a program per (sequence, value head, block of 64 value channels), walks the
+   sequence's chunks last to first with its block of the state's cotangent ``dS [64, K]``
+   in registers (starting from the final state's), and per chunk writes the cotangent of
+   the chunk's end state and carries
+
+       dU = M^T dY + (K * exp(G_C - G)) dS'^T,
+       dS = dS' Diag(exp(G_C)) + dY^T (Q * exp(G)) - dU^T w,
+
+   ending with the initial state's cotangent. It reads the forward's factors as they are
+   (the decayed queries and keys, ``w``, the scores ``M``, the chunk's decay): the decays
+   are per key channel, so the factors carry them and the pass makes none.
+2. ``grads`` (``mosaic_channel_grads.py``), a program per (chunk, value head), from the
+   chunk's inputs, its scores, start states and end cotangents: every gradient of the
+   contract (q, k, e, x and g), the scores' pullback through their halving levels last
+   (``mosaic_channel_levels.py``).
+
+``chunk_grads`` runs 2 and sums the gradients of q and k over a key head's value heads.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from gdn_jax.ops import mosaic_channel_grads
+from gdn_jax.ops import mosaic_chunk as mc
+from gdn_jax.ops.mosaic_chunk import CHUNK, F32
+
+# The value channels of one program of the reverse pass: a wgmma's 64 rows of the state.
+VALUE_BLOCK = 64
+_TILES = ("q_start", "k_end", "w", "scores", "d_y")
+
+
+def _reverse_scratch(count: int, key_dim: int) -> tuple[int, dict]:
+    """``(slots, scratch)``: a chunk's tiles in ``slots`` (two, streamed, where one bf16
+    piece an operand leaves room), its decay ``[slots, K]``, the state's cotangent as the
+    pieces the products read, ``-dU`` and a barrier a slot."""
+    slots = 2 if count == 1 else 1
+    tile = (slots, CHUNK, key_dim)
+    return slots, dict(
+        q_start=mc.pieces(count, tile),
+        k_end=mc.pieces(count, tile),
+        w=mc.pieces(count, tile),
+        scores=mc.pieces(count, (slots, CHUNK, CHUNK)),
+        d_y=mc.pieces(count, (slots, CHUNK, VALUE_BLOCK)),
+        whole=plgpu.SMEM((slots, key_dim), F32),
+        state=mc.pieces(count, (VALUE_BLOCK, key_dim)),
+        negated=mc.pieces(count, (CHUNK, VALUE_BLOCK)),
+        loaded=plgpu.Barrier(num_arrivals=5 * count + 1, num_barriers=slots),
+    )
+
+
+def _fetch(hbm, s, chunk, slot, *, head, block):
+    """Start the TMA copies of one chunk's tiles into ``slot``: the value head's factors,
+    its scores, the value block of dY and the chunk's decay."""
+    tokens = pl.ds(chunk * CHUNK, CHUNK)
+    channels = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
+    sources = (
+        *(ref.at[tokens, head] for name in _TILES[:4] for ref in hbm[name]),
+        *(ref.at[tokens, head, channels] for ref in hbm["d_y"]),
+        hbm["whole"].at[chunk, head],
+    )
+    tiles = (*(ref for name in _TILES for ref in s[name].refs), s["whole"])
+    for src, dst in zip(sources, tiles, strict=True):
+        plgpu.copy_gmem_to_smem(src, dst.at[slot], s["loaded"].at[slot])
+
+
+def _reverse_step(out, s, chunk, slot, d_state, *, head, block):
+    """One chunk, last to first: writes the cotangent of its end state and returns that of
+    its start state."""
+    q_start, k_end, w, scores, d_y = (s[name].at(slot) for name in _TILES)
+    values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
+    # The previous chunk's copy out of ``state`` must have read it before it is rewritten.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    mc.store(s["state"], d_state)
+    mc.commit()
+    for src, dst in zip(s["state"].refs, out["d_ends"], strict=True):
+        plgpu.copy_smem_to_gmem(src, dst.at[chunk, head, values])
+    shape = (CHUNK, VALUE_BLOCK)
+    d_u = mc.product(shape, (k_end, s["state"].T), (scores.T, d_y))
+    mc.store(s["negated"], -d_u)
+    mc.commit()
+    whole = plgpu.load(s["whole"].at[slot], layout=mc.COLS)
+    faded = mc.by_col(whole, d_state.shape) * d_state
+    return faded + mc.product(d_state.shape, (d_y.T, q_start), (s["negated"].T, w))
+
+
+def _reverse_kernel(table, *refs, slots: int, **s):
+    """One sequence, value head and value block over the sequence's chunks, last first."""
+    names = (*_TILES, "whole", "d_finals", "d_initial", "d_ends")
+    hbm = dict(zip(names, refs, strict=True))
+    out = {name: hbm.pop(name) for name in names[-3:]}
+    seq, head, block = (jax.lax.axis_index(axis) for axis in ("seq", "head", "block"))
+    values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
+    fetch = functools.partial(_fetch, hbm, s, head=head, block=block)
+    step = functools.partial(_reverse_step, out, s, head=head, block=block)
+    d_final = out["d_finals"].at[seq, head, values]
+    d_final = plgpu.load(d_final, layout=mc.WGMMA, optimized=False)
+    first, count = table[seq, 0], table[seq, 1]
+    d_initial = mc.stream_chunks(
+        first, count, fetch, step, d_final, loaded=s["loaded"], slots=slots, reverse=True
+    )
+    out["d_initial"].at[seq, head, values][...] = d_initial
+    plgpu.wait_smem_to_gmem(0)
+
+
+def reverse(table, q_start, k_end, w, scores, whole, d_y, d_finals, *, interpret=None):
+    """The reverse state pass on the forward's factors: ``q_start``, ``k_end``, ``w``
+    pieces ``[tokens, HV, K]`` (each value head's), ``scores`` pieces ``[tokens, HV, C]``
+    (``M``, row ``t`` of its chunk's), ``whole [chunks, HV, K]`` float32, ``d_y`` pieces
+    ``[tokens, HV, V]``, ``d_finals [N, HV, V, K]`` float32 and ``table [N, 2]``
+    (``mosaic_layout``). Returns ``(d_initial [N, HV, V, K] float32, d_ends)``, ``d_ends``
+    the pieces of every chunk's end-state cotangent ``[chunks, HV, V, K]``."""
+    count = len(q_start)
+    tokens, v_heads, key_dim = q_start[0].shape
+    value_dim = d_y[0].shape[-1]
+    slots, scratch = _reverse_scratch(count, key_dim)
+    shape = (tokens // CHUNK, v_heads, value_dim, key_dim)
+    out_type = (
+        jax.ShapeDtypeStruct(d_finals.shape, F32),
+        tuple(jax.ShapeDtypeStruct(shape, mc.BF16) for _ in range(count)),
+    )
+    call = mc.kernel_call(
+        functools.partial(_reverse_kernel, slots=slots),
+        name="channel_mosaic_reverse",
+        out_type=out_type,
+        scratch=scratch,
+        grid=dict(seq=d_finals.shape[0], head=v_heads, block=value_dim // VALUE_BLOCK),
+        interpret=interpret,
+    )
+    operands = (q_start, k_end, w, scores, d_y)
+    return call(table, *(tuple(x) for x in operands), whole, d_finals)
+
+
+def chunk_grads(q, k, e, x, g, scores, d_y, starts, d_ends, *, interpret=None):
+    """Every chunk's gradients from its start state and end cotangent (the arguments as
+    ``mosaic_channel_grads.grads``'s). Returns ``(d_q, d_k [tokens, H, K], d_e [tokens, HV,
+    K], d_x [tokens, HV, V], d_g [tokens, HV, K])``, float32 but ``d_x`` for bf16 operands
+    (bf16)."""
+    d_q, d_k, d_e, d_g, d_x = mosaic_channel_grads.grads(
+        q, k, e, x, g, scores, d_y, starts, d_ends, interpret=interpret
+    )
+    tokens, heads, key_dim = q[0].shape
+
+    def key_heads(d):  # [tokens, HV, K] -> [tokens, H, K]: a key head's value heads
+        return d.reshape(tokens, heads, -1, key_dim).sum(2)
+
+    return key_heads(d_q), key_heads(d_k), d_e, d_x, d_g

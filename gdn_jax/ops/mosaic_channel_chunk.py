@@ -1,0 +1,168 @@
+"""What the channel-decay Mosaic GPU kernels (KDA, GDN-2) do inside one chunk: the per-channel
+decays of ``channel_decays.py`` and the scores they weight, on one warpgroup's register tiles
+and shared-memory operands (``mosaic_chunk.py``'s products, pieces and layouts).
+
+A chunk's log-decays ``g [C, K]`` (float32, one per token and key channel, each ``<= 0``) are
+in shared memory as ``SEGMENT_PIECES`` bf16 pieces, which hold them exactly. The halving
+levels of ``channel_decays.py`` need, for half-blocks of ``h`` tokens, the sums within blocks
+of ``h``: ``P_h[t]``, the gates of ``t``'s block up to and including ``t``, and ``S_h[t]``,
+those after ``t`` in it. Each is one product of a 0/1 mask ``[C, C]`` with the gates' pieces
+(``block_sums``): a sum of the gates of its own segment, never a difference of running sums,
+so that a -1e4 reset rounds nothing after it away. The blocks of ``C`` (``h = C``) give the
+chunk's decays, ``exp(P_C)`` from its start and ``exp(S_C)`` to its end.
+
+The scores ``M_ti = sum_c x_tc k_ic exp(G_tc - G_ic)`` (``i <= t``) are the diagonal ``x_t .
+k_t`` plus one product a level (``channel_scores``): for half ``h`` the rows ``x_t
+exp(P_h[t])`` of each block's second half against the columns ``k_i exp(S_h[i])`` of its first
+half, kept where ``t`` and ``i`` are the two halves of one ``2h``-block (``t ^ i`` in ``[h,
+2h)``). Every ``exp`` is of a sum of gates, ``<= 0``: no level overflows, however strongly a
+chunk decays. Elementwise work runs over blocks of 64 key channels (``mosaic_chunk.over_blocks``)
+so that a register tile is ``[64, 64]``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from gdn_jax.ops import mosaic_chunk as mc
+from gdn_jax.ops.mosaic_chunk import BF16, CHUNK, Pieces
+
+SQUARE = (CHUNK, CHUNK)
+LEVELS = CHUNK.bit_length() - 1  # halving levels of a chunk: half-blocks of 1, 2, ..., C/2
+
+
+def key_block(first) -> tuple:
+    """The index of the 64 key channels from ``first`` of a ``[C, K]`` operand."""
+    return (slice(None), pl.ds(first, CHUNK))
+
+
+def indices():
+    """``(rows, cols)``: the token index of each row (``ROWS``) and of each column (``COLS``)
+    of a ``[C, C]`` tile, as vectors: a thread holds 2 and 16 of them, where ``[C, C]``
+    index tiles held 32 registers each through every loop that LLVM hoisted them out of."""
+    return tuple(
+        plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=layout)
+        for layout in (mc.ROWS, mc.COLS)
+    )
+
+
+def same_block(size):
+    """``[C, C]`` bool: where ``t`` and ``i`` lie in one block of ``size`` tokens (a power
+    of two, possibly traced)."""
+    rows, cols = indices()
+    return mc.by_row(rows & -size, SQUARE) == mc.by_col(cols & -size, SQUARE)
+
+
+def write_sum_masks(masks: tuple[Pieces, Pieces], half) -> None:
+    """The masks of the sums within blocks of ``half`` tokens (a power of two, possibly
+    traced) into ``masks`` (two ``[C, C]`` operands of one piece), committed: ``[t, j] = 1``
+    where ``j`` is in ``t``'s block and ``j <= t`` (``P``), and ``j > t`` (``S``)."""
+    rows, cols = indices()
+    same = same_block(half)
+    upto = mc.by_col(cols, SQUARE) <= mc.by_row(rows, SQUARE)
+    masks[0].refs[0][...] = jnp.where(same & upto, 1.0, 0.0).astype(BF16)
+    masks[1].refs[0][...] = jnp.where(same & ~upto, 1.0, 0.0).astype(BF16)
+    mc.commit()
+
+
+def block_sums(masks: tuple[Pieces, Pieces], gates: Pieces):
+    """``(P, S)``: the sums within the blocks of ``masks`` (``write_sum_masks``) of the gates
+    ``gates`` (a ``[C, 64]`` view of their pieces), float32 ``[C, 64]`` tiles (WGMMA)."""
+    shape = (CHUNK, gates.refs[0].shape[1])
+    return mc.product(shape, (masks[0], gates)), mc.product(shape, (masks[1], gates))
+
+
+def second_halves(half, shape):
+    """``[C, n]`` float32: 1 on the rows of the second half of each block of ``2 half``
+    tokens, 0 on the first."""
+    rows, _ = indices()
+    return mc.by_row(jnp.minimum(rows & half, 1).astype(jnp.float32), shape)
+
+
+def level_factors(sums, half):
+    """The factors of the level with half-blocks of ``half`` tokens from the sums within
+    blocks of ``half`` (``block_sums``): ``(rows, cols)``, ``rows = exp(P)`` on the second
+    half of each ``2 half``-block and 0 on the first, ``cols = exp(S)`` on the first half and
+    0 on the second. Both sums are ``<= 0``, so the exps are finite before the mask."""
+    p, s = sums
+    second = second_halves(half, p.shape)
+    return jnp.exp(p) * second, jnp.exp(s) * (1.0 - second)
+
+
+def in_level(half):
+    """``[C, C]`` bool: where the level with half-blocks of ``half`` puts its products
+    (``t`` and ``i`` in one ``2 half``-block; its factors are 0 but on ``t``'s second half
+    and ``i``'s first)."""
+    return same_block(2 * half)
+
+
+def _level_operands(s: dict, xs: tuple[Pieces, ...], k: Pieces, gates: Pieces, half) -> None:
+    """The decayed operands of one level into ``s["rows"]`` (one per ``x``) and
+    ``s["cols"]``, committed. The row factor is used up before the column factor is made,
+    so that one ``[C, 64]`` factor is live at a time (registers)."""
+    write_sum_masks(s["masks"], half)
+
+    def block(first, carry):
+        keys = key_block(first)
+        second = second_halves(half, SQUARE)
+        sums = mc.product(SQUARE, (s["masks"][0], gates.at(*keys)))
+        factor = jnp.exp(sums) * second  # exp(P) <= 1: no inf meets the mask
+        for x, dst in zip(xs, s["rows"], strict=True):
+            mc.store(dst.at(*keys), mc.load(x.at(*keys)) * factor)
+        sums = mc.product(SQUARE, (s["masks"][1], gates.at(*keys)))
+        factor = jnp.exp(sums) * (1.0 - second)
+        mc.store(s["cols"].at(*keys), mc.load(k.at(*keys)) * factor)
+        return carry
+
+    mc.over_blocks(k.refs[0].shape[1], block, 0)
+    mc.commit()
+
+
+def channel_scores(s: dict, xs: tuple[Pieces, ...], k: Pieces, gates: Pieces, *, diagonal=True):
+    """``M_ti = sum_c x_tc k_ic exp(G_tc - G_ic)`` for each row factor ``x`` of ``xs`` against
+    ``k`` (``[C, K]`` operands), ``i <= t`` with ``diagonal``, else ``i < t`` (the WY system's
+    ``A``), 0 elsewhere: float32 ``[C, C]`` tiles (WGMMA), one per ``x``. ``gates``: the
+    chunk's log-decays ``[C, K]`` in ``SEGMENT_PIECES`` pieces. Scratch in ``s``: ``masks``
+    (two ``[C, C]`` operands of one piece), ``rows`` (one ``[C, K]`` operand per ``x``) and
+    ``cols`` (``[C, K]``). ``diagonal`` is one bool or one per ``x``."""
+    flags = diagonal if isinstance(diagonal, tuple) else (diagonal,) * len(xs)
+    eye = same_block(1)
+    zero = mc.by_row(indices()[0].astype(jnp.float32) * 0.0, SQUARE)  # in a WGMMA layout
+    totals = tuple(
+        jnp.where(eye, mc.product(SQUARE, (x, k.T)), 0.0) if flag else zero
+        for x, flag in zip(xs, flags, strict=True)
+    )
+
+    def level(j, totals):
+        half = jax.lax.shift_left(jnp.int32(1), j)
+        _level_operands(s, xs, k, gates, half)
+        kept = in_level(half)
+        return tuple(
+            total + jnp.where(kept, mc.product(SQUARE, (x_rows, s["cols"].T)), 0.0)
+            for total, x_rows in zip(totals, s["rows"], strict=True)
+        )
+
+    return jax.lax.fori_loop(jnp.int32(0), jnp.int32(LEVELS), level, totals)
+
+
+def write_chunk_masks(masks: tuple[Pieces, Pieces]) -> None:
+    """The masks of the sums over the whole chunk (``write_sum_masks`` for ``half = C``):
+    from its start through ``t``, and after ``t`` to its end."""
+    write_sum_masks(masks, CHUNK)
+
+
+def chunk_decay(masks: tuple[Pieces, Pieces], gates: Pieces, which: int):
+    """``exp(G_t)`` (``which=0``, from the chunk's start) or ``exp(G_C - G_t)`` (``which=1``,
+    to its end) of the 64 key channels of ``gates`` (a ``[C, 64]`` view of the pieces), a
+    float32 ``[C, 64]`` tile (WGMMA), with the masks of ``write_chunk_masks`` in ``masks``.
+    One product: a caller that uses one decay before it makes the other holds one tile."""
+    shape = (CHUNK, gates.refs[0].shape[1])
+    return jnp.exp(mc.product(shape, (masks[which], gates)))
+
+
+def chunk_decays(masks: tuple[Pieces, Pieces], gates: Pieces):
+    """``(from_start, to_end)``: both of ``chunk_decay``."""
+    return chunk_decay(masks, gates, 0), chunk_decay(masks, gates, 1)

@@ -1,0 +1,260 @@
+"""KDA and GDN-2 as Mosaic GPU kernels (``ops/channel_mosaic.py``), run here in Mosaic GPU's
+interpret mode: the in-chunk scores and decays against ``channel_decays.py``, and the public
+ops against their XLA chunked form on outputs, final states and the gradient of every input.
+
+As ``test_chunked_mosaic.py``: skipped at collection on a JAX without Mosaic GPU's interpret
+mode (before 0.11); float32 inputs are two bf16 pieces an operand, which interpret mode
+multiplies as the tensor cores do, so the float32 row of the tolerance table holds.
+"""
+
+import functools
+
+import jax
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+if not hasattr(plgpu, "InterpretGPUParams") or not hasattr(plgpu, "force_gpu_interpret_mode"):
+    pytest.skip(
+        f"jax {jax.__version__} has no Mosaic GPU interpret mode (plgpu.InterpretGPUParams, "
+        "jax >= 0.11)",
+        allow_module_level=True,
+    )
+
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from support.reference import as_array, random_inputs, random_state
+from support.tolerance import assert_close
+
+import gdn_jax
+from gdn_jax.ops import channel_mosaic
+from gdn_jax.ops import mosaic_channel_chunk as mcc
+from gdn_jax.ops import mosaic_chunk as mc
+from gdn_jax.ops.api import prepare_batched
+from gdn_jax.ops.channel_decays import channel_scores
+from gdn_jax.ops.mosaic_chunk import CHUNK, F32
+
+OPS = {"kda": gdn_jax.kda, "gdn2": gdn_jax.gdn2}
+
+
+def _scores_kernel(count: int, key_dim: int):
+    """A kernel of one chunk: the scores of q (diagonal kept) and of e (strictly lower)
+    against k, and the decays from the start and to the end, all float32."""
+
+    def body(q_hbm, e_hbm, k_hbm, g_hbm, m_out, a_out, start_out, end_out, **s):
+        sources, tiles = (*q_hbm, *e_hbm, *k_hbm, *g_hbm), ()
+        for name in ("q", "e", "k", "g"):
+            tiles += s[name].refs
+        for src, dst in zip(sources, tiles, strict=True):
+            plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
+        plgpu.barrier_wait(s["loaded"])
+        m_out[...], a_out[...] = mcc.channel_scores(
+            s, (s["q"], s["e"]), s["k"], s["g"], diagonal=(True, False)
+        )
+        mcc.write_chunk_masks(s["masks"])
+
+        def block(first, carry):
+            from_start, to_end = mcc.chunk_decays(s["masks"], s["g"].at(*mcc.key_block(first)))
+            start_out.at[:, pl.ds(first, CHUNK)][...] = from_start
+            end_out.at[:, pl.ds(first, CHUNK)][...] = to_end
+            return carry
+
+        mc.over_blocks(key_dim, block, 0)
+
+    tile = (CHUNK, key_dim)
+    scratch = dict(
+        q=mc.pieces(count, tile),
+        e=mc.pieces(count, tile),
+        k=mc.pieces(count, tile),
+        g=mc.pieces(mc.SEGMENT_PIECES, tile),
+        masks=(mc.pieces(1, mcc.SQUARE), mc.pieces(1, mcc.SQUARE)),
+        rows=(mc.pieces(count, tile), mc.pieces(count, tile)),
+        cols=mc.pieces(count, tile),
+        loaded=plgpu.Barrier(num_arrivals=3 * count + mc.SEGMENT_PIECES),
+    )
+    shapes = (mcc.SQUARE, mcc.SQUARE, tile, tile)
+    return mc.kernel_call(
+        body,
+        name="channel_scores_test",
+        out_type=tuple(jax.ShapeDtypeStruct(x, F32) for x in shapes),
+        scratch=scratch,
+        grid=dict(one=1),
+        interpret=True,
+    )
+
+
+@pytest.mark.parametrize("lowest", [-0.1, -5.0])
+def test_scores_and_decays_of_a_chunk_equal_channel_decays(lowest):
+    """Gates down to -5 a token decay a chunk by up to e^-320, past float32's e^-88, and a
+    -1e4 reset sits inside it: every level's factor is the exp of a sum of gates, so the
+    kernel's scores and decays stay finite and equal the XLA form's. K = 128: two blocks of
+    key channels; float32 operands (two pieces) for float32's tolerance."""
+    rng = np.random.default_rng(0)
+    q, e, k = (rng.standard_normal((CHUNK, 128)) for _ in range(3))
+    g = rng.uniform(lowest, 0.0, (CHUNK, 128))
+    g[5, 3] = -1e4
+    q, e, k, g = (as_array(x, F32) for x in (q, e, k, g))
+    kernel = _scores_kernel(2, 128)
+    got = kernel(mc.operand(q, 2), mc.operand(e, 2), mc.operand(k, 2), tuple(mc.split(g, 3)))
+    (scores, erase_scores), decays = channel_scores((q, e), k, g)
+    expected = (scores, jnp.tril(erase_scores, -1), decays.from_start, decays.to_end)
+    for name, a, b in zip(("M", "A", "from_start", "to_end"), got, expected, strict=True):
+        assert np.isfinite(np.asarray(a)).all(), name
+        assert_close(a, b, F32, err_msg=name)
+
+
+def _gates(rule, seed, shape, value_dim, log_alpha_range):
+    """``log_alpha [*shape, K]`` and KDA's ``beta [*shape]`` or GDN-2's ``b [*shape, K]``
+    and ``w [*shape, V]``."""
+    rng = np.random.default_rng(seed)
+    log_alpha = rng.uniform(*log_alpha_range, shape)
+    if rule == "kda":
+        gates = (log_alpha, rng.uniform(0.0, 1.0, shape[:-1]))
+    else:
+        write = rng.uniform(0.0, 1.0, (*shape[:-1], value_dim))
+        gates = (log_alpha, rng.uniform(0.0, 1.0, shape), write)
+    return tuple(as_array(x, F32) for x in gates)
+
+
+def rule_inputs(rule, seed, seq_len, key_dim, value_dim, *, batch, heads, lowest=-0.05):
+    """q, k, v and the rule's gates, mild decays by default (about exp(-1.6) a chunk), so
+    that what crosses chunks weighs in the outputs as much as the work inside one."""
+    q, k, v, _, _ = random_inputs(seed, seq_len, key_dim, value_dim, lead=(batch,), heads=heads)
+    shape = (batch, seq_len, heads[1], key_dim)
+    return (q, k, v, *_gates(rule, seed + 1, shape, value_dim, (lowest, 0.0)))
+
+
+@functools.cache
+def outputs_and_grads(rule, impl, packed: bool, norm: bool):
+    """``run(inputs, state, ct_y, ct_s[, cu]) -> (y, final, grads)``, one jitted program a
+    case; ``grads`` of every input, the initial state last."""
+
+    def run(inputs, state, ct_y, ct_s, cu=None):
+        def loss(inputs, state):
+            y, s = OPS[rule](
+                *inputs, initial_state=state, cu_seqlens=cu, use_qk_l2norm=norm, impl=impl,
+                schedule="in_scan",  # the XLA form's on CPU; one traced, not three
+            )  # fmt: skip
+            ct = jnp.sum(y.astype(F32) * ct_y.astype(F32))
+            return ct + jnp.sum(s * ct_s), (y, s)
+
+        grads, (y, s) = jax.grad(loss, argnums=(0, 1), has_aux=True)(inputs, state)
+        return y, s, (*grads[0], grads[1])
+
+    return jax.jit(run)
+
+
+def assert_same(rule, inputs, dtype, cu=None, *, norm=False):
+    """The kernels' outputs, final states and every gradient within ``dtype``'s tolerance of
+    the XLA chunked form's, each in its input's dtype."""
+    q, v = inputs[0], inputs[2]
+    num_states = q.shape[0] if cu is None else cu.shape[0] - 1
+    state = random_state(7, num_states, v.shape[2], v.shape[3], q.shape[3])
+    ct_y = random_state(8, *v.shape).astype(v.dtype)
+    ct_s = random_state(9, *state.shape)
+    args = (inputs, state, ct_y, ct_s) + (() if cu is None else (cu,))
+    kernel = outputs_and_grads(rule, "mosaic_gpu", cu is not None, norm)(*args)
+    xla = outputs_and_grads(rule, "chunked", cu is not None, norm)(*args)
+    names = ("y", "final", *(f"d{i}" for i in range(len(inputs))), "d_initial_state")
+    for name, a, e in zip(names, (*kernel[:2], *kernel[2]), (*xla[:2], *xla[2]), strict=True):
+        assert a.dtype == e.dtype, (rule, name, a.dtype, e.dtype)
+        assert_close(a.astype(F32), e.astype(F32), dtype, err_msg=f"{rule} {name}")
+
+
+def test_grouped_heads_a_tail_chunk_and_strong_decays():
+    """KDA: two value heads read one key head; T = 150 is two chunks and a tail of 22; V =
+    72 pads to two blocks of value channels (two programs of the state pass a value head).
+    In one key channel the gates go down to -5 a token (a chunk decays past float32's
+    e^-88) with a -inf gate (a reset) in it: all finite, all equal."""
+    q, k, v, log_alpha, beta = rule_inputs("kda", 0, 150, 16, 72, batch=1, heads=(1, 2))
+    log_alpha = np.asarray(log_alpha).copy()
+    log_alpha[0, :, 1, 3] = np.random.default_rng(3).uniform(-5.0, 0.0, 150)
+    log_alpha[0, 20, 1, 3] = -np.inf
+    assert_same("kda", (q, k, v, as_array(log_alpha, F32), beta), F32)
+
+
+def test_packed_sequences_with_an_empty_one():
+    """GDN-2 (its own erase and write gates) over packed sequences, grouped value heads."""
+    inputs = rule_inputs("gdn2", 1, 100, 16, 24, batch=1, heads=(1, 2))
+    cu = jnp.array([0, 7, 7, 100], jnp.int32)  # the second sequence has no tokens
+    assert_same("gdn2", inputs, F32, cu=cu)
+
+
+def test_bf16_inputs_with_the_norm_inside_the_op():
+    """bf16 q, k and v (one bf16 piece an operand) over two key heads of two value heads
+    each; K = 80 pads to two blocks of 64 key channels, the widest the kernels take."""
+    q, k, v, *gates = rule_inputs("kda", 2, 70, 80, 40, batch=1, heads=(2, 4))
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    assert_same("kda", (q, k, v, *gates), jnp.bfloat16, norm=True)
+
+
+def test_no_sequences_give_empty_outputs_and_no_tokens_the_ops_own_error():
+    q, k, v, *gates = rule_inputs("kda", 4, 20, 16, 16, batch=0, heads=(1, 2))
+    state = random_state(5, 0, 2, 16, 16)
+
+    def loss(state):
+        y, final = gdn_jax.kda(q, k, v, *gates, initial_state=state, impl="mosaic_gpu")
+        return jnp.sum(y) + jnp.sum(final), (y, final)
+
+    d_state, (y, final) = jax.grad(loss, has_aux=True)(state)
+    assert y.shape == v.shape and final.shape == state.shape
+    np.testing.assert_array_equal(d_state, np.ones(state.shape))
+    empty = rule_inputs("kda", 4, 0, 16, 16, batch=2, heads=(1, 2))
+    with pytest.raises(ValueError, match=r"kda: need at least one token"):
+        gdn_jax.kda(*empty, impl="mosaic_gpu")
+
+
+def test_what_the_kernels_cannot_take_is_a_named_error():
+    def prepared(key_dim, dtype=F32):
+        q, k, v, *gates = rule_inputs("gdn2", 6, 16, key_dim, 16, batch=1, heads=(1, 1))
+        gates = (gates[0].astype(dtype), *gates[1:])
+        return prepare_batched(q, k, v, gates, None, use_qk_l2norm=False, cu_seqlens=None)
+
+    run = functools.partial(channel_mosaic.channel_rule_mosaic, rule="gdn2")
+    with pytest.raises(ValueError, match="gdn2: .*chunks of 64 tokens .* got chunk_size=32"):
+        run(*prepared(16), None, chunk_size=32)
+    with pytest.raises(ValueError, match="computes in float32, .* float64"):
+        run(*prepared(16, jnp.float64), None, chunk_size=64)
+    with pytest.raises(ValueError, match="key dims up to 64 .* float32; .* got K=128, V=16"):
+        run(*prepared(128), None, chunk_size=64)
+    q, k, v, *gates = rule_inputs("kda", 6, 16, 130, 16, batch=1, heads=(1, 1))
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    with pytest.raises(ValueError, match="kda: impl='mosaic_gpu' takes key dims up to 128"):
+        gdn_jax.kda(q, k, v, *gates, impl="mosaic_gpu")
+
+
+def test_second_order_through_the_kernels_is_one_named_error():
+    q, k, v, *gates = rule_inputs("gdn2", 11, 20, 16, 16, batch=1, heads=(1, 1))
+
+    def loss(v, q):
+        return jnp.sum(gdn_jax.gdn2(q, k, v, *gates, impl="mosaic_gpu")[0] ** 2)
+
+    message = r"gdn2: impl='mosaic_gpu' differentiates once, in reverse mode.*'chunked'"
+    with pytest.raises(ValueError, match=message):
+        jax.jvp(lambda q: jax.grad(loss)(v, q), (q,), (q,))
+    with pytest.raises(ValueError, match=message):
+        jax.hessian(loss)(v, q)
+
+
+def test_the_kernels_compiled_for_an_h200_fit_a_hopper_block_on_the_tensor_cores():
+    """Compiled for an H200 on this host (``gdn_jax.gpu_compile``) at K = V = 128 bf16: both
+    forward kernels launchable (shared memory within a Hopper block's), their products on
+    the tensor cores (wgmma), no register spilled. A kernel's resources depend on K and V,
+    not on B, T or H."""
+    gpu_compile = pytest.importorskip("gdn_jax.gpu_compile")
+    if not gpu_compile.plugin_installed():
+        pytest.skip('compiling for a GPU needs the CUDA plugin: pip install -e ".[gpu-compile]"')
+    q, k, v, *gates = rule_inputs("gdn2", 10, 64, 128, 128, batch=1, heads=(1, 1))
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+
+    def forward(*args):
+        return gdn_jax.gdn2(*args, use_qk_l2norm=True, impl="mosaic_gpu")
+
+    report = gpu_compile.report(forward, q, k, v, *gates)
+    names = sorted(kernel.name.rsplit("_", 1)[0] for kernel in report.kernels)
+    assert names == ["channel_mosaic_factors", "channel_mosaic_states"]
+    for kernel in report.kernels:
+        assert kernel.launchable, (kernel.name, kernel.problem)
+        assert kernel.tensor_core_instructions > 0, kernel.name
+        spills = (kernel.spill_stores, kernel.spill_loads)
+        assert spills == (0, 0), (kernel.name, spills)
