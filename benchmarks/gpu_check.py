@@ -13,7 +13,7 @@ bf16 q, k, v; float32 gates and state; the L2 norm of q and k inside the op):
   tolerance table (``tests/support/tolerance.py``);
 - **time**: forward, and forward+backward (the gradient of ``sum(o * do)`` with respect to
   every input, ``do`` fixed), median of ``--repeats`` synchronised runs after two warm-ups,
-  for gdn_jax's Mosaic GPU kernels (``impl="mosaic_gpu"``, Gated DeltaNet only) and its
+  for gdn_jax's Mosaic GPU kernels (``impl="mosaic_gpu"``) and its
   chunked form in each schedule (``associative``, ``hoisted``, ``in_scan``), fla (torch
   autograd) and jax-linear-attention, in the order ``--item`` names them;
 - **memory**: the peak device memory of each program: for JAX its compiled arguments, outputs
