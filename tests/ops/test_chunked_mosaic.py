@@ -224,3 +224,37 @@ def test_second_order_through_the_kernels_is_one_named_error():
         jax.jvp(lambda q: jax.grad(loss)(v, q), (q,), (q,))
     with pytest.raises(ValueError, match=message):
         jax.hessian(loss)(v, q)
+
+
+def test_gated_delta_product_runs_on_the_kernels_over_its_steps():
+    """Gated DeltaProduct (n = 2) by the gated delta rule's kernels over its interleaved
+    steps (``rules/gated_delta_product.py``), against its chunked form: outputs, final states
+    and every gradient, with packed sequences (one empty, one ending off the chunk grid in
+    steps), grouped value heads and initial states."""
+    n, seq_len = 2, 75
+    steps = random_inputs(11, seq_len * n, 16, 24, lead=(1,), heads=(1, 2), **MILD)
+    q = steps[0][:, :seq_len]
+    k, v, beta = steps[1], steps[2], steps[4]
+    log_alpha = steps[3][:, :seq_len]
+    cu = jnp.array([0, 20, 20, 75], jnp.int32)
+    state = random_state(12, 3, 2, 24, 16)
+    ct_y = random_state(13, 1, seq_len, 2, 24)
+
+    def run(impl):
+        def loss(*args):
+            y, s = gdn_jax.gated_delta_product(
+                *args[:5], initial_state=args[5], cu_seqlens=cu, num_householder=n,
+                impl=impl, chunk_size=64,
+            )  # fmt: skip
+            return jnp.sum(y * ct_y) + jnp.sum(s), (y, s)
+
+        grad = jax.grad(loss, argnums=range(6), has_aux=True)
+        return jax.jit(grad)(q, k, v, log_alpha, beta, state)
+
+    (grads, (y, s)), (xla_grads, (xla_y, xla_s)) = run("mosaic_gpu"), run("chunked")
+    assert_close(y, xla_y, jnp.float32, err_msg="y")
+    assert_close(s, xla_s, jnp.float32, err_msg="final")
+    names = ("q", "k", "v", "log_alpha", "beta", "initial_state")
+    for name, a, e in zip(names, grads, xla_grads, strict=True):
+        assert a.shape == e.shape, (name, a.shape, e.shape)
+        assert_close(a, e, jnp.float32, err_msg=f"d{name}")

@@ -17,11 +17,13 @@ decay on its first step and none on the others, its query on its last step and z
 others, its output read there. So the staged chunked form of ``chunked.py`` with its
 hand-derived backward, both schedules, packed sequences and grouped value heads serve it as
 they are; the zero queries cost the outputs of ``n - 1`` steps a token. ``cu_seqlens``
-counts tokens, as the outputs do; ``chunk_size`` counts steps.
+counts tokens, as the outputs do; ``chunk_size`` counts steps. The gated delta rule's Mosaic
+GPU kernels (``impl="mosaic_gpu"``) serve it the same way.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 from jax.typing import ArrayLike
@@ -30,7 +32,7 @@ from jaxtyping import Array, Float, Int
 from gdn_jax.ops import checks
 from gdn_jax.ops.api import batched
 from gdn_jax.ops.chunked import chunked_rule
-from gdn_jax.ops.rule import GateSpec, Rule, public_form
+from gdn_jax.ops.rule import GateSpec, Kernel, Rule, public_form
 from gdn_jax.ops.sequence_parallel import seq_parallel
 from gdn_jax.ops.single_head import chunked_single_head, recurrent_single_head
 from gdn_jax.ops.step import checked_step, householder_step
@@ -69,6 +71,34 @@ def product_chunked(
     return y.reshape(seq_len, n, -1)[:, n - 1], finals
 
 
+def _mosaic_gpu(q, k, v, gates, initial_states, cu_seqlens, *, chunk_size: int, interpret=None):
+    """The gated delta rule's Mosaic GPU kernels (``ops/chunked_mosaic.py``) over the
+    interleaved steps, on ``api.prepare_batched``'s inputs (q ``[B, T, H, K]``, k ``[B, T n,
+    H, K]``, v ``[B, T n, HV, V]``, ``gates = (log_alpha [B, T, HV], beta [B, T n, HV])``),
+    as ``product_chunked`` runs the chunked form."""
+    from gdn_jax.ops import chunked_mosaic
+
+    batch, seq_len = q.shape[:2]
+    n = k.shape[1] // seq_len if seq_len else 1
+    log_alpha, beta = gates
+
+    def over_steps(x, at):  # [B, T, ...] -> [B, T n, ...]
+        return jax.vmap(lambda row: interleaved(row, n, at=at))(x)
+
+    y, finals = chunked_mosaic.gated_delta_rule_mosaic(
+        over_steps(q, n - 1), k, v, (over_steps(log_alpha, 0), beta), initial_states,
+        None if cu_seqlens is None else cu_seqlens * n, chunk_size=chunk_size,
+        interpret=interpret,
+    )  # fmt: skip
+    return y.reshape(batch, seq_len, n, *y.shape[2:])[:, :, n - 1], finals
+
+
+def _mosaic_gpu_refuses(*args):
+    from gdn_jax.ops import chunked_mosaic
+
+    return chunked_mosaic.unsupported(*args)
+
+
 GATED_DELTA_PRODUCT = Rule(
     name="gated_delta_product",
     gates=(
@@ -83,6 +113,8 @@ GATED_DELTA_PRODUCT = Rule(
     chunked=product_chunked,
     shares_qk=True,
     steps="num_householder",
+    # Opt-in, as the gated delta rule's: no GPU has timed the kernels yet.
+    kernels=(Kernel("mosaic_gpu", _mosaic_gpu, _mosaic_gpu_refuses, platform="cuda"),),
 )
 RULE = GATED_DELTA_PRODUCT
 
