@@ -32,22 +32,23 @@ from gdn_jax.ops import mosaic_chunk as mc
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
 from gdn_jax.ops.forward_mode import first_order_only
 from gdn_jax.ops.mosaic_chunk import CHUNK, F32
-from gdn_jax.ops.mosaic_layout import token_layout
-
-SECOND_ORDER = (
-    "{rule}: impl='mosaic_gpu' differentiates once, in reverse mode: its backward is "
-    "Mosaic GPU kernels, which JAX cannot differentiate again (forward over reverse, "
-    "jax.hessian, a gradient of a gradient); use impl='chunked' for second order"
-)
+from gdn_jax.ops.mosaic_layout import padded, token_layout
 
 
-def padded(x, axis: int):
-    """``x`` with zero channels along ``axis`` up to a multiple of 64 (a wgmma operand's
-    128-byte swizzle of bf16); the zeros reach no other channel in any product."""
-    pad = -x.shape[axis] % 64
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths) if pad else x
+@jax.custom_jvp
+def _clamped(log_alpha):
+    """The log-decays clamped at the floor (a full reset), as ``channel_chunked.clamped``;
+    a clamped gate gets no gradient (at the floor too, where ``maximum``'s would be half).
+    The forward's ``maximum`` and the backward's comparison are different operations: the
+    same comparison in both, XLA kept one mask ``[tokens, HV, K]`` from the forward to the
+    backward (32 MiB of KDA's peak at B=4, T=4096, H=16, K=128)."""
+    return jnp.maximum(log_alpha, LOG_ALPHA_FLOOR)
+
+
+@_clamped.defjvp
+def _clamped_jvp(primals, tangents):
+    (log_alpha,), (tangent,) = primals, tangents
+    return _clamped(log_alpha), jnp.where(log_alpha > LOG_ALPHA_FLOOR, tangent, 0.0)
 
 
 def _contract(q, k, v, gates):
@@ -61,7 +62,7 @@ def _contract(q, k, v, gates):
     erase = erase[..., None] if erase.ndim == 2 else erase
     e = jnp.repeat(k.astype(F32), group, axis=1) * erase
     x = v.astype(F32) * (write[0] if write else erase)
-    g = jnp.where(log_alpha > LOG_ALPHA_FLOOR, log_alpha, LOG_ALPHA_FLOOR)
+    g = _clamped(log_alpha)
     return q.astype(F32), k.astype(F32), e, x, g
 
 
@@ -101,7 +102,7 @@ def _core(q, k, v, gates, initial_states, static, table):
 
 
 def _core_fwd(q, k, v, gates, initial_states, static, table):
-    message = SECOND_ORDER.format(rule=static[0])
+    message = mc.SECOND_ORDER.format(rule=static[0])
     q, k, v, gates, initial_states = first_order_only(message, (q, k, v, gates, initial_states))
     y, finals, residuals = _forward(
         q, k, v, gates, initial_states, table, keep_starts=True, interpret=static[1]
@@ -111,7 +112,9 @@ def _core_fwd(q, k, v, gates, initial_states, static, table):
 
 def _core_bwd(static, saved, cotangents):
     """The backward kernels on the forward's residuals, then ``_contract``'s pullback."""
-    saved, cotangents = first_order_only(SECOND_ORDER.format(rule=static[0]), (saved, cotangents))
+    saved, cotangents = first_order_only(
+        mc.SECOND_ORDER.format(rule=static[0]), (saved, cotangents)
+    )
     inputs, (operands, g, f, starts), table = saved
     d_y, d_finals = cotangents
     key_dim, value_dim = inputs[0].shape[-1], inputs[2].shape[-1]

@@ -33,31 +33,16 @@ from gdn_jax.ops import mosaic_chunk as mc
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
 from gdn_jax.ops.forward_mode import first_order_only
 from gdn_jax.ops.mosaic_chunk import CHUNK, F32
-from gdn_jax.ops.mosaic_layout import token_layout
+from gdn_jax.ops.mosaic_layout import padded, token_layout
 
-SECOND_ORDER = (
-    "gated_delta_rule: impl='mosaic_gpu' differentiates once, in reverse mode: its backward is "
-    "Mosaic GPU kernels, which JAX cannot differentiate again (forward over reverse, "
-    "jax.hessian, a gradient of a gradient); use impl='chunked' for second order"
-)
-
-
-def _padded(x, axis: int):
-    """``x`` with zero channels along ``axis`` up to a multiple of 64 (a wgmma operand's
-    128-byte swizzle of bf16); the zeros reach no other channel in any product."""
-    pad = -x.shape[axis] % 64
-    if not pad:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths)
+SECOND_ORDER = mc.SECOND_ORDER.format(rule="gated_delta_rule")
 
 
 def _operands(q, k, v, log_alpha, beta):
     """The kernels' operands: q, k, v padded and as pieces (one each when v is bf16, else
     two), and the gates with the decays ``[GATES, HV, tokens]``."""
     count = 1 if v.dtype == mc.BF16 else 2
-    q, k, v = (mc.operand(_padded(x, 2), count) for x in (q, k, v))
+    q, k, v = (mc.operand(padded(x, 2), count) for x in (q, k, v))
     return q, k, v, mc.gate_rows(log_alpha.T.astype(F32), beta.T.astype(F32))
 
 
@@ -69,7 +54,7 @@ def _forward(q, k, v, log_alpha, beta, initial_states, table, *, keep_starts, in
     key_dim, value_dim = q.shape[-1], v.shape[-1]
     operands = _operands(q, k, v, log_alpha, beta)
     q, k, v, gates = operands
-    h0 = _padded(_padded(initial_states, 3), 2)
+    h0 = padded(padded(initial_states, 3), 2)
     w, u = mosaic_forward.factors(k, v, gates, interpret=interpret)
     y, finals, *starts = mosaic_forward.states(
         table, q, k, w, u, gates, h0, keep_starts=keep_starts, interpret=interpret
@@ -90,8 +75,8 @@ def _backward(residuals, table, d_y, d_finals, *, dims, dtypes, interpret):
             f"bf16 pieces an operand) for key dims up to 64, got K={key_dim}: a Hopper "
             f"block's shared memory holds no more; use bf16 q, k and v, or impl='chunked'"
         )
-    d_y = mc.operand(_padded(d_y, 2), count)
-    d_finals = _padded(_padded(d_finals, 3), 2)
+    d_y = mc.operand(padded(d_y, 2), count)
+    d_finals = padded(padded(d_finals, 3), 2)
     d_initial, d_ends = mosaic_backward.reverse(
         table, q, k, w, d_y, gates, d_finals, interpret=interpret
     )

@@ -102,14 +102,10 @@ def _reverse_kernel(table, *refs, slots: int, **s):
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
     fetch = functools.partial(_fetch, hbm, s, head=head, block=block)
     step = functools.partial(_reverse_step, out, s, head=head, block=block)
-    d_final = out["d_finals"].at[seq, head, values]
-    d_final = plgpu.load(d_final, layout=mc.WGMMA, optimized=False)
-    first, count = table[seq, 0], table[seq, 1]
-    d_initial = mc.stream_chunks(
-        first, count, fetch, step, d_final, loaded=s["loaded"], slots=slots, reverse=True
+    start, end = (out[name].at[seq, head, values] for name in ("d_finals", "d_initial"))
+    mc.carry_over_sequence(
+        table, fetch, step, start, end, loaded=s["loaded"], slots=slots, reverse=True
     )
-    out["d_initial"].at[seq, head, values][...] = d_initial
-    plgpu.wait_smem_to_gmem(0)
 
 
 def reverse(table, q_start, k_end, w, scores, whole, d_y, d_finals, *, interpret=None):

@@ -238,12 +238,8 @@ def _states_kernel(table, *refs, slots: int, **s):
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
     fetch = functools.partial(_fetch, hbm, s, head=head, block=block)
     step = functools.partial(_state_step, out, s, head=head, block=block)
-    initial = plgpu.load(h0.at[seq, head, values], layout=mc.WGMMA, optimized=False)
-    final = mc.stream_chunks(
-        table[seq, 0], table[seq, 1], fetch, step, initial, loaded=s["loaded"], slots=slots
-    )
-    out["finals"].at[seq, head, values][...] = final
-    plgpu.wait_smem_to_gmem(0)
+    start, end = h0.at[seq, head, values], out["finals"].at[seq, head, values]
+    mc.carry_over_sequence(table, fetch, step, start, end, loaded=s["loaded"], slots=slots)
 
 
 def _states_scratch(count: int, key_dim: int) -> tuple[int, dict]:

@@ -35,6 +35,12 @@ COLS = WGMMA.reduce(0)
 SEGMENT_PIECES = 3  # bf16 pieces that hold a float32 gate exactly
 HAS_INTERPRET = hasattr(plgpu, "InterpretGPUParams")  # jax >= 0.11
 GATES = 5  # gate_rows: log_alpha, beta, and the decays from the start, to the end and whole
+# The named error of every route of a second derivative through the kernels' custom_vjp.
+SECOND_ORDER = (
+    "{rule}: impl='mosaic_gpu' differentiates once, in reverse mode: its backward is "
+    "Mosaic GPU kernels, which JAX cannot differentiate again (forward over reverse, "
+    "jax.hessian, a gradient of a gradient); use impl='chunked' for second order"
+)
 
 
 def swizzled(dtype) -> tuple:
@@ -318,6 +324,21 @@ def stream_chunks(first, count, fetch, step, init, *, loaded, slots: int, revers
         return carry
 
     return jax.lax.fori_loop(0, count, body, init)
+
+
+def carry_over_sequence(table, fetch, step, start, end, *, loaded, slots: int, reverse=False):
+    """The body of a state pass's program (a sequence, value head and block of value
+    channels): its block of what it carries, ``[64, K]`` float32 (a state, or a state's
+    cotangent), read from ``start`` (an HBM view), ``step`` over the sequence's chunks
+    (``stream_chunks``), written to ``end``; every copy out awaited."""
+    seq = jax.lax.axis_index("seq")
+    carried = plgpu.load(start, layout=WGMMA, optimized=False)
+    carried = stream_chunks(
+        table[seq, 0], table[seq, 1], fetch, step, carried, loaded=loaded, slots=slots,
+        reverse=reverse,
+    )  # fmt: skip
+    end[...] = carried
+    plgpu.wait_smem_to_gmem(0)
 
 
 def squares(s: dict, number: int) -> list[Pieces]:

@@ -184,12 +184,8 @@ def _states_kernel(table, *refs, group: int, slots: int, **s):
     fetch = functools.partial(fetch_chunk, hbm, s, head=head, group=group, block=block)
     step = functools.partial(_state_step, out, s, head=head, block=block)
     mc.write_masks(s)
-    initial = plgpu.load(h0.at[seq, head, values], layout=mc.WGMMA, optimized=False)
-    final = mc.stream_chunks(
-        table[seq, 0], table[seq, 1], fetch, step, initial, loaded=s["loaded"], slots=slots
-    )
-    out["finals"].at[seq, head, values][...] = final
-    plgpu.wait_smem_to_gmem(0)
+    start, end = h0.at[seq, head, values], out["finals"].at[seq, head, values]
+    mc.carry_over_sequence(table, fetch, step, start, end, loaded=s["loaded"], slots=slots)
 
 
 def states(table, q, k, w, u, gates, h0, *, keep_starts: bool, interpret=None):

@@ -1,5 +1,6 @@
-"""The token layout of the Mosaic GPU kernels (``chunked_mosaic.py``): every sequence's
-chunks on one token axis, each sequence starting on a chunk boundary.
+"""The token layout of the Mosaic GPU kernels (``chunked_mosaic.py``, ``channel_mosaic.py``):
+every sequence's chunks on one token axis, each sequence starting on a chunk boundary, and
+channels padded to the kernels' tiles (``padded``).
 
 Without ``cu_seqlens`` each batch row is a sequence, its tail chunk padded with inert tokens
 (zero inputs: no decay, no write, as ``varlen.chunk_layout`` pads); with it (``B == 1``) the
@@ -17,6 +18,17 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from gdn_jax.ops.varlen import pack_layout
+
+
+def padded(x, axis: int):
+    """``x`` with zero channels along ``axis`` up to a multiple of 64 (a wgmma operand's
+    128-byte swizzle of bf16); the zeros reach no other channel in any product."""
+    pad = -x.shape[axis] % 64
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
 
 
 class TokenLayout(NamedTuple):
