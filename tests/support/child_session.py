@@ -49,7 +49,10 @@ def run(child: str, nodeids: list[str], env: dict, rootdir: Path) -> dict:
     while remaining:
         with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
             path = f.name
+        # -m "": the parent chose these tests; the addopts' marker filter (pyproject.toml)
+        # would deselect the slow ones here.
         command = [sys.executable, "-m", "pytest", "-n", "0", "-q", "-p", "no:cacheprovider"]
+        command += ["-m", ""]
         result = subprocess.run(
             [*command, *remaining],
             cwd=rootdir,
