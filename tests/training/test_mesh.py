@@ -46,7 +46,11 @@ from gdn_jax.training.loop import run
 from gdn_jax.training.mesh import mesh_shape
 from gdn_jax.training.metrics_log import MetricsLog
 
-on_8_devices = pytest.mark.child(devices=8)
+
+def on_8_devices(test):
+    """In the child session of 8 CPU devices, whose start and compiles take about 40 s of
+    one core: among the slow tests, which the README's command leaves out and CI runs."""
+    return pytest.mark.slow(pytest.mark.child(devices=8)(test))
 
 
 def test_mesh_sizes_resolve_and_refuse():
