@@ -141,12 +141,9 @@ def unsupported(key_dim: int, value_dim: int, v_dtype, compute, chunk_size: int)
     0.11), and dims, padded to multiples of 64, past what a Hopper block's shared memory
     holds for the factors kernel: K up to 128 and V up to 256 with bf16 v (one bf16 piece
     an operand), K up to 64 and V up to 128 with any other (two pieces an operand)."""
-    if not mc.HAS_INTERPRET:
-        return f"needs jax >= 0.11 (Mosaic GPU's interpret mode), got jax {jax.__version__}"
-    if chunk_size != CHUNK:
-        return f"runs chunks of {CHUNK} tokens (a wgmma's rows), got chunk_size={chunk_size}"
-    if compute != F32:
-        return f"computes in float32, got inputs whose compute dtype is {compute}"
+    reason = mc.unsupported_run(compute, chunk_size)
+    if reason is not None:
+        return reason
     widest_key, widest_value = (128, 256) if v_dtype == mc.BF16 else (64, 128)
     if -(-key_dim // 64) * 64 > widest_key or -(-value_dim // 64) * 64 > widest_value:
         return (

@@ -142,12 +142,9 @@ def unsupported(key_dim: int, value_dim: int, v_dtype, compute, chunk_size: int)
     v is bf16), padded to multiples of 64 (a Hopper block's shared memory and wgmma's
     widths; ``benchmarks/mosaic_sm90.py`` compiles them for an H200), or a JAX without
     Mosaic GPU's interpret mode (before 0.11)."""
-    if not mc.HAS_INTERPRET:
-        return f"needs jax >= 0.11 (Mosaic GPU's interpret mode), got jax {jax.__version__}"
-    if chunk_size != CHUNK:
-        return f"runs chunks of {CHUNK} tokens (a wgmma's rows), got chunk_size={chunk_size}"
-    if compute != F32:
-        return f"computes in float32, got inputs whose compute dtype is {compute}"
+    reason = mc.unsupported_run(compute, chunk_size)
+    if reason is not None:
+        return reason
     widest_value = 256 if v_dtype == mc.BF16 else 128
     if -(-key_dim // 64) * 64 > 128 or -(-value_dim // 64) * 64 > widest_value:
         return (

@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gdn_jax.ops import mosaic_chunk as mc
+from gdn_jax.ops import mosaic_pass
 from gdn_jax.ops.mosaic_chunk import CHUNK, F32, Pieces
 from gdn_jax.ops.mosaic_forward import VALUE_BLOCK, factor_scratch, fetch_chunk, pass_scratch
 
@@ -39,11 +40,7 @@ def _reverse_step(out, s, chunk, slot, d_state, *, head, block):
     q, k, w, d_y = (s[name].at(slot) for name in ("q", "k", "w", "d_y"))
     decays = mc.chunk_decays(s["gates"].at[slot], s)
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    mc.store(s["state"], d_state)
-    mc.commit()
-    for src, dst in zip(s["state"].refs, out["d_ends"], strict=True):
-        plgpu.copy_smem_to_gmem(src, dst.at[chunk, head, values])
+    mosaic_pass.keep_state(s, d_state, [dst.at[chunk, head, values] for dst in out["d_ends"]])
     attn, negated = mc.squares(s, 2)
     mc.store(attn, mc.product((CHUNK, CHUNK), (q, k.T)) * decays.within)
     mc.commit()
@@ -71,7 +68,7 @@ def _reverse_kernel(table, *refs, group: int, slots: int, **s):
     step = functools.partial(_reverse_step, out, s, head=head, block=block)
     mc.write_masks(s)
     start, end = (out[name].at[seq, head, values] for name in ("d_finals", "d_initial"))
-    mc.carry_over_sequence(
+    mosaic_pass.carry_over_sequence(
         table, fetch, step, start, end, loaded=s["loaded"], slots=slots, reverse=True
     )
 

@@ -30,7 +30,7 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gdn_jax.ops import mosaic_channel_grads
+from gdn_jax.ops import mosaic_channel_grads, mosaic_pass
 from gdn_jax.ops import mosaic_chunk as mc
 from gdn_jax.ops.mosaic_chunk import CHUNK, F32
 
@@ -78,12 +78,7 @@ def _reverse_step(out, s, chunk, slot, d_state, *, head, block):
     its start state."""
     q_start, k_end, w, scores, d_y = (s[name].at(slot) for name in _TILES)
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
-    # The previous chunk's copy out of ``state`` must have read it before it is rewritten.
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    mc.store(s["state"], d_state)
-    mc.commit()
-    for src, dst in zip(s["state"].refs, out["d_ends"], strict=True):
-        plgpu.copy_smem_to_gmem(src, dst.at[chunk, head, values])
+    mosaic_pass.keep_state(s, d_state, [dst.at[chunk, head, values] for dst in out["d_ends"]])
     shape = (CHUNK, VALUE_BLOCK)
     d_u = mc.product(shape, (k_end, s["state"].T), (scores.T, d_y))
     mc.store(s["negated"], -d_u)
@@ -103,7 +98,7 @@ def _reverse_kernel(table, *refs, slots: int, **s):
     fetch = functools.partial(_fetch, hbm, s, head=head, block=block)
     step = functools.partial(_reverse_step, out, s, head=head, block=block)
     start, end = (out[name].at[seq, head, values] for name in ("d_finals", "d_initial"))
-    mc.carry_over_sequence(
+    mosaic_pass.carry_over_sequence(
         table, fetch, step, start, end, loaded=s["loaded"], slots=slots, reverse=True
     )
 

@@ -12,7 +12,7 @@
    gates in XLA.
 2. ``states``, a program per (sequence, value head, block of 64 value channels): its block of
    the float32 state ``S [64, K]`` stays on chip from the sequence's first chunk to its last
-   while each chunk's tiles stream in by TMA (``mosaic_chunk.stream_chunks``); per chunk
+   while each chunk's tiles stream in by TMA (``mosaic_pass.stream_chunks``); per chunk
 
        U = u - w S^T,  Y = q_start S^T + M U,  S' = S Diag(whole) + U^T k_end,
 
@@ -52,6 +52,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gdn_jax.ops import mosaic_channel_chunk as mcc
 from gdn_jax.ops import mosaic_chunk as mc
+from gdn_jax.ops import mosaic_pass
 from gdn_jax.ops.mosaic_chunk import CHUNK, F32
 from gdn_jax.ops.mosaic_forward import VALUE_BLOCK
 
@@ -239,7 +240,7 @@ def _states_kernel(table, *refs, slots: int, **s):
     fetch = functools.partial(_fetch, hbm, s, head=head, block=block)
     step = functools.partial(_state_step, out, s, head=head, block=block)
     start, end = h0.at[seq, head, values], out["finals"].at[seq, head, values]
-    mc.carry_over_sequence(table, fetch, step, start, end, loaded=s["loaded"], slots=slots)
+    mosaic_pass.carry_over_sequence(table, fetch, step, start, end, loaded=s["loaded"], slots=slots)
 
 
 def _states_scratch(count: int, key_dim: int) -> tuple[int, dict]:

@@ -43,6 +43,19 @@ SECOND_ORDER = (
 )
 
 
+def unsupported_run(compute, chunk_size: int) -> str | None:
+    """Why no Mosaic GPU kernel here can run (None: they can): a JAX without Mosaic GPU's
+    interpret mode (before 0.11), chunks other than a wgmma's 64 rows, or a compute dtype
+    other than float32. The kernels' own limits of K and V come after."""
+    if not HAS_INTERPRET:
+        return f"needs jax >= 0.11 (Mosaic GPU's interpret mode), got jax {jax.__version__}"
+    if chunk_size != CHUNK:
+        return f"runs chunks of {CHUNK} tokens (a wgmma's rows), got chunk_size={chunk_size}"
+    if compute != F32:
+        return f"computes in float32, got inputs whose compute dtype is {compute}"
+    return None
+
+
 def swizzled(dtype) -> tuple:
     """The shared-memory transforms of a ``[rows, n]`` tile that TMA and wgmma read: 128-byte
     swizzle over tiles of 8 rows by 128 bytes (``n`` a multiple of 64 bf16 or 32 float32)."""
@@ -289,56 +302,6 @@ def chunk_factors(s: dict, k: Pieces, v, gates):
     store(s["erase"], w)
     store(s["write"], u)
     commit()
-
-
-def stream_chunks(first, count, fetch, step, init, *, loaded, slots: int, reverse=False):
-    """``step(chunk, slot, carry) -> carry`` over a sequence's ``count`` chunks from
-    ``first`` (last to first with ``reverse``), each chunk's tiles copied into ``slot`` by
-    ``fetch(chunk, slot)`` (TMA copies arriving on ``loaded.at[slot]``). With two slots the
-    next chunk's tiles stream in while this one computes; a slot is refilled only after the
-    step that read it has returned (every product awaited)."""
-
-    def chunk_at(i):
-        return first + count - 1 - i if reverse else first + i
-
-    @pl.when(count > 0)
-    def _():
-        fetch(chunk_at(0), 0)
-
-    def body(i, carry):
-        slot = jax.lax.rem(i, jnp.int32(slots))
-        if slots > 1:
-
-            @pl.when(i + 1 < count)
-            def _():
-                fetch(chunk_at(i + 1), 1 - slot)
-
-        plgpu.barrier_wait(loaded.at[slot])
-        carry = step(chunk_at(i), slot, carry)
-        if slots == 1:
-
-            @pl.when(i + 1 < count)
-            def _():
-                fetch(chunk_at(i + 1), 0)
-
-        return carry
-
-    return jax.lax.fori_loop(0, count, body, init)
-
-
-def carry_over_sequence(table, fetch, step, start, end, *, loaded, slots: int, reverse=False):
-    """The body of a state pass's program (a sequence, value head and block of value
-    channels): its block of what it carries, ``[64, K]`` float32 (a state, or a state's
-    cotangent), read from ``start`` (an HBM view), ``step`` over the sequence's chunks
-    (``stream_chunks``), written to ``end``; every copy out awaited."""
-    seq = jax.lax.axis_index("seq")
-    carried = plgpu.load(start, layout=WGMMA, optimized=False)
-    carried = stream_chunks(
-        table[seq, 0], table[seq, 1], fetch, step, carried, loaded=loaded, slots=slots,
-        reverse=reverse,
-    )  # fmt: skip
-    end[...] = carried
-    plgpu.wait_smem_to_gmem(0)
 
 
 def squares(s: dict, number: int) -> list[Pieces]:

@@ -8,7 +8,7 @@ chunk, then the state pass with the outputs.
 2. ``states``, a program per (sequence, value head, block of 64 value channels): its block of
    the float32 state ``S [64, K]`` stays on chip (registers between chunks, shared memory
    through a chunk's products) from the sequence's first chunk to its last while each
-   chunk's tiles stream in by TMA, two slots deep (``mosaic_chunk.stream_chunks``); per
+   chunk's tiles stream in by TMA, two slots deep (``mosaic_pass.stream_chunks``); per
    chunk ``U = u - w S^T``, ``Y = diag(exp(g)) Q S^T + (Q K^T * Gamma) U`` and ``S' =
    exp(g_C) S + U^T diag(exp(g_C - g)) K`` (``chunked.py``), writing ``Y`` and, for the
    backward, the start state as the pieces its products read.
@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gdn_jax.ops import mosaic_chunk as mc
+from gdn_jax.ops import mosaic_pass
 from gdn_jax.ops.mosaic_chunk import CHUNK, F32
 
 # The value channels of one program of the state pass: a wgmma's 64 rows of the state.
@@ -185,7 +186,7 @@ def _states_kernel(table, *refs, group: int, slots: int, **s):
     step = functools.partial(_state_step, out, s, head=head, block=block)
     mc.write_masks(s)
     start, end = h0.at[seq, head, values], out["finals"].at[seq, head, values]
-    mc.carry_over_sequence(table, fetch, step, start, end, loaded=s["loaded"], slots=slots)
+    mosaic_pass.carry_over_sequence(table, fetch, step, start, end, loaded=s["loaded"], slots=slots)
 
 
 def states(table, q, k, w, u, gates, h0, *, keep_starts: bool, interpret=None):
