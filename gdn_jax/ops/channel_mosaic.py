@@ -32,7 +32,7 @@ from gdn_jax.ops import mosaic_chunk as mc
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
 from gdn_jax.ops.forward_mode import first_order_only
 from gdn_jax.ops.mosaic_chunk import CHUNK, F32
-from gdn_jax.ops.mosaic_layout import padded, token_layout
+from gdn_jax.ops.mosaic_layout import padded, padded_states, token_layout
 
 
 @jax.custom_jvp
@@ -72,7 +72,7 @@ def kernel_operands(q, k, v, gates):
     [tokens, HV, K], w [tokens, HV, V])``): ``_contract``'s ``(q, k, e, x)`` padded, as
     pieces (one each when v is bf16, else two), and its ``g [tokens, HV, K]`` padded."""
     *operands, g = _contract(q, k, v, gates)
-    count = 1 if v.dtype == mc.BF16 else 2
+    count = mc.piece_count(v.dtype)
     q, k, e, x = (mc.operand(padded(y, 2), count) for y in operands)
     return (q, k, e, x), padded(g, 2)
 
@@ -83,7 +83,7 @@ def _forward(q, k, v, gates, initial_states, table, *, keep_starts, interpret):
     key_dim, value_dim = q.shape[-1], v.shape[-1]
     operands, g = kernel_operands(q, k, v, gates)
     f = forward.factors(*operands, g, interpret=interpret)
-    h0 = padded(padded(initial_states, 3), 2)
+    h0 = padded_states(initial_states)
     y, finals, *starts = forward.states(
         table, f.q_start, f.k_end, f.w, f.u, f.scores, f.whole, h0,
         keep_starts=keep_starts, interpret=interpret,
@@ -121,7 +121,7 @@ def _core_bwd(static, saved, cotangents):
     d_y = mc.operand(padded(d_y, 2), len(operands[0]))
     d_initial, d_ends = backward.reverse(
         table, f.q_start, f.k_end, f.w, f.scores, f.whole, d_y,
-        padded(padded(d_finals, 3), 2), interpret=static[1],
+        padded_states(d_finals), interpret=static[1],
     )  # fmt: skip
     grads = backward.chunk_grads(
         *operands, forward.gate_pieces(g), f.scores, d_y, starts, d_ends, interpret=static[1]

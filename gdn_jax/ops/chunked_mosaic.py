@@ -33,7 +33,7 @@ from gdn_jax.ops import mosaic_chunk as mc
 from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
 from gdn_jax.ops.forward_mode import first_order_only
 from gdn_jax.ops.mosaic_chunk import CHUNK, F32
-from gdn_jax.ops.mosaic_layout import padded, token_layout
+from gdn_jax.ops.mosaic_layout import padded, padded_states, token_layout
 
 SECOND_ORDER = mc.SECOND_ORDER.format(rule="gated_delta_rule")
 
@@ -41,7 +41,7 @@ SECOND_ORDER = mc.SECOND_ORDER.format(rule="gated_delta_rule")
 def _operands(q, k, v, log_alpha, beta):
     """The kernels' operands: q, k, v padded and as pieces (one each when v is bf16, else
     two), and the gates with the decays ``[GATES, HV, tokens]``."""
-    count = 1 if v.dtype == mc.BF16 else 2
+    count = mc.piece_count(v.dtype)
     q, k, v = (mc.operand(padded(x, 2), count) for x in (q, k, v))
     return q, k, v, mc.gate_rows(log_alpha.T.astype(F32), beta.T.astype(F32))
 
@@ -54,7 +54,7 @@ def _forward(q, k, v, log_alpha, beta, initial_states, table, *, keep_starts, in
     key_dim, value_dim = q.shape[-1], v.shape[-1]
     operands = _operands(q, k, v, log_alpha, beta)
     q, k, v, gates = operands
-    h0 = padded(padded(initial_states, 3), 2)
+    h0 = padded_states(initial_states)
     w, u = mosaic_forward.factors(k, v, gates, interpret=interpret)
     y, finals, *starts = mosaic_forward.states(
         table, q, k, w, u, gates, h0, keep_starts=keep_starts, interpret=interpret
@@ -76,7 +76,7 @@ def _backward(residuals, table, d_y, d_finals, *, dims, dtypes, interpret):
             f"block's shared memory holds no more; use bf16 q, k and v, or impl='chunked'"
         )
     d_y = mc.operand(padded(d_y, 2), count)
-    d_finals = padded(padded(d_finals, 3), 2)
+    d_finals = padded_states(d_finals)
     d_initial, d_ends = mosaic_backward.reverse(
         table, q, k, w, d_y, gates, d_finals, interpret=interpret
     )
@@ -124,7 +124,7 @@ def _core_bwd(static, saved, cotangents):
     # With one bf16 piece an operand (bf16 v) the products are bf16's, and the kernel may
     # write the gradients of q and k in bf16 too: float32 ones, kept for the sum of the
     # programs' shares, were a quarter of the backward's peak (the H200 compile report).
-    key_dtype = mc.BF16 if dtypes[2] == mc.BF16 else F32
+    key_dtype = mc.BF16 if mc.piece_count(dtypes[2]) == 1 else F32
     grads = _backward(
         residuals, table, *cotangents, dims=dims, dtypes=(key_dtype, dtypes[2]),
         interpret=interpret,

@@ -83,6 +83,12 @@ class Pieces(NamedTuple):
         return Pieces(tuple(ref.at[index] for ref in self.refs))
 
 
+def piece_count(v_dtype) -> int:
+    """How many bf16 pieces every operand of the kernels takes for values of ``v_dtype``:
+    one for bf16 (the field's kernels' precision), two for any other (about float32's)."""
+    return 1 if v_dtype == BF16 else 2
+
+
 def split(x, count: int) -> list:
     """``x`` (float32) as ``count`` bf16 pieces that sum to it, largest first."""
     pieces = []

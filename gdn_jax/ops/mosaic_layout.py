@@ -31,6 +31,11 @@ def padded(x, axis: int):
     return jnp.pad(x, widths)
 
 
+def padded_states(states):
+    """States ``[N, HV, V, K]`` (or their cotangents) with both channel axes ``padded``."""
+    return padded(padded(states, 3), 2)
+
+
 class TokenLayout(NamedTuple):
     """``to_tokens``: ``[B, T, ...] -> [tokens, ...]``; ``from_tokens`` back, zeros where a
     token belongs to no sequence; ``table [N, 2]`` int32 (first chunk, chunk count)."""
