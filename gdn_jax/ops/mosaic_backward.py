@@ -149,8 +149,7 @@ def _write_tile(s, dst, tile) -> None:
         return
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous copy has read the tile
     s["out_tile"][...] = tile.astype(dst.dtype)
-    mc.commit()
-    plgpu.copy_smem_to_gmem(s["out_tile"], dst)
+    mc.copy_out((s["out_tile"], dst))
 
 
 def _value_grads(s, out, decays, beta, attn, index, v_hbm):

@@ -78,12 +78,13 @@ def _reverse_step(out, s, chunk, slot, d_state, *, head, block):
     its start state."""
     q_start, k_end, w, scores, d_y = (s[name].at(slot) for name in _TILES)
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
+    # Read before the step's products, whose commits then order this read before TMA
+    # refills the slot: read after the last one, the refill raced it.
+    whole = plgpu.load(s["whole"].at[slot], layout=mc.COLS)
     mosaic_pass.keep_state(s, d_state, [dst.at[chunk, head, values] for dst in out["d_ends"]])
     shape = (CHUNK, VALUE_BLOCK)
     d_u = mc.product(shape, (k_end, s["state"].T), (scores.T, d_y))
     mc.store(s["negated"], -d_u)
-    mc.commit()
-    whole = plgpu.load(s["whole"].at[slot], layout=mc.COLS)
     faded = mc.by_col(whole, d_state.shape) * d_state
     return faded + mc.product(d_state.shape, (d_y.T, q_start), (s["negated"].T, w))
 

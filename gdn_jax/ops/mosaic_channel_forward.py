@@ -129,9 +129,7 @@ def _factors_kernel(q_hbm, k_hbm, e_hbm, x_hbm, g_hbm, *out, group: int, **s):
     # One score a pass over the levels: both at once held more registers than ptxas had.
     (scores,) = mcc.channel_scores(s, (s["q"],), s["k"], s["g"])
     mc.store(s["off"], scores)
-    mc.commit()
-    for src, dst in zip(s["off"].refs, scores_hbm, strict=True):
-        plgpu.copy_smem_to_gmem(src, dst.at[tokens, head])
+    mc.copy_out(*((src, dst.at[tokens, head]) for src, dst in zip(s["off"].refs, scores_hbm)))
     (strict,) = mcc.channel_scores(s, (s["e"],), s["k"], s["g"], diagonal=False)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the inverse writes over ``off``
     inverse = mc.unit_lower_inverse(strict, s["off"], s["inverse"], s["half"])
@@ -140,10 +138,14 @@ def _factors_kernel(q_hbm, k_hbm, e_hbm, x_hbm, g_hbm, *out, group: int, **s):
     _times_inverse(s, s["x"], s["x"])  # u, each block of x read before it is written
     _decayed(s, key_dim)
     _times_inverse(s, s["e"], s["e"])  # w, each block of E * exp(G) read before it is written
-    results = ((s["e"], w_hbm), (s["x"], u_hbm), (s["rows"][0], q_start_hbm))
-    for tile, hbm in (*results, (s["cols"], k_end_hbm)):
-        for src, dst in zip(tile.refs, hbm, strict=True):
-            plgpu.copy_smem_to_gmem(src, dst.at[tokens, head])
+    results = ((s["e"], w_hbm), (s["x"], u_hbm), (s["rows"][0], q_start_hbm), (s["cols"], k_end_hbm))
+    mc.copy_out(
+        *(
+            (src, dst.at[tokens, head])
+            for tile, hbm in results
+            for src, dst in zip(tile.refs, hbm, strict=True)
+        )
+    )
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -209,23 +211,23 @@ def _state_step(out, s, chunk, slot, state, *, head, block):
         s[name].at(slot) for name in ("q_start", "k_end", "w", "scores", "u")
     )
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
+    # Read before the step's products, whose commits then order this read before TMA
+    # refills the slot: read after the last one, the refill raced it.
+    whole = plgpu.load(s["whole"].at[slot], layout=mc.COLS)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's copies out
     mc.store(s["state"], state)
     if "carry" in s:  # the float32 state waits in shared memory, not in registers
         s["carry"][...] = state
-    mc.commit()
     if "starts" in out:
-        for src, dst in zip(s["state"].refs, out["starts"], strict=True):
-            plgpu.copy_smem_to_gmem(src, dst.at[chunk, head, values])
+        starts = zip(s["state"].refs, out["starts"], strict=True)
+        mc.copy_out(*((src, dst.at[chunk, head, values]) for src, dst in starts))
     shape = (CHUNK, VALUE_BLOCK)
     mc.store(s["corr"], mc.load(u) - mc.product(shape, (w, s["state"].T)))  # U = u - w S^T
     mc.commit()
     s["y"][...] = mc.product(shape, (q_start, s["state"].T), (scores, s["corr"]))
-    mc.commit()
-    plgpu.copy_smem_to_gmem(s["y"], out["y"].at[pl.ds(chunk * CHUNK, CHUNK), head, values])
+    mc.copy_out((s["y"], out["y"].at[pl.ds(chunk * CHUNK, CHUNK), head, values]))
     written = mc.product(state.shape, (s["corr"].T, k_end))
     state = s["carry"][...] if "carry" in s else state
-    whole = plgpu.load(s["whole"].at[slot], layout=mc.COLS)
     return mc.by_col(whole, state.shape) * state + written
 
 

@@ -117,8 +117,7 @@ def _value_stage(s, out, index):
     if "d_x" in s:  # bf16 leaves by TMA: a warpgroup's bf16 store to HBM is half sectors
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last block's copy out
         s["d_x"][...] = d_x.astype(s["d_x"].dtype)
-        mc.commit()
-        plgpu.copy_smem_to_gmem(s["d_x"], out["d_x"].at[tokens, head, values])
+        mc.copy_out((s["d_x"], out["d_x"].at[tokens, head, values]))
     else:
         out["d_x"].at[tokens, head, values][...] = d_x
     mc.store(s["x"], d_x)

@@ -111,6 +111,14 @@ def commit() -> None:
     plgpu.commit_smem()
 
 
+def copy_out(*pairs) -> None:
+    """TMA stores of shared-memory tiles to HBM, ``(src, dst)`` each, after one commit: TMA
+    reads through the async proxy too (``product``), so every store out fences first."""
+    commit()
+    for src, dst in pairs:
+        plgpu.copy_smem_to_gmem(src, dst)
+
+
 def _sum(parts):
     total = None
     for part in parts:
@@ -142,7 +150,14 @@ def mma(acc, a: Pieces, b: Pieces) -> None:
 
 def product(shape, *terms):
     """``sum(a @ b for a, b in terms)`` as a float32 ``[m, n]`` tile (WGMMA layout), each a
-    wgmma over the pieces, awaited."""
+    wgmma over the pieces, awaited.
+
+    It commits first: a wgmma reads shared memory through the async proxy, so a tile the
+    warpgroup stored from registers is visible to it only after a proxy fence. Fencing here,
+    in the one place that issues wgmma, means no caller can forget it (a store of the
+    inverse read by the next product without one gave stale tiles on the hardware, which
+    interpret mode cannot show)."""
+    commit()
 
     def run(acc):
         for a, b in terms:

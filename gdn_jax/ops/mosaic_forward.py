@@ -48,10 +48,10 @@ def _factors_kernel(k_hbm, v_hbm, gates_hbm, w_hbm, u_hbm, *, group: int, **s):
     mc.write_masks(s)
     plgpu.barrier_wait(s["loaded"])
     mc.chunk_factors(s, s["k"], lambda: mc.load(s["v"]), s["gates"])
-    for src, dst in zip(s["erase"].refs, w_hbm, strict=True):
-        plgpu.copy_smem_to_gmem(src, dst.at[tokens, head])
-    for src, dst in zip(s["write"].refs, u_hbm, strict=True):
-        plgpu.copy_smem_to_gmem(src, dst.at[tokens, head])
+    mc.copy_out(
+        *((src, dst.at[tokens, head]) for src, dst in zip(s["erase"].refs, w_hbm, strict=True)),
+        *((src, dst.at[tokens, head]) for src, dst in zip(s["write"].refs, u_hbm, strict=True)),
+    )
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -153,10 +153,9 @@ def _state_step(out, s, chunk, slot, state, *, head, block):
     mc.store(s["state"], state)
     if "carry" in s:  # the float32 state waits in shared memory, not in registers
         s["carry"][...] = state
-    mc.commit()
     if "starts" in out:
-        for src, dst in zip(s["state"].refs, out["starts"], strict=True):
-            plgpu.copy_smem_to_gmem(src, dst.at[chunk, head, values])
+        starts = zip(s["state"].refs, out["starts"], strict=True)
+        mc.copy_out(*((src, dst.at[chunk, head, values]) for src, dst in starts))
     attn, corr, corr_to_end = mc.squares(s, 3)
     mc.store(attn, mc.product((CHUNK, CHUNK), (q, k.T)) * decays.within)
     shape = (CHUNK, VALUE_BLOCK)
@@ -166,9 +165,8 @@ def _state_step(out, s, chunk, slot, state, *, head, block):
     mc.commit()
     y = mc.by_row(decays.from_start, shape) * mc.product(shape, (q, s["state"].T))
     s["y"][...] = y + mc.product(shape, (attn, corr))
-    mc.commit()
     tokens = pl.ds(chunk * CHUNK, CHUNK)
-    plgpu.copy_smem_to_gmem(s["y"], out["y"].at[tokens, head, values])
+    mc.copy_out((s["y"], out["y"].at[tokens, head, values]))
     written = mc.product(state.shape, (corr_to_end.T, k))
     state = s["carry"][...] if "carry" in s else state
     return mc.by_row(decays.whole, state.shape) * state + written

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gdn_jax.ops.mosaic_chunk import WGMMA, commit, store
+from gdn_jax.ops.mosaic_chunk import WGMMA, copy_out, store
 
 
 def keep_state(s: dict, state, ends) -> None:
@@ -21,9 +21,7 @@ def keep_state(s: dict, state, ends) -> None:
     copy out of those pieces has read them."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     store(s["state"], state)
-    commit()
-    for src, dst in zip(s["state"].refs, ends, strict=True):
-        plgpu.copy_smem_to_gmem(src, dst)
+    copy_out(*zip(s["state"].refs, ends, strict=True))
 
 
 def stream_chunks(first, count, fetch, step, init, *, loaded, slots: int, reverse=False):
