@@ -5,7 +5,7 @@
 runs ``compiled(*args)`` ``calls`` times under ``jax.profiler.trace``, takes the trace's op
 events (each names the HLO instruction it ran, ``hlo_op``), and gives each instruction the
 stage whose named scope its ``op_name`` metadata holds: the chunked form's
-(``gdn_jax.ops.stages``), else the Mosaic GPU kernel's it runs in (each kernel is the scope of
+(``gdn_jax.ops.chunked.stages``), else the Mosaic GPU kernel's it runs in (each kernel is the scope of
 its name, ``gdn_mosaic_*``; interpreted off a GPU, every instruction of its interpreter). An
 instruction in none of them is ``"other"``: the layouts, the norms of q and k, the gates,
 casts and pads around the stages.
@@ -25,11 +25,11 @@ import re
 import tempfile
 from pathlib import Path
 
-from gdn_jax.ops import stages as stage_names
+from gdn_jax.ops.chunked import stages as stage_names
 
 STAGES = stage_names.ALL
 OTHER = "other"
-# A Mosaic GPU kernel of gdn_jax's: the scope of its name (ops/mosaic_forward.py, _backward.py).
+# A Mosaic GPU kernel of gdn_jax's: the scope of its name (ops/mosaic/scalar/*.py).
 KERNEL = re.compile(r"gdn_mosaic_\w+")
 # One instruction of HLO text: its name and its metadata's op_name.
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?op_name=\"([^\"]*)\"")

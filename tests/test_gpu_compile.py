@@ -18,7 +18,7 @@ pytest.importorskip(
 
 from gdn_jax import gpu_compile  # noqa: E402
 from gdn_jax.gpu_compile import thunks  # noqa: E402
-from gdn_jax.gpu_compile.kernels import Limits  # noqa: E402
+from gdn_jax.gpu_compile.kernels import Limits, unfenced_stores  # noqa: E402
 
 pl = pytest.importorskip("jax.experimental.pallas")
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
@@ -121,6 +121,76 @@ def test_a_kernel_over_a_hopper_block_s_shared_memory_is_not_launchable():
     assert kernel.shared_memory >= 512 * 512 > 232448
     assert "over the 232448 B a block has" in kernel.problem
     assert any("NOT launchable" in line for line in over.lines())
+
+
+def _stored_then_read(*, fenced: bool, by: str):
+    """A tile stored from registers, then read through the async proxy, ``by`` a wgmma or a
+    TMA store, with ``commit_smem`` between them or not: the positive control of the fence
+    scan (the second, without it, is the bug the scan is for)."""
+    tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def body(o_gmem, a_smem, b_smem, o_smem):
+        a_smem[...] = jnp.ones((64, 64), jnp.bfloat16)
+        b_smem[...] = jnp.ones((64, 64), jnp.bfloat16)
+        if fenced:
+            plgpu.commit_smem()
+        if by == "tma":
+            plgpu.copy_smem_to_gmem(a_smem, o_gmem)
+            plgpu.wait_smem_to_gmem(0)
+            return
+
+        def product(acc):
+            plgpu.wgmma(acc, a_smem, b_smem)
+            plgpu.wgmma_wait(0)
+            o_smem[...] = acc[...].astype(o_smem.dtype)
+
+        pl.run_scoped(product, plgpu.ACC((64, 64), jnp.float32))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem)
+        plgpu.wait_smem_to_gmem(0)
+
+    smem = [plgpu.SMEM((64, 64), jnp.bfloat16, transforms=tile) for _ in range(3)]
+    out = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
+    return plgpu.kernel(body, out_type=out, scratch_types=smem)
+
+
+@pytest.mark.parametrize("by", ["wgmma", "tma"])
+def test_a_store_read_through_the_async_proxy_without_a_fence_is_reported(by):
+    (unfenced,) = gpu_compile.report(_stored_then_read(fenced=False, by=by)).kernels
+    (fenced,) = gpu_compile.report(_stored_then_read(fenced=True, by=by)).kernels
+    assert unfenced.unfenced_stores >= 1, by
+    assert fenced.unfenced_stores == 0, by
+    assert fenced.stall_cycles > 0
+
+
+def test_the_fence_scan_reads_straight_line_order():
+    def sass(*ops):
+        return "\n".join(f"  -:-:-:Y:01  /*{i:04x}*/  {op} ;" for i, op in enumerate(ops))
+
+    assert unfenced_stores(sass("STSM.16.M88.4 [R9], R24", "WARPGROUP.ARRIVE")) == [2]
+    assert unfenced_stores(sass("STS.64 [R2], R4", "UTMASTG [UR4], [UR8]")) == [2]
+    fenced = sass("STSM.16.M88.4 [R9], R24", "FENCE.VIEW.ASYNC.S", "WARPGROUP.ARRIVE")
+    assert unfenced_stores(fenced) == []
+    assert unfenced_stores(sass("LDS.64 R2, [R4]", "WARPGROUP.ARRIVE")) == []
+
+
+def _gridded(rows: int):
+    """A kernel over ``(rows, 2)`` programs: Pallas puts the last axis on CUDA's x."""
+
+    def body(o_gmem):
+        del o_gmem
+
+    out = jax.ShapeDtypeStruct((8,), jnp.float32)
+    return plgpu.kernel(body, out_type=out, grid=(rows, 2), grid_names=("row", "col"))
+
+
+def test_a_grid_over_cudas_launch_limits_is_not_launchable():
+    (fits,) = gpu_compile.report(_gridded(65_535)).kernels
+    assert fits.grid == (2, 65_535, 1) and fits.launchable
+    assert fits.ctas_per_sm >= 1 and fits.waves > 0
+    (over,) = gpu_compile.report(_gridded(65_536)).kernels
+    assert over.grid == (2, 65_536, 1) and not over.launchable
+    assert "over CUDA's launch limits" in over.problem
 
 
 def test_bad_targets_and_arguments_are_named():

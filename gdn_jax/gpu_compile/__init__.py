@@ -235,7 +235,6 @@ def report(
         options = {
             "xla_dump_to": str(xla_dump),
             "xla_dump_hlo_as_text": True,
-            "xla_dump_emitter_re": ".*",
         }
         try:
             with _mosaic_dumps(mosaic_dump):
@@ -250,10 +249,7 @@ def report(
             return Report(target, None, None, None, None, None, memory_size, kernels,
                           autotune_results is not None, str(error).splitlines()[0])  # fmt: skip
         launches = thunks.read_dump(xla_dump)
-        kernels = (
-            *kernel_reports.mosaic_kernels(mosaic_dump, limits),
-            *kernel_reports.triton_kernels(xla_dump, launches.kernels, limits),
-        )
+        kernels = tuple(kernel_reports.mosaic_kernels(mosaic_dump, limits))
     memory = compiled.memory_analysis()
     return Report(
         target=target,
@@ -271,9 +267,8 @@ def report(
 @contextlib.contextmanager
 def _abstract_gpu(device):
     """Tracing under an abstract mesh of ``device``'s kind, unless a mesh is in context
-    already (the caller's, over the GPUs compiled for): Pallas's Triton backend asks the
-    mesh's device for the compute capability it writes for, and gdn_jax's dispatch asks it
-    whether a kernel runs compiled (this host's own device is a CPU)."""
+    already (the caller's, over the GPUs compiled for): gdn_jax's dispatch asks it whether a
+    kernel runs compiled (``dispatch.kernel_interpret``; this host's own device is a CPU)."""
     if not jax.sharding.get_abstract_mesh().empty:
         yield
         return
@@ -290,10 +285,10 @@ def _abstract_gpu(device):
 @contextlib.contextmanager
 def _mosaic_dumps(folder: Path):
     """Mosaic GPU's dumps into ``folder`` while a program lowers (its kernels compile then)."""
-    names = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS")
-    saved = {name: os.environ.get(name) for name in names}
-    os.environ.update(MOSAIC_GPU_DUMP_TO=str(folder), MOSAIC_GPU_DUMP_PTX="1",
-                      MOSAIC_GPU_DUMP_PTXAS="1")  # fmt: skip
+    dumps = dict(MOSAIC_GPU_DUMP_TO=str(folder), MOSAIC_GPU_DUMP_PTX="1",
+                 MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS_CTRL="1")  # fmt: skip
+    saved = {name: os.environ.get(name) for name in dumps}
+    os.environ.update(dumps)
     try:
         yield
     finally:

@@ -1,28 +1,28 @@
-"""The Pallas kernels of a program compiled for a GPU: registers, spills, shared memory and
-tensor-core instructions, and whether one block of each can launch.
+"""The Mosaic GPU kernels of a program compiled for a GPU (gdn_jax's, and jax-linear-attention's
+in the benchmark that compares them): registers, spills, shared memory, tensor-core
+instructions, and whether one block of each can launch.
 
 Mosaic GPU kernels are compiled to machine code when JAX lowers them; with
 ``MOSAIC_GPU_DUMP_TO`` and ``MOSAIC_GPU_DUMP_PTXAS`` set at that moment, each kernel leaves its
-PTX, ptxas's report and its MLIR (whose launch states the dynamic shared memory) in the
-folder. Triton kernels (Pallas's Triton backend) are compiled by XLA with the rest of the
-program: their shared memory is in the thunk sequence, their PTX in the dump when
-``xla_dump_emitter_re`` asks for it, and ptxas (from ``nvidia-cuda-nvcc``) reads registers and
-spills from it. The tensor-core count is of the PTX's ``wgmma.mma_async`` and ``mma.sync``
+PTX, ptxas's report and its MLIR (whose launch states the grid and the dynamic shared memory)
+in the folder. The tensor-core count is of the PTX's ``wgmma.mma_async`` and ``mma.sync``
 instructions, as written, not as executed.
+
+A Mosaic GPU kernel's machine code (SASS, with its control codes: ``MOSAIC_GPU_DUMP_SASS_CTRL``)
+is read for what interpret mode cannot show: a shared-memory store from registers that a
+wgmma or a TMA store reads through the async proxy with no proxy fence between them
+(``unfenced_stores``), and the stall counts of its instructions (``stall_cycles``). Its
+launch grid comes from its MLIR, and with the GPU's figures gives the programs a streaming
+multiprocessor holds at once and the waves over the GPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
-TRITON_TARGET = "__gpu$xla.gpu.triton"
 _TENSOR_CORE = re.compile(r"\b(?:wgmma\.mma_async|mma\.sync)\b")
-_PTXAS_TIMEOUT_S = 600
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +40,11 @@ class Kernel:
     threads: int | None
     tensor_core_instructions: int | None
     problem: str | None = None
+    grid: tuple[int, int, int] | None = None
+    unfenced_stores: int | None = None
+    stall_cycles: int | None = None
+    ctas_per_sm: int | None = None
+    waves: float | None = None
 
     @property
     def launchable(self) -> bool:
@@ -52,13 +57,42 @@ class Limits:
 
     shared_memory: int
     registers: int
+    shared_memory_per_sm: int = 0
+    registers_per_sm: int = 0
+    sms: int = 0
+    grid: tuple[int, int, int] = (2**31 - 1, 65_535, 65_535)
 
     @classmethod
     def of(cls, target_config: str) -> Limits:
         def field(name):
             return int(re.search(rf"\b{name}: (\d+)", target_config)[1])
 
-        return cls(field("shared_memory_per_block_optin"), field("registers_per_block_limit"))
+        return cls(
+            field("shared_memory_per_block_optin"),
+            field("registers_per_block_limit"),
+            field("shared_memory_per_core"),
+            field("registers_per_core_limit"),
+            field("core_count"),
+            tuple(field(f"block_dim_limit_{axis}") for axis in "xyz"),
+        )
+
+    def occupancy(self, shared_memory, registers, threads, grid) -> tuple[int | None, float | None]:
+        """``(ctas_per_sm, waves)``: the programs one SM holds at once (by shared memory and
+        registers; a block reserves 1 KiB of shared memory beside its own) and the grid's
+        programs over all SMs at that many each."""
+        if None in (shared_memory, registers, threads) or not self.sms:
+            return None, None
+        by_smem = self.shared_memory_per_sm // (shared_memory + 1024)
+        by_registers = self.registers_per_sm // max(registers * threads, 1)
+        ctas = min(by_smem, by_registers, 32)
+        if grid is None or ctas == 0:
+            return ctas, None
+        return ctas, _product(grid) / (ctas * self.sms)
+
+    def grid_problem(self, grid) -> str | None:
+        if grid is None or all(g <= most for g, most in zip(grid, self.grid, strict=True)):
+            return None
+        return f"grid {grid} over CUDA's launch limits {self.grid} (x, y, z)"
 
     def problem(self, shared_memory, registers, threads) -> str | None:
         if shared_memory is not None and shared_memory > self.shared_memory:
@@ -105,6 +139,11 @@ def mosaic_kernels(folder: Path, limits: Limits) -> list[Kernel]:
         shared = used["smem"] + (dynamic or 0)
         threads = re.search(r"\.maxntid (\d+), (\d+), (\d+)", ptx)
         threads = int(threads[1]) * int(threads[2]) * int(threads[3]) if threads else None
+        grid = _launch_grid(folder, stem)
+        sass = folder / f"{stem}.sass_ctrl"
+        sass = sass.read_text() if sass.exists() else None
+        ctas, waves = limits.occupancy(shared, used["registers"], threads, grid)
+        problem = limits.problem(shared, used["registers"], threads) or limits.grid_problem(grid)
         kernels.append(
             Kernel(
                 name=stem,
@@ -115,10 +154,59 @@ def mosaic_kernels(folder: Path, limits: Limits) -> list[Kernel]:
                 shared_memory=shared,
                 threads=threads,
                 tensor_core_instructions=len(_TENSOR_CORE.findall(ptx)),
-                problem=limits.problem(shared, used["registers"], threads),
+                problem=problem,
+                grid=grid,
+                unfenced_stores=None if sass is None else len(unfenced_stores(sass)),
+                stall_cycles=None if sass is None else stall_cycles(sass),
+                ctas_per_sm=ctas,
+                waves=waves,
             )
         )
     return kernels
+
+
+_LAUNCH = re.compile(r"gpu\.launch_func .* blocks in \(%c(\d+)\w*, %c(\d+)\w*, %c(\d+)\w*\)")
+# A store to shared memory from registers, and what reads shared memory through the async
+# proxy: a wgmma group (its WARPGROUP.ARRIVE) and a TMA store.
+_SMEM_STORE = re.compile(r"\s(?:STS|STSM)[.\s]")
+_ASYNC_READ = re.compile(r"\s(?:WARPGROUP\.ARRIVE|UTMASTG)\b")
+_SASS_LINE = re.compile(r"^\s*[0-9a-fx-]+:[0-9-]+:[0-9-]+:[Y-]:(\d+)\s+/\*[0-9a-f]+\*/\s+\S")
+
+
+def unfenced_stores(sass: str) -> list[int]:
+    """The lines of a kernel's SASS where the async proxy reads shared memory (a wgmma, a TMA
+    store) with a store from registers since the last ``FENCE.VIEW.ASYNC.S``, in
+    straight-line order: the hardware may then read the tile as it was before the store.
+    Straight-line order sees a store in one branch and a read after a join as adjacent, so
+    it errs towards reporting."""
+    found, stored = [], False
+    for number, line in enumerate(sass.splitlines(), 1):
+        if "FENCE.VIEW.ASYNC.S" in line:
+            stored = False
+        elif _SMEM_STORE.search(line):
+            stored = True
+        elif _ASYNC_READ.search(line) and stored:
+            found.append(number)
+    return found
+
+
+def stall_cycles(sass: str) -> int:
+    """The sum of the control codes' stall counts over the kernel's instructions, each once
+    (loops not unrolled): a floor on one warp's issue cycles for one pass over its code."""
+    return sum(int(found[1]) for line in sass.splitlines() if (found := _SASS_LINE.match(line)))
+
+
+def _launch_grid(folder: Path, stem: str) -> tuple[int, int, int] | None:
+    """The ``(x, y, z)`` grid a Mosaic GPU kernel launches, from its MLIR's ``launch_func``."""
+    for name in (f"{stem}.mlir-passes.log", f"{stem}.before_layout_inference.txt"):
+        path = Path(folder) / name
+        if not path.exists():
+            continue
+        with path.open() as lines:
+            for line in lines:
+                if "gpu.launch_func" in line and (found := _LAUNCH.search(line)):
+                    return tuple(int(found[i]) for i in (1, 2, 3))
+    return None
 
 
 def _dynamic_shared_memory(folder: Path, stem: str) -> int | None:
@@ -136,56 +224,8 @@ def _dynamic_shared_memory(folder: Path, stem: str) -> int | None:
     return None
 
 
-def triton_names(hlo: str) -> set[str]:
-    """The Pallas Triton kernels that an optimised HLO module calls, by kernel name."""
-    names = set()
-    for line in hlo.splitlines():
-        if f'custom_call_target="{TRITON_TARGET}"' in line:
-            found = re.search(r'\bname = "([^"]+)"', line)
-            if found:
-                names.add(found[1])
-    return names
-
-
-def triton_kernels(folder: Path, thunks, limits: Limits) -> list[Kernel]:
-    """The Triton kernels among ``thunks`` (launching thunks of the program dumped in
-    ``folder``), with ptxas's figures for those whose PTX is in the dump."""
-    hlo = "\n".join(p.read_text() for p in Path(folder).glob("*gpu_after_optimizations.txt"))
-    names = triton_names(hlo)
-    found = {t.name: t for t in thunks if t.name in names}
-    if not found:
-        return []
-    resources = {}
-    for ptx in Path(folder).glob("*.ptx"):
-        text = ptx.read_text()
-        if any(f".entry {name}(" in text for name in found):
-            for name, used in _ptxas(ptx).items():
-                resources.setdefault(name, {}).update(used)
-            for name, used in _tensor_cores(text).items():
-                resources.setdefault(name, {}).update(used)
-    kernels = []
-    for name, thunk in sorted(found.items()):
-        used = resources.get(name, {})
-        threads = None if thunk.threads is None else _product(thunk.threads)
-        kernels.append(
-            Kernel(
-                name=name,
-                backend="triton",
-                registers=used.get("registers"),
-                spill_stores=used.get("spill_stores"),
-                spill_loads=used.get("spill_loads"),
-                shared_memory=thunk.shared_memory,
-                threads=threads,
-                tensor_core_instructions=used.get("tensor_cores"),
-                problem=limits.problem(thunk.shared_memory, used.get("registers"), threads),
-            )
-        )
-    return kernels
-
-
-# How XLA (for a Triton kernel) and Mosaic GPU refuse a kernel over a block's shared memory.
+# How Mosaic GPU refuses a kernel over a block's shared memory.
 _REFUSALS = (
-    ("triton", r"Shared memory size limit exceeded: requested (\d+), available: (\d+)"),
     ("mosaic_gpu", r"exceeds available shared memory: smem_bytes=(\d+) > max_smem_bytes=(\d+)"),
 )
 
@@ -209,38 +249,6 @@ def over_shared_memory(message: str) -> Kernel | None:
         tensor_core_instructions=None,
         problem=f"{requested} B of shared memory, over the {available} B a block has",
     )
-
-
-def ptxas_path() -> str | None:
-    """ptxas from the ``nvidia-cuda-nvcc`` wheel, else from the PATH."""
-    spec = importlib.util.find_spec("nvidia")
-    for root in spec.submodule_search_locations if spec else ():
-        for found in sorted(Path(root).glob("cu*/bin/ptxas")):
-            return str(found)
-    return shutil.which("ptxas")
-
-
-def _ptxas(ptx: Path) -> dict[str, dict[str, int]]:
-    ptxas = ptxas_path()
-    if ptxas is None:
-        return {}
-    result = subprocess.run(
-        [ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
-        capture_output=True,
-        text=True,
-        timeout=_PTXAS_TIMEOUT_S,
-    )
-    return ptxas_report(result.stderr + result.stdout)
-
-
-def _tensor_cores(ptx: str) -> dict[str, dict[str, int]]:
-    """Tensor-core instructions per entry function of a PTX module."""
-    counts = {}
-    for chunk in re.split(r"(?=\.visible \.entry |\.entry )", ptx):
-        name = re.match(r"(?:\.visible )?\.entry (\w+)", chunk)
-        if name:
-            counts[name[1]] = {"tensor_cores": len(_TENSOR_CORE.findall(chunk))}
-    return counts
 
 
 def _product(values) -> int:

@@ -43,8 +43,17 @@ def kernel_summary(kernel) -> str:
         else f"{kernel.spill_stores} B stored, {kernel.spill_loads} B loaded"
     )
     launch = "launchable" if kernel.launchable else f"NOT launchable: {kernel.problem}"
-    return (
+    summary = (
         f"{known(kernel.registers)} registers, spills {spills}, "
         f"{known(kernel.shared_memory, ' B')} shared memory, {known(kernel.threads)} threads, "
-        f"{known(kernel.tensor_core_instructions)} tensor-core instructions; {launch}"
+        f"{known(kernel.tensor_core_instructions)} tensor-core instructions"
     )
+    if kernel.grid is not None:
+        waves = "?" if kernel.waves is None else f"{kernel.waves:.2f}"
+        summary += f", grid {kernel.grid}, {known(kernel.ctas_per_sm)} a SM, {waves} waves"
+    if kernel.unfenced_stores is not None:
+        summary += (
+            f", {kernel.unfenced_stores} unfenced shared-memory stores, "
+            f"{kernel.stall_cycles} stall cycles"
+        )
+    return f"{summary}; {launch}"

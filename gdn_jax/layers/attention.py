@@ -18,7 +18,7 @@ from gdn_jax.layers.conv import ShortConvolution, convolve_qkv
 from gdn_jax.layers.params import COLUMNS, ROWS, bias_free_linear, check_build_args
 from gdn_jax.ops import checks
 from gdn_jax.ops.attention import causal_attention, rotary
-from gdn_jax.ops.varlen import segment_positions
+from gdn_jax.ops.chunked.varlen import segment_positions
 
 
 class KVCache(NamedTuple):

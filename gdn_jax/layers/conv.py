@@ -6,8 +6,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gdn_jax.layers.params import COLUMNS, PER_HEAD, SEQ_AXIS, conv_init, param
+from gdn_jax.ops.chunked.varlen import segment_positions
 from gdn_jax.ops.conv import short_conv, short_convs_seq_parallel
-from gdn_jax.ops.varlen import segment_positions
 
 
 class ShortConvolution(nnx.Module):

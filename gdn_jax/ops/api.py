@@ -142,13 +142,12 @@ def batched(
     if impl != "recurrent":
         chunk_size = checks.check_chunk_size(fn, chunk_size)
         checks.check_schedule(fn, schedule)
-        kernel_possible = impl not in ("auto", "chunked") or any(k.auto for k in rule.kernels)
-        if not rule.forward_mode or kernel_possible:
+        if not rule.forward_mode or impl not in ("auto", "chunked"):
             q, k, v, gates, initial_state = reverse_mode_only(
                 fn, 'impl="recurrent"', rule.gate_names, q, k, v, gates, initial_state
             )
         compute = compute_dtype(q, *gates, initial_state)
-        dispatch.check_kernel(fn, rule, impl, q, v, compute, chunk_size)
+        dispatch.check_kernel(fn, rule, impl, q, k, v, compute, chunk_size, cu_seqlens)
     gates = rule.with_defaults(gates, "batched", sizes)
     inputs = prepare_batched(
         q, k, v, gates, initial_state, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens

@@ -1,14 +1,13 @@
 """The one place that chooses how a rule runs: its form (``impl``: the token recurrence, the
-chunked form, or one of the rule's kernels) and where the chunked form does each chunk's own
-work (``schedule``).
+chunked form, or one of the rule's kernels), whether a kernel runs compiled or interpreted,
+and whether a kernel can take the inputs at all, before any work.
 
-``"auto"`` resolves both for the platform the program is compiled for, not the host that
-traces it. The schedules by ``jax.lax.platform_dependent``, which keeps the lowered
-platform's branch. A kernel is a field of its rule (``Rule.kernels``): compiled for its own
-platform it runs as a kernel, for any other in Pallas's interpret mode, and ``"auto"``
-takes it only for its platform; these two are decided when the program is traced, by
-``compiled_for`` (an interpreted kernel's callbacks are effects, which a
-``platform_dependent`` branch without them cannot stand beside).
+``impl="auto"`` is the chunked form: no kernel is taken until a GPU has timed it faster
+(docs/benchmarks.md); its schedule ``"auto"`` resolves by the platform lowered for
+(``chunked/schedules.py``). A kernel is a field of its rule (``Rule.kernels``): lowered for
+its own platform it runs compiled, for any other in Pallas's interpret mode
+(``kernel_interpret``). Its limits (``Kernel.refusals``) are checked here, forward and
+backward alike, and named in one message with the calling op's name.
 """
 
 from __future__ import annotations
@@ -20,14 +19,7 @@ import jax
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.recurrent import rule_recurrent
-from gdn_jax.ops.rule import Kernel, Rule
-
-# What schedule="auto" means on each platform the program is lowered for
-# (``jax.lax.platform_dependent`` keys): in the scan on CPU, where it measured faster; the
-# associative scan over chunks on NVIDIA GPUs, where a loop over chunks launched some 1,700
-# kernels a forward+backward against some 260 (both in docs/benchmarks.md); hoisted on TPU
-# and anything else.
-AUTO_SCHEDULES = {"cpu": "in_scan", "cuda": "associative", "default": "hoisted"}
+from gdn_jax.ops.rule import Kernel, KernelInputs, Rule
 
 
 def kernel_of(rule: Rule, impl) -> Kernel | None:
@@ -49,15 +41,32 @@ def check_impl(fn: str, rule: Rule, impl) -> None:
         )
 
 
-def check_kernel(fn: str, rule: Rule, impl, q, v, compute, chunk_size: int) -> None:
-    """An explicit kernel that cannot take these inputs is a ``ValueError`` saying why
-    (``Kernel.refuses``), before any work."""
+def check_kernel(fn: str, rule: Rule, impl, q, k, v, compute, chunk_size: int, cu_seqlens) -> None:
+    """An explicit kernel that cannot take these inputs is a ``ValueError`` naming every
+    reason (``Kernel.refusals``: the forward's limits and the backward's), before any work.
+    ``k`` counts the tokens (a token's steps included), ``cu_seqlens`` the sequences."""
     kernel = kernel_of(rule, impl)
     if kernel is None:
         return
-    reason = kernel.refuses(q.shape[-1], v.shape[-1], v.dtype, compute, chunk_size)
-    if reason is not None:
-        raise ValueError(f"{fn}: impl={impl!r} {reason}; use impl='auto' or 'chunked'")
+    reasons = kernel.refuses(kernel_inputs(q, k, v, compute, chunk_size, cu_seqlens))
+    if reasons:
+        raise ValueError(
+            f"{fn}: impl={impl!r} cannot take these inputs: {'; '.join(reasons)}; use "
+            "impl='chunked'"
+        )
+
+
+def kernel_inputs(q, k, v, compute, chunk_size: int, cu_seqlens) -> KernelInputs:
+    """What a kernel's limits read from the batched inputs: the tokens as laid out in whole
+    chunks per sequence (at most), the value heads, the channels and the dtypes."""
+    batch, tokens = k.shape[:2]
+    if cu_seqlens is None:
+        laid_out = batch * -(-tokens // chunk_size) * chunk_size
+    else:
+        laid_out = tokens + (cu_seqlens.shape[0] - 1) * chunk_size
+    return KernelInputs(
+        q.shape[-1], v.shape[-1], v.dtype, compute, chunk_size, laid_out, v.shape[2]
+    )
 
 
 def splits_sequence(impl) -> bool:
@@ -78,17 +87,29 @@ def one_head_form(rule: Rule, impl, *, chunk_size: int, schedule: checks.Schedul
     raise ValueError(f"{rule.name}: impl={impl!r} has no one-head form")
 
 
-def compiled_for() -> str:
-    """The platform the program being traced is compiled for, as tracing can tell: the
-    device of the abstract mesh in context (``gpu_compile`` traces under one of the GPU it
-    compiles for; ``jax.sharding.use_abstract_mesh``), else this process's first device.
-    ``"cuda"`` for an NVIDIA GPU, else the device's platform (``"cpu"``, ``"tpu"``, ...)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh.empty else mesh.abstract_device
-    device = device if device is not None else jax.devices()[0]
+def platform_of(device) -> str:
+    """``"cuda"`` for an NVIDIA GPU, ``"rocm"`` for another GPU, else the device's platform
+    (``"cpu"``, ``"tpu"``, ...)."""
     if device.platform == "gpu":
         return "cuda" if "NVIDIA" in device.device_kind else "rocm"
     return device.platform
+
+
+def kernel_interpret(kernel: Kernel) -> bool | None:
+    """How ``kernel`` runs in the program being traced: False compiled, True interpreted,
+    None as the platform it is lowered for decides (``tiles.kernel_call``).
+
+    Tracing can tell the platform only from an abstract mesh in context (``gpu_compile``
+    traces under one of the GPU it compiles for) or from this process's devices: on a host
+    of the kernel's platform it runs compiled. Anywhere else the program may still be
+    lowered for a GPU (``jax.jit(f).trace(args placed on a GPU target's device).lower()``),
+    so the choice waits for the lowering."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.abstract_device is not None:
+        return platform_of(mesh.abstract_device) != kernel.platform
+    if platform_of(jax.devices()[0]) == kernel.platform:
+        return False
+    return None
 
 
 def run_batched(
@@ -98,29 +119,11 @@ def run_batched(
     initial states): ``(o, finals)``. ``over_batch(one_head, *inputs, cu_seqlens)`` maps a
     one-head form over batch and heads (``api.over_batch_and_heads``)."""
     if impl == "auto":
-        q, v, initial_states = inputs[0], inputs[2], inputs[4]
-        dims = (q.shape[-1], v.shape[-1], v.dtype, initial_states.dtype, chunk_size)
-        platform = compiled_for()
-        takes = (k for k in rule.kernels if k.auto and k.platform == platform)
-        impl = next((k.impl for k in takes if k.refuses(*dims) is None), "chunked")
+        impl = "chunked"
     if impl in ("recurrent", "chunked"):
         one_head = one_head_form(rule, impl, chunk_size=chunk_size, schedule=schedule)
         return over_batch(one_head, *inputs, cu_seqlens)
     kernel = kernel_of(rule, impl)
-    interpret = compiled_for() != kernel.platform
-    return kernel.run(*inputs, cu_seqlens, chunk_size=chunk_size, interpret=interpret)
-
-
-def run_schedule(schedules: dict[str, Callable], schedule: checks.Schedule, *args):
-    """``schedules[schedule](*args)``, with ``"auto"`` resolved by the platform the program
-    is lowered for (``AUTO_SCHEDULES``): traced on a CPU and compiled for a TPU, it is
-    ``"hoisted"``.
-
-    A schedule's forward and backward sit whole inside its branch of
-    ``jax.lax.platform_dependent``, so both follow one choice. Both branches are traced; a
-    lowering for one platform keeps only that platform's.
-    """
-    if schedule != "auto":
-        return schedules[schedule](*args)
-    branches = {platform: schedules[choice] for platform, choice in AUTO_SCHEDULES.items()}
-    return jax.lax.platform_dependent(*args, **branches)
+    return kernel(
+        *inputs, cu_seqlens, chunk_size=chunk_size, op=rule.name, interpret=kernel_interpret(kernel)
+    )

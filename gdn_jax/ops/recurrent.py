@@ -12,9 +12,9 @@ from collections.abc import Callable
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from gdn_jax.ops.blocks import scan_blocks
+from gdn_jax.ops.chunked.blocks import scan_blocks
+from gdn_jax.ops.chunked.varlen import pack_layout
 from gdn_jax.ops.rule import Rule
-from gdn_jax.ops.varlen import pack_layout
 
 
 def recurrent_rule(

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import textwrap
 from collections.abc import Callable, Mapping
-from typing import Literal, NamedTuple, no_type_check
+from typing import Any, Literal, NamedTuple, Protocol, no_type_check, runtime_checkable
 
 import jax.numpy as jnp
 
@@ -29,29 +30,70 @@ Form = Literal["step", "one_head", "batched"]
 STEPS = "n"  # the legend's letter for a token's steps in layouts: ``[B, T n, H, K]``
 
 
-class Kernel(NamedTuple):
+class KernelInputs(NamedTuple):
+    """What a kernel's limits are read from, all known before any work: the channels, v's
+    dtype, the compute dtype, the chunk, the tokens as the kernels lay them out (at most:
+    each sequence padded to whole chunks) and the value heads."""
+
+    key_dim: int
+    value_dim: int
+    v_dtype: Any
+    compute: Any
+    chunk_size: int
+    tokens: int
+    v_heads: int
+
+
+@runtime_checkable
+class Refusals(Protocol):
+    """A kernel's limits: every reason it cannot take ``inputs``, forward and backward alike
+    (empty: it can). ``dispatch.check_kernel`` renders them in one message with the op's
+    name."""
+
+    def __call__(self, inputs: KernelInputs) -> tuple[str, ...]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
     """A kernel of a rule, run over the whole batch in place of its one-head forms.
+
+    ``run`` and ``refusals`` are callables or ``"module:name"`` references, imported when
+    first used, so that ``import gdn_jax`` loads no Pallas.
 
     Attributes:
       impl: the ``impl`` that names it (``checks.KERNEL_IMPLS``).
-      run: ``(q, k, v, gates, initial_states, cu_seqlens, *, chunk_size, interpret) -> (o,
-        finals)`` on ``api.prepare_batched``'s inputs, differentiable in reverse mode; it
-        imports its module when called, so that ``import gdn_jax`` loads no Pallas.
-      refuses: ``(key_dim, value_dim, v_dtype, compute_dtype, chunk_size) -> reason or
-        None``: why it cannot take such inputs (an explicit ``impl`` is then an error that
-        says so, ``"auto"`` runs the chunked form).
-      platform: the platform it is compiled for, as ``dispatch.compiled_for`` names it
-        (``"cuda"``); traced for any other, it runs in Pallas's interpret mode (slow,
-        faithful).
-      auto: whether ``impl="auto"`` takes it on its platform: only once a GPU has timed it
-        faster than the chunked form (docs/benchmarks.md).
+      run: ``(q, k, v, gates, initial_states, cu_seqlens, *, chunk_size, op, interpret) ->
+        (o, finals)`` on ``api.prepare_batched``'s inputs, differentiable in reverse mode;
+        ``op`` names the calling op in its errors, ``interpret`` is ``dispatch``'s choice
+        (``dispatch.kernel_interpret``).
+      refusals: its limits (``Refusals``). ``impl="auto"`` takes no kernel until a GPU has
+        timed it faster than the chunked form (docs/benchmarks.md).
+      platform: the platform it is compiled for, as ``dispatch`` names platforms; lowered
+        for any other, it runs in Pallas's interpret mode (slow, faithful).
     """
 
     impl: str
-    run: Callable
-    refuses: Callable
+    run: Callable | str
+    refusals: Refusals | str
     platform: str = "cuda"
-    auto: bool = False
+
+    def __call__(self, *args, **kwargs):
+        return _load(self.run)(*args, **kwargs)
+
+    def refuses(self, inputs: KernelInputs) -> tuple[str, ...]:
+        return tuple(_load(self.refusals)(inputs))
+
+
+# Every Mosaic GPU kernel's limits (``ops/mosaic/limits.py``), read when first checked.
+MOSAIC_LIMITS = "gdn_jax.ops.mosaic.limits:refusals"
+
+
+def _load(ref):
+    """A callable, or the object a ``"module:name"`` reference names."""
+    if callable(ref):
+        return ref
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 class GateSpec(NamedTuple):

@@ -1,5 +1,5 @@
-"""KDA and GDN-2 as Mosaic GPU kernels (``ops/channel_mosaic.py``), run here in Mosaic GPU's
-interpret mode: the in-chunk scores and decays against ``channel_decays.py``, and the public
+"""KDA and GDN-2 as Mosaic GPU kernels (``ops/mosaic/channel/op.py``), run here in Mosaic GPU's
+interpret mode: the in-chunk scores and decays against ``chunked/channel_decays.py``, and the public
 ops against their XLA chunked form on outputs, final states and the gradient of every input.
 
 As ``test_chunked_mosaic.py``: skipped at collection on a JAX without Mosaic GPU's interpret
@@ -27,12 +27,11 @@ from support.reference import as_array, random_inputs, random_state
 from support.tolerance import assert_close
 
 import gdn_jax
-from gdn_jax.ops import channel_mosaic
-from gdn_jax.ops import mosaic_channel_chunk as mcc
-from gdn_jax.ops import mosaic_chunk as mc
-from gdn_jax.ops.api import prepare_batched
-from gdn_jax.ops.channel_decays import channel_scores
-from gdn_jax.ops.mosaic_chunk import CHUNK, F32
+from gdn_jax.ops.chunked.channel_decays import channel_scores
+from gdn_jax.ops.mosaic import tiles
+from gdn_jax.ops.mosaic.channel import chunk as in_chunk
+from gdn_jax.ops.mosaic.limits import CHUNK
+from gdn_jax.ops.mosaic.tiles import F32
 
 OPS = {"kda": gdn_jax.kda, "gdn2": gdn_jax.gdn2}
 
@@ -42,38 +41,40 @@ def _scores_kernel(count: int, key_dim: int):
     against k, and the decays from the start and to the end, all float32."""
 
     def body(q_hbm, e_hbm, k_hbm, g_hbm, m_out, a_out, start_out, end_out, **s):
-        sources, tiles = (*q_hbm, *e_hbm, *k_hbm, *g_hbm), ()
+        sources, dsts = (*q_hbm, *e_hbm, *k_hbm, *g_hbm), ()
         for name in ("q", "e", "k", "g"):
-            tiles += s[name].refs
-        for src, dst in zip(sources, tiles, strict=True):
+            dsts += s[name].refs
+        for src, dst in zip(sources, dsts, strict=True):
             plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
         plgpu.barrier_wait(s["loaded"])
-        m_out[...], a_out[...] = mcc.channel_scores(
+        m_out[...], a_out[...] = in_chunk.channel_scores(
             s, (s["q"], s["e"]), s["k"], s["g"], diagonal=(True, False)
         )
-        mcc.write_chunk_masks(s["masks"])
+        in_chunk.write_chunk_masks(s["masks"])
 
         def block(first, carry):
-            from_start, to_end = mcc.chunk_decays(s["masks"], s["g"].at(*mcc.key_block(first)))
+            from_start, to_end = in_chunk.chunk_decays(
+                s["masks"], s["g"].at(*in_chunk.key_block(first))
+            )
             start_out.at[:, pl.ds(first, CHUNK)][...] = from_start
             end_out.at[:, pl.ds(first, CHUNK)][...] = to_end
             return carry
 
-        mc.over_blocks(key_dim, block, 0)
+        tiles.over_blocks(key_dim, block, 0)
 
     tile = (CHUNK, key_dim)
     scratch = dict(
-        q=mc.pieces(count, tile),
-        e=mc.pieces(count, tile),
-        k=mc.pieces(count, tile),
-        g=mc.pieces(mc.SEGMENT_PIECES, tile),
-        masks=(mc.pieces(1, mcc.SQUARE), mc.pieces(1, mcc.SQUARE)),
-        rows=(mc.pieces(count, tile), mc.pieces(count, tile)),
-        cols=mc.pieces(count, tile),
-        loaded=plgpu.Barrier(num_arrivals=3 * count + mc.SEGMENT_PIECES),
+        q=tiles.pieces(count, tile),
+        e=tiles.pieces(count, tile),
+        k=tiles.pieces(count, tile),
+        g=tiles.pieces(tiles.SEGMENT_PIECES, tile),
+        masks=(tiles.pieces(1, in_chunk.SQUARE), tiles.pieces(1, in_chunk.SQUARE)),
+        rows=(tiles.pieces(count, tile), tiles.pieces(count, tile)),
+        cols=tiles.pieces(count, tile),
+        loaded=plgpu.Barrier(num_arrivals=3 * count + tiles.SEGMENT_PIECES),
     )
-    shapes = (mcc.SQUARE, mcc.SQUARE, tile, tile)
-    return mc.kernel_call(
+    shapes = (in_chunk.SQUARE, in_chunk.SQUARE, tile, tile)
+    return tiles.kernel_call(
         body,
         name="channel_scores_test",
         out_type=tuple(jax.ShapeDtypeStruct(x, F32) for x in shapes),
@@ -95,7 +96,9 @@ def test_scores_and_decays_of_a_chunk_equal_channel_decays(lowest):
     g[5, 3] = -1e4
     q, e, k, g = (as_array(x, F32) for x in (q, e, k, g))
     kernel = _scores_kernel(2, 128)
-    got = kernel(mc.operand(q, 2), mc.operand(e, 2), mc.operand(k, 2), tuple(mc.split(g, 3)))
+    got = kernel(
+        tiles.operand(q, 2), tiles.operand(e, 2), tiles.operand(k, 2), tuple(tiles.split(g, 3))
+    )
     (scores, erase_scores), decays = channel_scores((q, e), k, g)
     expected = (scores, jnp.tril(erase_scores, -1), decays.from_start, decays.to_end)
     for name, a, b in zip(("M", "A", "from_start", "to_end"), got, expected, strict=True):
@@ -204,25 +207,6 @@ def test_no_sequences_give_empty_outputs_and_no_tokens_the_ops_own_error():
         gdn_jax.kda(*empty, impl="mosaic_gpu")
 
 
-def test_what_the_kernels_cannot_take_is_a_named_error():
-    def prepared(key_dim, dtype=F32):
-        q, k, v, *gates = rule_inputs("gdn2", 6, 16, key_dim, 16, batch=1, heads=(1, 1))
-        gates = (gates[0].astype(dtype), *gates[1:])
-        return prepare_batched(q, k, v, gates, None, use_qk_l2norm=False, cu_seqlens=None)
-
-    run = functools.partial(channel_mosaic.channel_rule_mosaic, rule="gdn2")
-    with pytest.raises(ValueError, match="gdn2: .*chunks of 64 tokens .* got chunk_size=32"):
-        run(*prepared(16), None, chunk_size=32)
-    with pytest.raises(ValueError, match="computes in float32, .* float64"):
-        run(*prepared(16, jnp.float64), None, chunk_size=64)
-    with pytest.raises(ValueError, match="key dims up to 64 .* float32; .* got K=128, V=16"):
-        run(*prepared(128), None, chunk_size=64)
-    q, k, v, *gates = rule_inputs("kda", 6, 16, 130, 16, batch=1, heads=(1, 1))
-    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    with pytest.raises(ValueError, match="kda: impl='mosaic_gpu' takes key dims up to 128"):
-        gdn_jax.kda(q, k, v, *gates, impl="mosaic_gpu")
-
-
 def test_second_order_through_the_kernels_is_one_named_error():
     q, k, v, *gates = rule_inputs("gdn2", 11, 20, 16, 16, batch=1, heads=(1, 1))
 
@@ -234,27 +218,3 @@ def test_second_order_through_the_kernels_is_one_named_error():
         jax.jvp(lambda q: jax.grad(loss)(v, q), (q,), (q,))
     with pytest.raises(ValueError, match=message):
         jax.hessian(loss)(v, q)
-
-
-def test_the_kernels_compiled_for_an_h200_fit_a_hopper_block_on_the_tensor_cores():
-    """Compiled for an H200 on this host (``gdn_jax.gpu_compile``) at K = V = 128 bf16: both
-    forward kernels launchable (shared memory within a Hopper block's), their products on
-    the tensor cores (wgmma), no register spilled. A kernel's resources depend on K and V,
-    not on B, T or H."""
-    gpu_compile = pytest.importorskip("gdn_jax.gpu_compile")
-    if not gpu_compile.plugin_installed():
-        pytest.skip('compiling for a GPU needs the CUDA plugin: pip install -e ".[gpu-compile]"')
-    q, k, v, *gates = rule_inputs("gdn2", 10, 64, 128, 128, batch=1, heads=(1, 1))
-    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-
-    def forward(*args):
-        return gdn_jax.gdn2(*args, use_qk_l2norm=True, impl="mosaic_gpu")
-
-    report = gpu_compile.report(forward, q, k, v, *gates)
-    names = sorted(kernel.name.rsplit("_", 1)[0] for kernel in report.kernels)
-    assert names == ["channel_mosaic_factors", "channel_mosaic_states"]
-    for kernel in report.kernels:
-        assert kernel.launchable, (kernel.name, kernel.problem)
-        assert kernel.tensor_core_instructions > 0, kernel.name
-        spills = (kernel.spill_stores, kernel.spill_loads)
-        assert spills == (0, 0), (kernel.name, spills)

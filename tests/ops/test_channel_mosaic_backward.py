@@ -1,5 +1,5 @@
-"""The channel-gated backward kernels (``ops/mosaic_channel_backward.py``), run in Mosaic GPU's
-interpret mode, against the XLA form of the same math (``channel_chunked.py``): the reverse
+"""The channel-gated backward kernels (``ops/mosaic/channel/reverse.py``), run in Mosaic GPU's
+interpret mode, against the XLA form of the same math (``ops/chunked/channel.py``): the reverse
 state pass against ``chunked.state_pass_bwd`` chunk by chunk over the forward's factors, the
 grads kernel against ``jax.vjp`` of a chunk's outputs and end state.
 
@@ -22,13 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 from support.tolerance import assert_close
 
-import gdn_jax
-from gdn_jax.ops import mosaic_channel_backward, mosaic_channel_forward
-from gdn_jax.ops import mosaic_chunk as mc
-from gdn_jax.ops.channel_decays import channel_scores
-from gdn_jax.ops.chunked import state_pass_bwd
-from gdn_jax.ops.mosaic_chunk import CHUNK
-from gdn_jax.ops.wy import two_products
+from gdn_jax.ops.chunked.channel_decays import channel_scores
+from gdn_jax.ops.chunked.scalar import state_pass_bwd
+from gdn_jax.ops.chunked.wy import two_products
+from gdn_jax.ops.mosaic import tiles
+from gdn_jax.ops.mosaic.channel import factors, grads, reverse
+from gdn_jax.ops.mosaic.limits import CHUNK
 
 # Chunks a sequence: three sequences, the second empty (its state's cotangent passes through).
 COUNTS = (2, 0, 1)
@@ -62,7 +61,7 @@ def by_value_head(x, heads):
 
 
 def chunk_factors(q, k, e, x, g):
-    """Stage 1 of one chunk in XLA (``channel_chunked.chunk_factors`` with ``e`` and ``x``
+    """Stage 1 of one chunk in XLA (``chunked/channel.py``'s ``chunk_factors`` with ``e`` and ``x``
     given): ``(M, decays, w, u)``."""
     (scores, erase_scores), decays = channel_scores((q, e), k, g)
     w, u, _ = two_products(jnp.tril(erase_scores, -1), e * decays.from_start, x)
@@ -79,7 +78,7 @@ def chunk_outputs(q, k, e, x, g, start):
 
 def xla_factors(q, k, e, x, g, heads):
     """The forward's factors per chunk and value head from the XLA form
-    (``channel_chunked.chunk_factors``): ``q_start``, ``k_end``, ``w``, ``u`` ``[tokens, HV,
+    (``chunked/channel.py``'s ``chunk_factors``): ``q_start``, ``k_end``, ``w``, ``u`` ``[tokens, HV,
     D]``, the scores ``M [tokens, HV, C]`` and ``whole [chunks, HV, K]``."""
     q, k = by_value_head(q, heads), by_value_head(k, heads)
     tokens, hv = q.shape[:2]
@@ -92,12 +91,12 @@ def xla_factors(q, k, e, x, g, heads):
         return a.reshape(tokens // CHUNK, CHUNK, hv, -1).transpose(0, 2, 1, 3)
 
     out = jax.vmap(jax.vmap(per_chunk))(*(chunked(a) for a in (q, k, e, x, g)))
-    *tiles, whole = out
+    *factor_tiles, whole = out
 
     def unchunked(a):
         return a.transpose(0, 2, 1, 3).reshape(tokens, hv, -1)
 
-    return (*(unchunked(a) for a in tiles), whole)
+    return (*(unchunked(a) for a in factor_tiles), whole)
 
 
 def xla_reverse(table, q_start, k_end, w, scores, whole, d_y, d_finals):
@@ -132,11 +131,11 @@ def test_reverse_pass_equals_the_xla_state_pass_backward(dtype):
     d_finals = jnp.asarray(rng.standard_normal((len(COUNTS), heads[1], value_dim, key_dim)))
     d_y, d_finals = d_y.astype(jnp.float32), d_finals.astype(jnp.float32)
     count = 1 if dtype == jnp.bfloat16 else 2
-    tiles = [mc.operand(a, count) for a in (q_start, k_end, w, scores, d_y)]
+    operands = [tiles.operand(a, count) for a in (q_start, k_end, w, scores, d_y)]
     # The reference reads what the kernel reads: the operands as the sums of their pieces.
-    exact = [sum(p.astype(jnp.float32) for p in pieces) for pieces in tiles]
-    d_initial, d_ends = mosaic_channel_backward.reverse(
-        table, *tiles[:4], whole, tiles[4], d_finals, interpret=True
+    exact = [sum(p.astype(jnp.float32) for p in pieces) for pieces in operands]
+    d_initial, d_ends = reverse.reverse(
+        table, *operands[:4], whole, operands[4], d_finals, interpret=True
     )
     expected_initial, expected_ends = xla_reverse(table, *exact[:4], whole, exact[4], d_finals)
     assert d_initial.dtype == jnp.float32 and len(d_ends) == count
@@ -191,46 +190,13 @@ def test_grads_kernel_equals_the_vjp_of_each_chunk(dtype, key_dim, value_dim):
         for shape in (x.shape, state_shape, state_shape)
     )
     count = 1 if dtype == jnp.bfloat16 else 2
-    pieces = [mc.operand(a, count) for a in (q, k, e, x, d_y, starts, d_ends)]
+    pieces = [tiles.operand(a, count) for a in (q, k, e, x, d_y, starts, d_ends)]
     q, k, e, x, d_y, starts, d_ends = (sum(p.astype(jnp.float32) for p in a) for a in pieces)
-    scores = mc.operand(xla_factors(q, k, e, x, g, heads)[4], count)
-    actual = mosaic_channel_backward.chunk_grads(
-        *pieces[:4], mosaic_channel_forward.gate_pieces(g), scores, *pieces[4:], interpret=True
+    scores = tiles.operand(xla_factors(q, k, e, x, g, heads)[4], count)
+    actual = grads.chunk_grads(
+        *pieces[:4], factors.gate_pieces(g), scores, *pieces[4:], interpret=True
     )
     expected = xla_grads(q, k, e, x, g, d_y, starts, d_ends, heads)
     for name, a, b in zip(("q", "k", "e", "x", "g"), actual, expected, strict=True):
         assert a.shape == b.shape, (name, a.shape, b.shape)
         assert_close(a, b, dtype, err_msg=f"d_{name}")
-
-
-def test_the_backward_kernels_compiled_for_an_h200_fit_a_hopper_block():
-    """GDN-2's forward and backward through the public op compiled for an H200 on this host
-    (``gdn_jax.gpu_compile``) at K = V = 128 bf16: every kernel launchable (shared memory
-    within a Hopper block's), its products on the tensor cores (wgmma), no register spilled.
-    A kernel's resources depend on K and V, not on B, T or H; KDA's kernels are the same
-    (one contract). The shape (T = 192, two value heads a key head) is this test's own: jax
-    0.12 keeps a compiled Mosaic kernel for the process, and one compiled before would not
-    be dumped again."""
-    gpu_compile = pytest.importorskip("gdn_jax.gpu_compile")
-    if not gpu_compile.plugin_installed():
-        pytest.skip('compiling for a GPU needs the CUDA plugin: pip install -e ".[gpu-compile]"')
-    rng = np.random.default_rng(12)
-    q, k = (jnp.asarray(rng.standard_normal((1, 192, 1, 128)), jnp.bfloat16) for _ in range(2))
-    shape = (1, 192, 2, 128)
-    v = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-    log_alpha = jnp.asarray(rng.uniform(-0.05, 0.0, shape), jnp.float32)
-    gates = (log_alpha, *(jnp.asarray(rng.uniform(0.0, 1.0, shape), jnp.float32),) * 2)
-
-    def loss(*args):
-        y, final = gdn_jax.gdn2(*args, use_qk_l2norm=True, impl="mosaic_gpu")
-        return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
-
-    report = gpu_compile.report(jax.grad(loss, argnums=range(6)), q, k, v, *gates)
-    names = sorted(kernel.name.rsplit("_", 1)[0] for kernel in report.kernels)
-    kernels = ("factors", "grads", "reverse", "states")
-    assert names == [f"channel_mosaic_{name}" for name in kernels]
-    for kernel in report.kernels:
-        assert kernel.launchable, (kernel.name, kernel.problem)
-        assert kernel.tensor_core_instructions > 0, kernel.name
-        spills = (kernel.spill_stores, kernel.spill_loads)
-        assert spills == (0, 0), (kernel.name, spills)

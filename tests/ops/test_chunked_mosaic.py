@@ -1,4 +1,4 @@
-"""The chunked gated delta rule as Mosaic GPU kernels (``ops/chunked_mosaic.py``), run here in
+"""The chunked gated delta rule as Mosaic GPU kernels (``ops/mosaic/scalar/op.py``), run here in
 Mosaic GPU's interpret mode, against the XLA chunked form on outputs, final states and the
 gradient of every input (the initial state included).
 
@@ -28,8 +28,6 @@ from support.reference import random_inputs, random_state
 from support.tolerance import assert_close
 
 import gdn_jax
-from gdn_jax.ops import chunked_mosaic
-from gdn_jax.ops.api import prepare_batched
 
 
 def mosaic_rule(q, k, v, log_alpha, beta, *, initial_state=None, cu_seqlens=None, norm=False):
@@ -150,64 +148,6 @@ def test_no_sequences_give_empty_outputs_and_no_tokens_the_ops_own_error():
     for rule in (mosaic_rule, xla_rule):
         with pytest.raises(ValueError, match=r"gated_delta_rule: need at least one token"):
             rule(*empty)
-
-
-def test_what_the_kernels_cannot_take_is_a_named_error():
-    q, k, v, la, b = random_inputs(6, 16, 16, 16, lead=(1,), heads=(1, 1))
-    inputs = prepare_batched(q, k, v, (la, b), None, use_qk_l2norm=False, cu_seqlens=None)
-    with pytest.raises(ValueError, match="chunks of 64 tokens .* got chunk_size=32"):
-        chunked_mosaic.gated_delta_rule_mosaic(*inputs, None, chunk_size=32)
-    wide = prepare_batched(
-        q, k, v, (la.astype(jnp.float64), b), None, use_qk_l2norm=False, cu_seqlens=None
-    )
-    with pytest.raises(ValueError, match="computes in float32, .* float64"):
-        chunked_mosaic.gated_delta_rule_mosaic(*wide, None, chunk_size=64)
-    wide_keys = random_inputs(6, 16, 130, 16, lead=(1,), heads=(1, 1))
-    inputs = prepare_batched(
-        *wide_keys[:3], wide_keys[3:], None, use_qk_l2norm=False, cu_seqlens=None
-    )
-    with pytest.raises(ValueError, match="key dims up to 128 .* got K=130, V=16"):
-        chunked_mosaic.gated_delta_rule_mosaic(*inputs, None, chunk_size=64)
-
-
-def test_float32_gradients_past_64_key_channels_are_a_named_error():
-    """Two bf16 pieces an operand at K = 128 leave the grads kernel no room in a Hopper
-    block's shared memory (benchmarks/mosaic_sm90.py): the backward names it when traced;
-    the forward runs."""
-    q, k, v, la, b = random_inputs(7, 16, 128, 16, lead=(1,), heads=(1, 1))
-
-    def loss(q):
-        return jnp.sum(mosaic_rule(q, k, v, la, b)[0])
-
-    jax.eval_shape(loss, q)
-    with pytest.raises(ValueError, match="inputs other than bf16 .* up to 64, got K=128"):
-        jax.eval_shape(jax.grad(loss), q)
-
-
-def test_the_kernels_compiled_for_an_h200_fit_a_hopper_block_on_the_tensor_cores():
-    """Compiled for an H200 on this host (``gdn_jax.gpu_compile``): every kernel launchable
-    (shared memory within a Hopper block's), its products on the tensor cores (wgmma), no
-    spills (benchmarks/mosaic_sm90.py has their figures, on jax 0.11.2 and 0.12), and the
-    forward+backward a few dozen launches. A kernel's resources depend on K and V, not on B,
-    T or H: the report's K = V = 128 at a small B and T."""
-    gpu_compile = pytest.importorskip("gdn_jax.gpu_compile")
-    if not gpu_compile.plugin_installed():
-        pytest.skip('compiling for a GPU needs the CUDA plugin: pip install -e ".[gpu-compile]"')
-    q, k, v, la, b = random_inputs(10, 256, 128, 128, lead=(2,), heads=(2, 4))
-    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-
-    def loss(*args):
-        return jnp.sum(mosaic_rule(*args, norm=True)[0].astype(jnp.float32))
-
-    report = gpu_compile.report(jax.grad(loss, argnums=range(5)), q, k, v, la, b)
-    names = sorted(kernel.name.rsplit("_", 1)[0] for kernel in report.kernels)
-    assert names == [f"gdn_mosaic_{n}" for n in ("factors", "grads", "reverse", "states")]
-    for kernel in report.kernels:
-        assert kernel.launchable, (kernel.name, kernel.problem)
-        assert kernel.tensor_core_instructions > 0, kernel.name
-        spills = (kernel.spill_stores, kernel.spill_loads)
-        assert spills == (0, 0), (kernel.name, spills)
-    assert report.launches.total <= 40 and not report.launches.loops
 
 
 def test_second_order_through_the_kernels_is_one_named_error():

@@ -1,6 +1,6 @@
 """How a rule's form is chosen (``ops/dispatch.py``): ``impl`` checked against the rule where an
-op, a layer or a model is built, ``"auto"`` resolved for the platform compiled for, and a
-kernel compiled on its own platform and interpreted on any other.
+op, a layer or a model is built, ``"auto"`` the chunked form, and a kernel compiled on its own
+platform and interpreted on any other (or left to the lowering where tracing cannot tell).
 
 The kernels here are stand-ins registered on a copy of a rule: each returns a constant that
 says which path ran, so that the choice is read from the outputs.
@@ -24,16 +24,18 @@ def test_a_kernel_that_cannot_take_the_inputs_says_why_before_any_work():
     q, k, v, la, b = random_inputs(0, 8, 4, 4, lead=(1,), heads=(1, 1))
     with pytest.raises(
         ValueError,
-        match=r"gated_delta_rule: impl='mosaic_gpu' (runs chunks of 64 tokens.*got chunk_size=32|needs jax >= 0.11)",
+        match=r"gated_delta_rule: impl='mosaic_gpu' cannot take these inputs: .*runs chunks of "
+        r"64 tokens.*got chunk_size=32",
     ):
         gdn_jax.gated_delta_rule(q, k, v, la, b, impl="mosaic_gpu", chunk_size=32)
 
 
-def test_auto_runs_the_chunked_form_where_a_marked_kernel_refuses_the_inputs():
+def test_auto_takes_no_kernel_until_a_gpu_has_timed_it():
     rule = RULES["gated_delta_rule"]
-    refusing = constant_kernel(5.0, platform="cpu", auto=True)._replace(refuses=lambda *d: "no")
-    out = run_rule(dataclasses.replace(rule, kernels=(refusing,)), "auto")
-    assert jnp.array_equal(out, run_rule(rule, "chunked"))
+    for platform in ("cpu", "cuda"):
+        kernel = constant_kernel(5.0, platform=platform)
+        out = run_rule(dataclasses.replace(rule, kernels=(kernel,)), "auto")
+        assert jnp.array_equal(out, run_rule(rule, "chunked")), platform
 
 
 def test_a_rule_without_the_kernel_asked_for_is_refused_where_it_is_built():
@@ -56,15 +58,17 @@ def test_a_rule_without_the_kernel_asked_for_is_refused_where_it_is_built():
 
 
 def constant_kernel(value, **fields):
-    """A stand-in kernel: outputs ``value`` where it is compiled, ``-value`` interpreted."""
+    """A stand-in kernel: outputs ``value`` where it is compiled, ``-value`` where it is not
+    (interpreted, or left to the lowering)."""
 
-    def run(q, k, v, gates, initial_states, cu_seqlens, *, chunk_size, interpret):
+    def run(q, k, v, gates, initial_states, cu_seqlens, *, chunk_size, op, interpret):
         del k, gates, cu_seqlens, chunk_size
-        sign = -1.0 if interpret else 1.0
+        assert op == "gated_delta_rule"
+        sign = 1.0 if interpret is False else -1.0
         out = jnp.full((*q.shape[:3], v.shape[-1]), sign * value, initial_states.dtype)
         return out.repeat(v.shape[2] // q.shape[2], axis=2), initial_states
 
-    return Kernel("mosaic_gpu", run, lambda *dims: None, **fields)
+    return Kernel("mosaic_gpu", run, lambda inputs: (), **fields)
 
 
 def run_rule(rule, impl):
@@ -85,19 +89,18 @@ def test_a_kernel_runs_compiled_on_its_platform_and_interpreted_elsewhere():
     assert float(run_rule(elsewhere, "mosaic_gpu")[0, 0, 0, 0]) == -3.0
 
 
-def test_auto_takes_a_kernel_only_where_it_is_marked_so():
-    rule = RULES["gated_delta_rule"]
-    chunked = run_rule(rule, "chunked")
-    for kernel, expected in [
-        (constant_kernel(5.0, platform="cpu", auto=True), 5.0),  # its platform, marked
-        (constant_kernel(5.0, platform="cpu"), None),  # its platform, not marked
-        (constant_kernel(5.0, platform="cuda", auto=True), None),  # marked, another platform
-    ]:
-        out = run_rule(dataclasses.replace(rule, kernels=(kernel,)), "auto")
-        if expected is None:
-            assert jnp.array_equal(out, chunked), kernel
-        else:
-            assert float(out[0, 0, 0, 0]) == expected
+def test_a_kernel_left_to_the_lowering_here_is_decided_by_an_abstract_mesh():
+    """On this CPU host a CUDA kernel's form waits for the lowering (None); under an abstract
+    mesh of a GPU, as ``gpu_compile`` traces, it is compiled; of a CPU, interpreted."""
+    kernel = constant_kernel(1.0)
+    assert dispatch.kernel_interpret(kernel) is None
+    for platform, kind, expected in (("gpu", "NVIDIA H200", False), ("cpu", "cpu", True)):
+        device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform=platform)
+        mesh = jax.sharding.AbstractMesh(
+            (1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=device
+        )
+        with jax.sharding.use_abstract_mesh(mesh):
+            assert dispatch.kernel_interpret(kernel) is expected, platform
 
 
 def test_sequence_parallelism_takes_the_impls_whose_shards_run_the_chunked_form():

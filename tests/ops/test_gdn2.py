@@ -16,7 +16,7 @@ from support.reference import erase_write_reference, random_inputs, random_state
 from support.tolerance import assert_close
 
 import gdn_jax
-from gdn_jax.ops.channel_chunked import CPU_GRADS_GROUP, GRADS_GROUP
+from gdn_jax.ops.chunked.channel import CPU_GRADS_GROUP, GRADS_GROUP
 
 HEADS, V_HEADS, KEY, VALUE = 2, 4, 12, 10
 

@@ -26,7 +26,7 @@ from gdn_jax.ops.rules import RULES
 
 # KDA, where XLA:CPU crashed, runs every layout; the other ops grouped value heads, the
 # layout that crashed (one head per layout is every other op test's, under the suite's
-# flags): GDN-2 runs KDA's engine (ops/channel_chunked.py) with the same per value head q and
+# flags): GDN-2 runs KDA's engine (ops/chunked/channel.py) with the same per value head q and
 # k (``Rule.shares_qk``), the scalar-decay rules (Gated DeltaProduct among them: the gated
 # delta rule over each token's n steps) share q and k over a group.
 LAYOUTS = [(1, 1), (1, 2), (2, 4), (3, 6)]  # one head, and groups of 2 in three spreads

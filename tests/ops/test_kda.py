@@ -16,9 +16,9 @@ from support.reference import gated_delta_reference, random_inputs, random_state
 from support.tolerance import assert_close
 
 import gdn_jax
-from gdn_jax.ops.blocks import map_groups
-from gdn_jax.ops.channel_chunked import CPU_GRADS_GROUP, GRADS_GROUP
-from gdn_jax.ops.channel_decays import (
+from gdn_jax.ops.chunked.blocks import map_groups
+from gdn_jax.ops.chunked.channel import CPU_GRADS_GROUP, GRADS_GROUP
+from gdn_jax.ops.chunked.channel_decays import (
     channel_scores,
     channel_scores_bwd,
     halving_sizes,

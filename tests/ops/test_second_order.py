@@ -2,7 +2,7 @@
 (``jax.jvp`` of ``jax.grad``, forward over reverse) and mixed products (forward mode along
 one input of the gradient of the others) against the recurrent form's, in float64,
 with respect to every input of every rule, and through a batched op on packed sequences. Forward over reverse differentiates the hand-written backward forward, and with it
-the triangular inverse that the forward and backward call (``triangular.py``)."""
+the triangular inverse that the forward and backward call (``chunked/triangular.py``)."""
 
 import functools
 

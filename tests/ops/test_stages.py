@@ -16,15 +16,15 @@ from jax.test_util import check_grads
 from support.reference import random_inputs, random_state
 from support.tolerance import assert_close
 
-from gdn_jax.ops.chunked import (
+from gdn_jax.ops.chunked.decays import LOG_ALPHA_FLOOR, ChunkDecays, chunk_decays, chunk_decays_bwd
+from gdn_jax.ops.chunked.scalar import (
     chunk_backward,
     chunk_forward,
     state_step,
     state_step_bwd,
 )
-from gdn_jax.ops.decays import LOG_ALPHA_FLOOR, ChunkDecays, chunk_decays, chunk_decays_bwd
-from gdn_jax.ops.triangular import unit_lower_inverse
-from gdn_jax.ops.wy import DELTA, LINEAR
+from gdn_jax.ops.chunked.triangular import unit_lower_inverse
+from gdn_jax.ops.chunked.wy import DELTA, LINEAR
 
 F64 = jnp.float64
 SIZES = pytest.mark.parametrize(("chunk", "key_dim", "value_dim"), [(16, 8, 12), (32, 12, 8)])

@@ -4,7 +4,7 @@
 
 per head, with ``alpha_t = exp(log_alpha_t)`` one number per head and token and the state
 ``S [V, K]``: decay, then correct along the key, then read with the query. Its chunked form,
-with one decay per token, is ``chunked.py``'s.
+with one decay per token, is ``ops/chunked/scalar.py``'s.
 """
 
 from __future__ import annotations
@@ -15,25 +15,11 @@ from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.api import batched
-from gdn_jax.ops.chunked import chunked_rule
-from gdn_jax.ops.rule import GateSpec, Kernel, Rule, public_form
+from gdn_jax.ops.chunked.scalar import chunked_rule
+from gdn_jax.ops.rule import MOSAIC_LIMITS, GateSpec, Kernel, Rule, public_form
 from gdn_jax.ops.sequence_parallel import seq_parallel
 from gdn_jax.ops.single_head import chunked_single_head, recurrent_single_head
 from gdn_jax.ops.step import checked_step, delta_step
-
-
-def _mosaic_gpu(*args, **kwargs):
-    """The Mosaic GPU kernels (``ops/chunked_mosaic.py``), imported when first traced."""
-    from gdn_jax.ops import chunked_mosaic
-
-    return chunked_mosaic.gated_delta_rule_mosaic(*args, **kwargs)
-
-
-def _mosaic_gpu_refuses(*args):
-    from gdn_jax.ops import chunked_mosaic
-
-    return chunked_mosaic.unsupported(*args)
-
 
 GATED_DELTA = Rule(
     name="gated_delta_rule",
@@ -47,7 +33,7 @@ GATED_DELTA = Rule(
     chunked=chunked_rule,
     shares_qk=True,
     # Opt-in until a GPU has timed it against the chunked form (docs/benchmarks.md).
-    kernels=(Kernel("mosaic_gpu", _mosaic_gpu, _mosaic_gpu_refuses, platform="cuda"),),
+    kernels=(Kernel("mosaic_gpu", "gdn_jax.ops.mosaic.scalar.op:run", MOSAIC_LIMITS),),
 )
 
 
@@ -132,7 +118,7 @@ def gated_delta_rule_chunked(
       schedule: where each chunk's own work runs. ``"hoisted"`` batches it over all chunks
         outside the sequential scan, which then holds only state-sized products (the shape
         accelerators need); ``"associative"`` batches it too and replaces the scan by an
-        associative scan over the chunks' state maps (``ops/state_scan.py``: no loop, a few
+        associative scan over the chunks' state maps (``ops/chunked/state_scan.py``: no loop, a few
         dozen kernels on a GPU where a loop launches a few a chunk, for ``[K, K]`` products);
         ``"in_scan"`` runs it chunk by chunk inside the scan, which keeps a chunk's
         intermediates in cache on CPU; ``"auto"`` is ``"in_scan"`` when compiled for CPU,
@@ -143,7 +129,7 @@ def gated_delta_rule_chunked(
     Returns:
       ``(y [T, V], final_state [V, K])``: ``y`` in the input dtype, the state in float32
       (float64 for float64 input). A NaN in k, v or a gate at token t makes ``y`` NaN from
-      the start of t's chunk on, not from t as in the recurrent form (``chunked.py``).
+      the start of t's chunk on, not from t as in the recurrent form (``ops/chunked/scalar.py``).
     """
     return chunked_single_head(
         "gated_delta_rule_chunked", GATED_DELTA, q, k, v, (log_alpha, beta), initial_state,

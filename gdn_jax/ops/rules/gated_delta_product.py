@@ -14,7 +14,7 @@ attention's layout).
 
 Its chunked form is the gated delta rule's over the ``T n`` interleaved steps: the token's
 decay on its first step and none on the others, its query on its last step and zeros on the
-others, its output read there. So the staged chunked form of ``chunked.py`` with its
+others, its output read there. So the staged chunked form of ``ops/chunked/scalar.py`` with its
 hand-derived backward, both schedules, packed sequences and grouped value heads serve it as
 they are; the zero queries cost the outputs of ``n - 1`` steps a token. ``cu_seqlens``
 counts tokens, as the outputs do; ``chunk_size`` counts steps. The gated delta rule's Mosaic
@@ -31,8 +31,8 @@ from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.api import batched
-from gdn_jax.ops.chunked import chunked_rule
-from gdn_jax.ops.rule import GateSpec, Kernel, Rule, public_form
+from gdn_jax.ops.chunked.scalar import chunked_rule
+from gdn_jax.ops.rule import MOSAIC_LIMITS, GateSpec, Kernel, Rule, public_form
 from gdn_jax.ops.sequence_parallel import seq_parallel
 from gdn_jax.ops.single_head import chunked_single_head, recurrent_single_head
 from gdn_jax.ops.step import checked_step, householder_step
@@ -71,12 +71,14 @@ def product_chunked(
     return y.reshape(seq_len, n, -1)[:, n - 1], finals
 
 
-def _mosaic_gpu(q, k, v, gates, initial_states, cu_seqlens, *, chunk_size: int, interpret=None):
-    """The gated delta rule's Mosaic GPU kernels (``ops/chunked_mosaic.py``) over the
+def mosaic_over_steps(
+    q, k, v, gates, initial_states, cu_seqlens, *, chunk_size: int, op, interpret
+):
+    """The gated delta rule's Mosaic GPU kernels (``ops/mosaic/scalar/op.py``) over the
     interleaved steps, on ``api.prepare_batched``'s inputs (q ``[B, T, H, K]``, k ``[B, T n,
     H, K]``, v ``[B, T n, HV, V]``, ``gates = (log_alpha [B, T, HV], beta [B, T n, HV])``),
     as ``product_chunked`` runs the chunked form."""
-    from gdn_jax.ops import chunked_mosaic
+    from gdn_jax.ops.mosaic.scalar import op as scalar_kernels
 
     batch, seq_len = q.shape[:2]
     n = k.shape[1] // seq_len if seq_len else 1
@@ -85,18 +87,12 @@ def _mosaic_gpu(q, k, v, gates, initial_states, cu_seqlens, *, chunk_size: int, 
     def over_steps(x, at):  # [B, T, ...] -> [B, T n, ...]
         return jax.vmap(lambda row: interleaved(row, n, at=at))(x)
 
-    y, finals = chunked_mosaic.gated_delta_rule_mosaic(
+    y, finals = scalar_kernels.run(
         over_steps(q, n - 1), k, v, (over_steps(log_alpha, 0), beta), initial_states,
-        None if cu_seqlens is None else cu_seqlens * n, chunk_size=chunk_size,
+        None if cu_seqlens is None else cu_seqlens * n, chunk_size=chunk_size, op=op,
         interpret=interpret,
     )  # fmt: skip
     return y.reshape(batch, seq_len, n, *y.shape[2:])[:, :, n - 1], finals
-
-
-def _mosaic_gpu_refuses(*args):
-    from gdn_jax.ops import chunked_mosaic
-
-    return chunked_mosaic.unsupported(*args)
 
 
 GATED_DELTA_PRODUCT = Rule(
@@ -114,7 +110,7 @@ GATED_DELTA_PRODUCT = Rule(
     shares_qk=True,
     steps="num_householder",
     # Opt-in, as the gated delta rule's: no GPU has timed the kernels yet.
-    kernels=(Kernel("mosaic_gpu", _mosaic_gpu, _mosaic_gpu_refuses, platform="cuda"),),
+    kernels=(Kernel("mosaic_gpu", mosaic_over_steps, MOSAIC_LIMITS),),
 )
 RULE = GATED_DELTA_PRODUCT
 

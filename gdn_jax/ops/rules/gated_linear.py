@@ -4,7 +4,7 @@
 
 With ``log_alpha`` it is gated linear attention with a scalar gate per head (Mamba-2's form);
 with ``log_alpha = 0`` and ``beta = 1`` plain causal linear attention. Its chunked form is
-``chunked.py``'s with the ``wy.LINEAR`` write rule.
+``ops/chunked/scalar.py``'s with the ``wy.LINEAR`` write rule.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.api import batched
-from gdn_jax.ops.chunked import chunked_rule
+from gdn_jax.ops.chunked.scalar import chunked_rule
+from gdn_jax.ops.chunked.wy import LINEAR
 from gdn_jax.ops.rule import GateSpec, Rule, public_form
 from gdn_jax.ops.sequence_parallel import seq_parallel
 from gdn_jax.ops.single_head import chunked_single_head, recurrent_single_head
 from gdn_jax.ops.step import checked_step, linear_step
-from gdn_jax.ops.wy import LINEAR
 
 GATED_LINEAR = Rule(
     name="gated_linear_attention",
@@ -85,7 +85,7 @@ def gated_linear_attention_chunked(
     chunk_size: int = 64,
     schedule: checks.Schedule = "auto",
 ) -> tuple[Float[Array, "T V"], Float[Array, "V K"]]:
-    """Gated linear attention for one head and one sequence, chunkwise (``chunked.py`` with
+    """Gated linear attention for one head and one sequence, chunkwise (``ops/chunked/scalar.py`` with
     no delta correction); the contract of ``gated_linear_attention_recurrent``, with
     ``chunk_size`` and ``schedule`` as in ``gated_delta_rule_chunked``."""
     return chunked_single_head(

@@ -9,7 +9,7 @@ with ``b_t`` in ``[0, 1]^K`` (``[0, 2]^K`` with negative eigenvalues) and ``w_t`
 ``[0, 1]^V``. ``b = w = beta`` (broadcast) is KDA exactly, and all channels of ``log_alpha``
 equal as well is the gated delta rule. flash-linear-attention's ``naive_recurrent_gdn2``
 (fla-core 0.6.0) is the same recurrence on the transposed state ``[K, V]``. Its chunked form
-is ``channel_chunked.py``'s.
+is ``ops/chunked/channel.py``'s.
 """
 
 from __future__ import annotations
@@ -20,25 +20,11 @@ from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.api import batched
-from gdn_jax.ops.channel_chunked import channel_chunked_rule
-from gdn_jax.ops.rule import GateSpec, Kernel, Rule, public_form
+from gdn_jax.ops.chunked.channel import channel_chunked_rule
+from gdn_jax.ops.rule import MOSAIC_LIMITS, GateSpec, Kernel, Rule, public_form
 from gdn_jax.ops.sequence_parallel import seq_parallel
 from gdn_jax.ops.single_head import chunked_single_head, recurrent_single_head
 from gdn_jax.ops.step import checked_step, erase_write_step
-
-
-def _mosaic_gpu(*args, **kwargs):
-    """The Mosaic GPU kernels (``ops/channel_mosaic.py``), imported when first traced."""
-    from gdn_jax.ops import channel_mosaic
-
-    return channel_mosaic.channel_rule_mosaic(*args, **kwargs, rule="gdn2")
-
-
-def _mosaic_gpu_refuses(*args):
-    from gdn_jax.ops import channel_mosaic
-
-    return channel_mosaic.unsupported(*args)
-
 
 GDN2 = Rule(
     name="gdn2",
@@ -55,7 +41,7 @@ GDN2 = Rule(
     chunked=channel_chunked_rule,
     shares_qk=False,
     # Opt-in until a GPU has timed it against the chunked form.
-    kernels=(Kernel("mosaic_gpu", _mosaic_gpu, _mosaic_gpu_refuses, platform="cuda"),),
+    kernels=(Kernel("mosaic_gpu", "gdn_jax.ops.mosaic.channel.op:run", MOSAIC_LIMITS),),
 )
 
 
@@ -130,7 +116,7 @@ def gdn2_chunked(
     ``gdn2_recurrent``, with ``chunk_size`` and ``schedule`` as in ``kda_chunked``.
 
     Any ``T >= 1`` works. Gradients reach every input through a hand-written VJP that keeps
-    the inputs and one ``[V, K]`` state per chunk (``channel_chunked.py``).
+    the inputs and one ``[V, K]`` state per chunk (``ops/chunked/channel.py``).
     """
     return chunked_single_head(
         "gdn2_chunked", GDN2, q, k, v, (log_alpha, b, w), initial_state,

@@ -5,7 +5,7 @@ delta rule with one decay per key channel instead of one per head,
     y_t = S_t (scale q_t),     alpha_t = exp(log_alpha_t) in (0, 1]^K.
 
 With every channel of ``log_alpha_t`` equal it is the gated delta rule; it is Gated
-DeltaNet-2 with ``b = w = beta``, and its chunked form is that of ``channel_chunked.py`` with
+DeltaNet-2 with ``b = w = beta``, and its chunked form is that of ``ops/chunked/channel.py`` with
 those gates.
 """
 
@@ -17,25 +17,11 @@ from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.api import batched
-from gdn_jax.ops.channel_chunked import channel_chunked_rule
-from gdn_jax.ops.rule import GateSpec, Kernel, Rule, public_form
+from gdn_jax.ops.chunked.channel import channel_chunked_rule
+from gdn_jax.ops.rule import MOSAIC_LIMITS, GateSpec, Kernel, Rule, public_form
 from gdn_jax.ops.sequence_parallel import seq_parallel
 from gdn_jax.ops.single_head import chunked_single_head, recurrent_single_head
 from gdn_jax.ops.step import checked_step, delta_step
-
-
-def _mosaic_gpu(*args, **kwargs):
-    """The Mosaic GPU kernels (``ops/channel_mosaic.py``), imported when first traced."""
-    from gdn_jax.ops import channel_mosaic
-
-    return channel_mosaic.channel_rule_mosaic(*args, **kwargs, rule="kda")
-
-
-def _mosaic_gpu_refuses(*args):
-    from gdn_jax.ops import channel_mosaic
-
-    return channel_mosaic.unsupported(*args)
-
 
 KDA = Rule(
     name="kda",
@@ -51,7 +37,7 @@ KDA = Rule(
     chunked=channel_chunked_rule,  # with beta as both the erase and the write gate
     shares_qk=False,
     # Opt-in until a GPU has timed it against the chunked form.
-    kernels=(Kernel("mosaic_gpu", _mosaic_gpu, _mosaic_gpu_refuses, platform="cuda"),),
+    kernels=(Kernel("mosaic_gpu", "gdn_jax.ops.mosaic.channel.op:run", MOSAIC_LIMITS),),
 )
 
 
@@ -124,7 +110,7 @@ def kda_chunked(
 
     Any ``T >= 1`` works (the tail chunk is padded with tokens that neither decay nor write).
     Gradients reach every input through a hand-written VJP that keeps the inputs and one
-    ``[V, K]`` state per chunk (``channel_chunked.py``).
+    ``[V, K]`` state per chunk (``ops/chunked/channel.py``).
 
     Args:
     {args}

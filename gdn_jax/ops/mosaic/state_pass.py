@@ -1,7 +1,7 @@
 """The state passes' programs of the Mosaic GPU kernels: one program a (sequence, value
 head, block of 64 value channels) carries its block of a float32 state, or of a state's
 cotangent, on chip from a sequence's first chunk to its last (or last to first) while each
-chunk's tiles stream in by TMA. ``mosaic_forward.py``, ``mosaic_backward.py`` and the
+chunk's tiles stream in by TMA. ``ops/mosaic/scalar/factors.py``, ``states.py``, ``ops/mosaic/scalar/reverse.py``, ``grads.py`` and the
 channel-decay kernels' passes run their chunk steps through them.
 """
 
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gdn_jax.ops.mosaic_chunk import WGMMA, copy_out, store
+from gdn_jax.ops.mosaic.tiles import WGMMA, copy_out, store
 
 
 def keep_state(s: dict, state, ends) -> None:

@@ -37,8 +37,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gdn_jax.ops import stages
-from gdn_jax.ops.blocks import scan_blocks
+from gdn_jax.ops.chunked import stages
+from gdn_jax.ops.chunked.blocks import scan_blocks
 
 over_pairs = jax.vmap
 

@@ -1,6 +1,6 @@
 """The backward kernels of ``impl="mosaic_gpu"`` for the channel-gated rules (KDA, GDN-2):
-``channel_chunked.py``'s hand-derived backward as Mosaic GPU kernels of the gated delta rule's
-design (``mosaic_backward.py``), on the kernel contract of ``mosaic_channel_forward.py``
+``ops/chunked/channel.py``'s hand-derived backward as Mosaic GPU kernels of the gated delta rule's
+design (``ops/mosaic/scalar/reverse.py``, ``grads.py``), on the kernel contract of ``ops/mosaic/channel/factors.py``, ``states.py``
 (``e = b * k`` and ``x = w * v`` formed in XLA, per-channel log-decays ``g``).
 
 1. ``reverse``, a program per (sequence, value head, block of 64 value channels), walks the
@@ -14,10 +14,10 @@ design (``mosaic_backward.py``), on the kernel contract of ``mosaic_channel_forw
    ending with the initial state's cotangent. It reads the forward's factors as they are
    (the decayed queries and keys, ``w``, the scores ``M``, the chunk's decay): the decays
    are per key channel, so the factors carry them and the pass makes none.
-2. ``grads`` (``mosaic_channel_grads.py``), a program per (chunk, value head), from the
+2. ``grads`` (``ops/mosaic/channel/grads.py``), a program per (chunk, value head), from the
    chunk's inputs, its scores, start states and end cotangents: every gradient of the
    contract (q, k, e, x and g), the scores' pullback through their halving levels last
-   (``mosaic_channel_levels.py``).
+   (``ops/mosaic/channel/levels.py``).
 
 ``chunk_grads`` runs 2 and sums the gradients of q and k over a key head's value heads.
 """
@@ -30,12 +30,10 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gdn_jax.ops import mosaic_channel_grads, mosaic_pass
-from gdn_jax.ops import mosaic_chunk as mc
-from gdn_jax.ops.mosaic_chunk import CHUNK, F32
+from gdn_jax.ops.mosaic import state_pass, tiles
+from gdn_jax.ops.mosaic.limits import CHUNK, VALUE_BLOCK
+from gdn_jax.ops.mosaic.tiles import F32
 
-# The value channels of one program of the reverse pass: a wgmma's 64 rows of the state.
-VALUE_BLOCK = 64
 _TILES = ("q_start", "k_end", "w", "scores", "d_y")
 
 
@@ -46,14 +44,14 @@ def _reverse_scratch(count: int, key_dim: int) -> tuple[int, dict]:
     slots = 2 if count == 1 else 1
     tile = (slots, CHUNK, key_dim)
     return slots, dict(
-        q_start=mc.pieces(count, tile),
-        k_end=mc.pieces(count, tile),
-        w=mc.pieces(count, tile),
-        scores=mc.pieces(count, (slots, CHUNK, CHUNK)),
-        d_y=mc.pieces(count, (slots, CHUNK, VALUE_BLOCK)),
+        q_start=tiles.pieces(count, tile),
+        k_end=tiles.pieces(count, tile),
+        w=tiles.pieces(count, tile),
+        scores=tiles.pieces(count, (slots, CHUNK, CHUNK)),
+        d_y=tiles.pieces(count, (slots, CHUNK, VALUE_BLOCK)),
         whole=plgpu.SMEM((slots, key_dim), F32),
-        state=mc.pieces(count, (VALUE_BLOCK, key_dim)),
-        negated=mc.pieces(count, (CHUNK, VALUE_BLOCK)),
+        state=tiles.pieces(count, (VALUE_BLOCK, key_dim)),
+        negated=tiles.pieces(count, (CHUNK, VALUE_BLOCK)),
         loaded=plgpu.Barrier(num_arrivals=5 * count + 1, num_barriers=slots),
     )
 
@@ -68,8 +66,8 @@ def _fetch(hbm, s, chunk, slot, *, head, block):
         *(ref.at[tokens, head, channels] for ref in hbm["d_y"]),
         hbm["whole"].at[chunk, head],
     )
-    tiles = (*(ref for name in _TILES for ref in s[name].refs), s["whole"])
-    for src, dst in zip(sources, tiles, strict=True):
+    dsts = (*(ref for name in _TILES for ref in s[name].refs), s["whole"])
+    for src, dst in zip(sources, dsts, strict=True):
         plgpu.copy_gmem_to_smem(src, dst.at[slot], s["loaded"].at[slot])
 
 
@@ -80,13 +78,13 @@ def _reverse_step(out, s, chunk, slot, d_state, *, head, block):
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
     # Read before the step's products, whose commits then order this read before TMA
     # refills the slot: read after the last one, the refill raced it.
-    whole = plgpu.load(s["whole"].at[slot], layout=mc.COLS)
-    mosaic_pass.keep_state(s, d_state, [dst.at[chunk, head, values] for dst in out["d_ends"]])
+    whole = plgpu.load(s["whole"].at[slot], layout=tiles.COLS)
+    state_pass.keep_state(s, d_state, [dst.at[chunk, head, values] for dst in out["d_ends"]])
     shape = (CHUNK, VALUE_BLOCK)
-    d_u = mc.product(shape, (k_end, s["state"].T), (scores.T, d_y))
-    mc.store(s["negated"], -d_u)
-    faded = mc.by_col(whole, d_state.shape) * d_state
-    return faded + mc.product(d_state.shape, (d_y.T, q_start), (s["negated"].T, w))
+    d_u = tiles.product(shape, (k_end, s["state"].T), (scores.T, d_y))
+    tiles.store(s["negated"], -d_u)
+    faded = tiles.by_col(whole, d_state.shape) * d_state
+    return faded + tiles.product(d_state.shape, (d_y.T, q_start), (s["negated"].T, w))
 
 
 def _reverse_kernel(table, *refs, slots: int, **s):
@@ -99,17 +97,17 @@ def _reverse_kernel(table, *refs, slots: int, **s):
     fetch = functools.partial(_fetch, hbm, s, head=head, block=block)
     step = functools.partial(_reverse_step, out, s, head=head, block=block)
     start, end = (out[name].at[seq, head, values] for name in ("d_finals", "d_initial"))
-    mosaic_pass.carry_over_sequence(
+    state_pass.carry_over_sequence(
         table, fetch, step, start, end, loaded=s["loaded"], slots=slots, reverse=True
     )
 
 
-def reverse(table, q_start, k_end, w, scores, whole, d_y, d_finals, *, interpret=None):
+def reverse(table, q_start, k_end, w, scores, whole, d_y, d_finals, *, interpret):
     """The reverse state pass on the forward's factors: ``q_start``, ``k_end``, ``w``
     pieces ``[tokens, HV, K]`` (each value head's), ``scores`` pieces ``[tokens, HV, C]``
     (``M``, row ``t`` of its chunk's), ``whole [chunks, HV, K]`` float32, ``d_y`` pieces
     ``[tokens, HV, V]``, ``d_finals [N, HV, V, K]`` float32 and ``table [N, 2]``
-    (``mosaic_layout``). Returns ``(d_initial [N, HV, V, K] float32, d_ends)``, ``d_ends``
+    (``ops/mosaic/layout.py``). Returns ``(d_initial [N, HV, V, K] float32, d_ends)``, ``d_ends``
     the pieces of every chunk's end-state cotangent ``[chunks, HV, V, K]``."""
     count = len(q_start)
     tokens, v_heads, key_dim = q_start[0].shape
@@ -118,31 +116,15 @@ def reverse(table, q_start, k_end, w, scores, whole, d_y, d_finals, *, interpret
     shape = (tokens // CHUNK, v_heads, value_dim, key_dim)
     out_type = (
         jax.ShapeDtypeStruct(d_finals.shape, F32),
-        tuple(jax.ShapeDtypeStruct(shape, mc.BF16) for _ in range(count)),
+        tuple(jax.ShapeDtypeStruct(shape, tiles.BF16) for _ in range(count)),
     )
-    call = mc.kernel_call(
+    call = tiles.kernel_call(
         functools.partial(_reverse_kernel, slots=slots),
         name="channel_mosaic_reverse",
         out_type=out_type,
         scratch=scratch,
-        grid=dict(seq=d_finals.shape[0], head=v_heads, block=value_dim // VALUE_BLOCK),
+        grid=dict(block=value_dim // VALUE_BLOCK, head=v_heads, seq=d_finals.shape[0]),
         interpret=interpret,
     )
     operands = (q_start, k_end, w, scores, d_y)
     return call(table, *(tuple(x) for x in operands), whole, d_finals)
-
-
-def chunk_grads(q, k, e, x, g, scores, d_y, starts, d_ends, *, interpret=None):
-    """Every chunk's gradients from its start state and end cotangent (the arguments as
-    ``mosaic_channel_grads.grads``'s). Returns ``(d_q, d_k [tokens, H, K], d_e [tokens, HV,
-    K], d_x [tokens, HV, V], d_g [tokens, HV, K])``, float32 but ``d_x`` for bf16 operands
-    (bf16)."""
-    d_q, d_k, d_e, d_g, d_x = mosaic_channel_grads.grads(
-        q, k, e, x, g, scores, d_y, starts, d_ends, interpret=interpret
-    )
-    tokens, heads, key_dim = q[0].shape
-
-    def key_heads(d):  # [tokens, HV, K] -> [tokens, H, K]: a key head's value heads
-        return d.reshape(tokens, heads, -1, key_dim).sum(2)
-
-    return key_heads(d_q), key_heads(d_k), d_e, d_x, d_g

@@ -2,7 +2,7 @@
 
 Every rule of the family writes its corrections this way; ``two_products`` and its backward
 are the shared part, ``DELTA`` and ``LINEAR`` the scalar-decay rules' (the per-channel ones,
-KDA and GDN-2, build their system in ``channel_chunked.py``).
+KDA and GDN-2, build their system in ``ops/chunked/channel.py``).
 
 Inside a chunk starting from state ``S`` (Yang et al., 2025, Sec. 3.3), token ``t`` writes
 the correction ``U_t = beta_t (v_t - alpha_t S_{t-1} k_t)`` along ``k_t``. Substituting
@@ -29,8 +29,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from gdn_jax.ops.decays import ChunkDecays
-from gdn_jax.ops.triangular import unit_lower_inverse
+from gdn_jax.ops.chunked.decays import ChunkDecays
+from gdn_jax.ops.chunked.triangular import unit_lower_inverse
 
 
 class FactorGrads(NamedTuple):
@@ -114,7 +114,7 @@ def linear_factors_bwd(
 
 class WriteRule(NamedTuple):
     """How a chunk's tokens write to the state, for the scalar-decay rules of
-    ``chunked.py``: their factors and the factors' backward."""
+    ``ops/chunked/scalar.py``: their factors and the factors' backward."""
 
     factors: Callable
     factors_bwd: Callable

@@ -1,23 +1,23 @@
 """The chunked gated delta rule as Mosaic GPU kernels for Hopper (``impl="mosaic_gpu"``).
 
-Forward (``mosaic_forward.py``): a kernel over every chunk at once for the parallel work (the
+Forward (``ops/mosaic/scalar/factors.py``, ``states.py``): a kernel over every chunk at once for the parallel work (the
 decays, ``K K^T``, the inverse of the intra-chunk system by doubling blocks on the tensor
 cores, the WY factors ``w`` and ``u``), then one program per (sequence, value head, block of
 64 value channels) that carries its block of the float32 state on chip from the sequence's
 first chunk to its last, streams the chunks' tiles in by TMA, writes the outputs and, for the
-backward, each chunk's start state. Backward (``mosaic_backward.py``), derived by hand as
-``chunked.py``'s: a reverse pass of the same shape carrying the state's cotangent, then a
+backward, each chunk's start state. Backward (``ops/mosaic/scalar/reverse.py``, ``grads.py``), derived by hand as
+``ops/chunked/scalar.py``'s: a reverse pass of the same shape carrying the state's cotangent, then a
 kernel over every chunk for every input's gradient. Four Mosaic kernels a forward and
 backward (two a forward), with XLA's layout, gates and sums around them.
 
-Every product is a wgmma with bf16 operands and float32 accumulation (``mosaic_chunk.py``):
+Every product is a wgmma with bf16 operands and float32 accumulation (``ops/mosaic/tiles.py``):
 bf16 v makes every operand one bf16 piece (q and k too, which the op's L2 norm returns in
 float32), any other dtype two pieces an operand, about float32's accuracy at three times the
 products. The state, the decays and every sum outside the products are float32.
 
-The inputs are laid out in XLA first (``mosaic_layout.py``): every sequence's chunks on one
+The inputs are laid out in XLA first (``ops/mosaic/layout.py``): every sequence's chunks on one
 token axis, channels padded with zeros to multiples of 64, gates and the decays from
-them as ``[5, HV, tokens]`` (``mosaic_chunk.gate_rows``).
+them as ``[5, HV, tokens]`` (``scalar/chunk.gate_rows``).
 Off a GPU the kernels run in Mosaic GPU's interpret mode (jax >= 0.11).
 """
 
@@ -28,22 +28,22 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gdn_jax.ops import mosaic_backward, mosaic_forward
-from gdn_jax.ops import mosaic_chunk as mc
-from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
+from gdn_jax.ops.chunked.decays import LOG_ALPHA_FLOOR
 from gdn_jax.ops.forward_mode import first_order_only
-from gdn_jax.ops.mosaic_chunk import CHUNK, F32
-from gdn_jax.ops.mosaic_layout import padded, padded_states, token_layout
-
-SECOND_ORDER = mc.SECOND_ORDER.format(rule="gated_delta_rule")
+from gdn_jax.ops.mosaic import limits, tiles
+from gdn_jax.ops.mosaic.layout import padded, padded_states, token_layout
+from gdn_jax.ops.mosaic.limits import CHUNK
+from gdn_jax.ops.mosaic.scalar import chunk as in_chunk
+from gdn_jax.ops.mosaic.scalar import factors, grads, reverse, states
+from gdn_jax.ops.mosaic.tiles import F32
 
 
 def _operands(q, k, v, log_alpha, beta):
     """The kernels' operands: q, k, v padded and as pieces (one each when v is bf16, else
     two), and the gates with the decays ``[GATES, HV, tokens]``."""
-    count = mc.piece_count(v.dtype)
-    q, k, v = (mc.operand(padded(x, 2), count) for x in (q, k, v))
-    return q, k, v, mc.gate_rows(log_alpha.T.astype(F32), beta.T.astype(F32))
+    count = tiles.piece_count(v.dtype)
+    q, k, v = (tiles.operand(padded(x, 2), count) for x in (q, k, v))
+    return q, k, v, in_chunk.gate_rows(log_alpha.T.astype(F32), beta.T.astype(F32))
 
 
 def _forward(q, k, v, log_alpha, beta, initial_states, table, *, keep_starts, interpret):
@@ -55,8 +55,8 @@ def _forward(q, k, v, log_alpha, beta, initial_states, table, *, keep_starts, in
     operands = _operands(q, k, v, log_alpha, beta)
     q, k, v, gates = operands
     h0 = padded_states(initial_states)
-    w, u = mosaic_forward.factors(k, v, gates, interpret=interpret)
-    y, finals, *starts = mosaic_forward.states(
+    w, u = factors.factors(k, v, gates, interpret=interpret)
+    y, finals, *starts = states.states(
         table, q, k, w, u, gates, h0, keep_starts=keep_starts, interpret=interpret
     )
     residuals = (operands, w, starts[0]) if keep_starts else None
@@ -69,18 +69,10 @@ def _backward(residuals, table, d_y, d_finals, *, dims, dtypes, interpret):
     (q, k, v, gates), w, starts = residuals
     key_dim, value_dim = dims
     count = len(q)
-    if count > 1 and q[0].shape[-1] > 64:
-        raise ValueError(
-            f"gated_delta_rule: impl='mosaic_gpu' differentiates inputs other than bf16 (two "
-            f"bf16 pieces an operand) for key dims up to 64, got K={key_dim}: a Hopper "
-            f"block's shared memory holds no more; use bf16 q, k and v, or impl='chunked'"
-        )
-    d_y = mc.operand(padded(d_y, 2), count)
+    d_y = tiles.operand(padded(d_y, 2), count)
     d_finals = padded_states(d_finals)
-    d_initial, d_ends = mosaic_backward.reverse(
-        table, q, k, w, d_y, gates, d_finals, interpret=interpret
-    )
-    d_q, d_k, d_v, d_gates = mosaic_backward.grads(
+    d_initial, d_ends = reverse.reverse(table, q, k, w, d_y, gates, d_finals, interpret=interpret)
+    d_q, d_k, d_v, d_gates = grads.grads(
         q, k, v, d_y, gates, starts, d_ends, dtypes=dtypes, interpret=interpret
     )
     tokens, heads = q[0].shape[:2]
@@ -99,32 +91,32 @@ def _backward(residuals, table, d_y, d_finals, *, dims, dtypes, interpret):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _core(q, k, v, log_alpha, beta, initial_states, table, static):
-    """The kernels on the token layout; ``static = (interpret, dtypes of q, k and v, (K,
+    """The kernels on the token layout; ``static = (op, interpret, dtypes of q, k and v, (K,
     V))``, what the backward needs besides arrays."""
     y, finals, _ = _forward(
-        q, k, v, log_alpha, beta, initial_states, table, keep_starts=False, interpret=static[0]
+        q, k, v, log_alpha, beta, initial_states, table, keep_starts=False, interpret=static[1]
     )
     return y, finals
 
 
 def _core_fwd(q, k, v, log_alpha, beta, initial_states, table, static):
     q, k, v, log_alpha, beta, initial_states = first_order_only(
-        SECOND_ORDER, (q, k, v, log_alpha, beta, initial_states)
+        limits.SECOND_ORDER.format(op=static[0]), (q, k, v, log_alpha, beta, initial_states)
     )
     y, finals, residuals = _forward(
-        q, k, v, log_alpha, beta, initial_states, table, keep_starts=True, interpret=static[0]
+        q, k, v, log_alpha, beta, initial_states, table, keep_starts=True, interpret=static[1]
     )
     return (y, finals), (residuals, table)
 
 
 def _core_bwd(static, saved, cotangents):
-    interpret, dtypes, dims = static
-    saved, cotangents = first_order_only(SECOND_ORDER, (saved, cotangents))
+    op, interpret, dtypes, dims = static
+    saved, cotangents = first_order_only(limits.SECOND_ORDER.format(op=op), (saved, cotangents))
     residuals, table = saved
     # With one bf16 piece an operand (bf16 v) the products are bf16's, and the kernel may
     # write the gradients of q and k in bf16 too: float32 ones, kept for the sum of the
     # programs' shares, were a quarter of the backward's peak (the H200 compile report).
-    key_dtype = mc.BF16 if mc.piece_count(dtypes[2]) == 1 else F32
+    key_dtype = tiles.BF16 if tiles.piece_count(dtypes[2]) == 1 else F32
     grads = _backward(
         residuals, table, *cotangents, dims=dims, dtypes=(key_dtype, dtypes[2]),
         interpret=interpret,
@@ -136,42 +128,15 @@ def _core_bwd(static, saved, cotangents):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def unsupported(key_dim: int, value_dim: int, v_dtype, compute, chunk_size: int) -> str | None:
-    """Why the kernels cannot take these inputs (None: they can): chunks other than 64, a
-    compute dtype other than float32, key dims over 128 and value dims over 256 (128 unless
-    v is bf16), padded to multiples of 64 (a Hopper block's shared memory and wgmma's
-    widths; ``benchmarks/mosaic_sm90.py`` compiles them for an H200), or a JAX without
-    Mosaic GPU's interpret mode (before 0.11)."""
-    reason = mc.unsupported_run(compute, chunk_size)
-    if reason is not None:
-        return reason
-    widest_value = 256 if v_dtype == mc.BF16 else 128
-    if -(-key_dim // 64) * 64 > 128 or -(-value_dim // 64) * 64 > widest_value:
-        return (
-            f"takes key dims up to 128 and value dims up to {widest_value} (v of dtype "
-            f"{v_dtype}), got K={key_dim}, V={value_dim}"
-        )
-    return None
-
-
-def check_inputs(key_dim: int, value_dim: int, v_dtype, compute, chunk_size: int) -> None:
-    """``unsupported``'s reason as a ValueError, before any work."""
-    reason = unsupported(key_dim, value_dim, v_dtype, compute, chunk_size)
-    if reason is not None:
-        raise ValueError(f"gated_delta_rule: impl='mosaic_gpu' {reason}; use impl='chunked'")
-
-
-def gated_delta_rule_mosaic(
-    q, k, v, gates, initial_states, cu_seqlens, *, chunk_size: int, interpret=None
-):
+def run(q, k, v, gates, initial_states, cu_seqlens, *, chunk_size: int, op: str, interpret):
     """The batched chunked gated delta rule by the Mosaic GPU kernels: the prepared inputs
     of ``api.prepare_batched`` (q, k ``[B, T, H, K]`` unscaled, v ``[B, T, HV, V]``, ``gates
     = (log_alpha, beta) [B, T, HV]``, ``initial_states [B or N, HV, V, K]`` float32,
     ``cu_seqlens`` None or ``[N + 1]`` with ``B == 1``). Returns ``(o [B, T, HV, V],
     finals)`` in float32, ``o`` unscaled. ``chunk_size`` must be the kernels' 64 (a wgmma's
-    rows); ``interpret`` as ``mosaic_chunk.interpret_params``. Differentiable in reverse
+    rows), within ``limits.refusals`` (``dispatch`` checks them); ``op`` names the calling op
+    in errors; ``interpret`` as ``tiles.kernel_call``'s. Differentiable once, in reverse
     mode (``jax.custom_vjp``)."""
-    check_inputs(q.shape[-1], v.shape[-1], v.dtype, initial_states.dtype, chunk_size)
     compute = initial_states.dtype
     batch, seq_len = q.shape[:2]
     if batch * seq_len == 0:  # no tokens: every sequence ends as it started
@@ -180,6 +145,6 @@ def gated_delta_rule_mosaic(
     log_alpha = jnp.maximum(log_alpha, LOG_ALPHA_FLOOR)
     layout = token_layout(batch, seq_len, CHUNK, cu_seqlens)
     inputs = (layout.to_tokens(x) for x in (q, k, v, log_alpha, beta))
-    static = (interpret, (q.dtype, k.dtype, v.dtype), (q.shape[-1], v.shape[-1]))
+    static = (op, interpret, (q.dtype, k.dtype, v.dtype), (q.shape[-1], v.shape[-1]))
     y, finals = _core(*inputs, initial_states, layout.table, static)
     return layout.from_tokens(y), finals

@@ -1,22 +1,10 @@
-"""The backward kernels of ``impl="mosaic_gpu"`` (``chunked_mosaic.py``): ``chunked.py``'s
-hand-derived backward (its docstring and ``wy.py``'s give the derivation) as two Mosaic GPU
-kernels, on the forward's residuals: the inputs' pieces, ``w`` and each chunk's start state.
-
-1. ``reverse``, a program per (sequence, value head, block of 64 value channels), walks the
-   sequence's chunks last to first with its block of the state's cotangent ``dS [64, K]``
-   in registers (starting from the final state's), and per chunk writes the cotangent of
-   the chunk's end state and carries
-
-       dU = (Q K^T * Gamma)^T dY + diag(exp(g_C - g)) K dS'^T,
-       dS = exp(g_C) dS' + dY^T diag(exp(g)) Q - dU^T w,
-
-   ending with the initial state's cotangent.
-2. ``grads``, a program per (chunk, value head, value block), has a chunk's start state and
-   end cotangent and needs nothing carried: stage 1 again (``mosaic_chunk.chunk_factors``),
-   ``U = u - w S^T``, ``dU`` again, ``dVb = T^T dU`` and every input's gradient
-   (``chunked.chunk_grads``, ``wy.delta_factors_bwd``, ``decays.chunk_decays_bwd``). The
-   gradients of q, k and the gates sum over a key head's value heads and over value
-   blocks: a program writes its share, summed after the kernel.
+"""The gated delta rule's grads kernel (``impl="mosaic_gpu"``, ``op.py``), a program per
+(chunk, value head, value block): from a chunk's start state and end cotangent (``reverse.py``)
+it needs nothing carried. The chunk's factors again (``chunk.chunk_factors``), ``U = u - w
+S^T``, ``dU``, ``dVb = T^T dU`` and every input's gradient (``chunked/scalar.py``'s
+``chunk_grads``, ``chunked/wy.py``'s ``delta_factors_bwd``, ``chunked/decays.py``'s
+``chunk_decays_bwd``). The gradients of q, k and the gates sum over a key head's value heads
+and over value blocks: a program writes its share, summed after the kernel.
 """
 
 from __future__ import annotations
@@ -28,74 +16,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gdn_jax.ops import mosaic_chunk as mc
-from gdn_jax.ops import mosaic_pass
-from gdn_jax.ops.mosaic_chunk import CHUNK, F32, Pieces
-from gdn_jax.ops.mosaic_forward import VALUE_BLOCK, factor_scratch, fetch_chunk, pass_scratch
-
-
-def _reverse_step(out, s, chunk, slot, d_state, *, head, block):
-    """One chunk, last to first: writes the cotangent of its end state and returns that of
-    its start state. The decays scale ``[C, 64]`` tiles, not ``[C, K]`` ones (registers)."""
-    q, k, w, d_y = (s[name].at(slot) for name in ("q", "k", "w", "d_y"))
-    decays = mc.chunk_decays(s["gates"].at[slot], s)
-    values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
-    mosaic_pass.keep_state(s, d_state, [dst.at[chunk, head, values] for dst in out["d_ends"]])
-    attn, negated = mc.squares(s, 2)
-    mc.store(attn, mc.product((CHUNK, CHUNK), (q, k.T)) * decays.within)
-    mc.commit()
-    shape = (CHUNK, VALUE_BLOCK)
-    d_u = mc.by_row(decays.to_end, shape) * mc.product(shape, (k, s["state"].T))
-    d_u = d_u + mc.product(shape, (attn.T, d_y))
-    mc.store(negated, -d_u)
-    # dY's tile is read no more as it came: it holds dY diag(exp(g)) now.
-    mc.store(d_y, mc.load(d_y) * mc.by_row(decays.from_start, shape))
-    mc.commit()
-    faded = mc.by_row(decays.whole, d_state.shape) * d_state
-    return faded + mc.product(d_state.shape, (d_y.T, q), (negated.T, w))
-
-
-def _reverse_kernel(table, *refs, group: int, slots: int, **s):
-    """One sequence, value head and value block over the sequence's chunks, last first."""
-    names = ("q", "k", "w", "d_y", "gates", "d_finals", "d_initial", "d_ends")
-    hbm = dict(zip(names, refs, strict=True))
-    out = {name: hbm.pop(name) for name in names[5:]}
-    seq, head, block = (jax.lax.axis_index(axis) for axis in ("seq", "head", "block"))
-    values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
-    fetch = functools.partial(
-        fetch_chunk, hbm, s, head=head, group=group, block=block, values="d_y"
-    )
-    step = functools.partial(_reverse_step, out, s, head=head, block=block)
-    mc.write_masks(s)
-    start, end = (out[name].at[seq, head, values] for name in ("d_finals", "d_initial"))
-    mosaic_pass.carry_over_sequence(
-        table, fetch, step, start, end, loaded=s["loaded"], slots=slots, reverse=True
-    )
-
-
-def reverse(table, q, k, w, d_y, gates, d_finals, *, interpret=None):
-    """The reverse state pass: ``d_y`` pieces ``[tokens, HV, V]``, ``d_finals [N, HV, V,
-    K]`` float32, the rest as the forward's. Returns ``(d_initial [N, HV, V, K] float32,
-    d_ends)``, ``d_ends`` the pieces of every chunk's end-state cotangent ``[chunks, HV, V,
-    K]``."""
-    count = len(q)
-    tokens, heads, key_dim = q[0].shape
-    v_heads, value_dim = d_y[0].shape[1:]
-    slots, scratch = pass_scratch(count, key_dim, values="d_y", squares=2)
-    shape = (tokens // CHUNK, v_heads, value_dim, key_dim)
-    out_type = (
-        jax.ShapeDtypeStruct(d_finals.shape, F32),
-        tuple(jax.ShapeDtypeStruct(shape, mc.BF16) for _ in range(count)),
-    )
-    call = mc.kernel_call(
-        functools.partial(_reverse_kernel, group=v_heads // heads, slots=slots),
-        name="gdn_mosaic_reverse",
-        out_type=out_type,
-        scratch=scratch,
-        grid=dict(seq=d_finals.shape[0], head=v_heads, block=value_dim // VALUE_BLOCK),
-        interpret=interpret,
-    )
-    return call(table, tuple(q), tuple(k), tuple(w), tuple(d_y), gates, d_finals)
+from gdn_jax.ops.mosaic import tiles
+from gdn_jax.ops.mosaic.limits import CHUNK, VALUE_BLOCK
+from gdn_jax.ops.mosaic.scalar import chunk as in_chunk
+from gdn_jax.ops.mosaic.scalar.factors import factor_scratch
+from gdn_jax.ops.mosaic.tiles import F32, Pieces
 
 
 def _load_grads_tiles(hbm, s, *, head, group, block, value_block):
@@ -111,10 +36,10 @@ def _load_grads_tiles(hbm, s, *, head, group, block, value_block):
         hbm["gates"].at[:, head, tokens],
     )
     names = ("q", "k", "d_y", "start", "d_end")
-    tiles = (*(ref for name in names for ref in s[name].refs), s["gates"])
-    for src, dst in zip(sources, tiles, strict=True):
+    dsts = (*(ref for name in names for ref in s[name].refs), s["gates"])
+    for src, dst in zip(sources, dsts, strict=True):
         plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
-    mc.write_masks(s)
+    in_chunk.write_masks(s)
     plgpu.barrier_wait(s["loaded"])
 
 
@@ -126,15 +51,15 @@ def _corrections(s, decays, beta, v_hbm) -> None:
 
     def block(first, carry):
         write = s["write"].at(slice(None), pl.ds(first, CHUNK))
-        read = mc.product(shape, (s["k"], s["start"].at(pl.ds(first, CHUNK)).T))  # K S^T
-        read = read * mc.by_row(decays.from_start, shape)
-        mc.store(write, (v_hbm(first) - read) * mc.by_row(beta, shape))
-        mc.commit()
-        mc.store(write, mc.product(shape, (s["inverse"], write)))
-        mc.commit()
+        read = tiles.product(shape, (s["k"], s["start"].at(pl.ds(first, CHUNK)).T))  # K S^T
+        read = read * tiles.by_row(decays.from_start, shape)
+        tiles.store(write, (v_hbm(first) - read) * tiles.by_row(beta, shape))
+        tiles.commit()
+        tiles.store(write, tiles.product(shape, (s["inverse"], write)))
+        tiles.commit()
         return carry
 
-    mc.over_blocks(s["write"].refs[0].shape[1], block, 0)
+    tiles.over_blocks(s["write"].refs[0].shape[1], block, 0)
 
 
 def _write_tile(s, dst, tile) -> None:
@@ -144,12 +69,12 @@ def _write_tile(s, dst, tile) -> None:
     warpgroup's store of a bf16 WGMMA tile writes half sectors (16 bytes a row of 4 lanes),
     which jax >= 0.12's Mosaic GPU refuses to plan."""
     if dst.dtype == F32:
-        mc.commit()
+        tiles.commit()
         dst[...] = tile
         return
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous copy has read the tile
     s["out_tile"][...] = tile.astype(dst.dtype)
-    mc.copy_out((s["out_tile"], dst))
+    tiles.copy_out((s["out_tile"], dst))
 
 
 def _value_grads(s, out, decays, beta, attn, index, v_hbm):
@@ -163,17 +88,17 @@ def _value_grads(s, out, decays, beta, attn, index, v_hbm):
         values = (slice(None), pl.ds(first, CHUNK))
         du, d_y = s["du"].at(*values), s["d_y"].at(*values)
         d_end = s["d_end"].at(pl.ds(first, CHUNK))
-        d_u = mc.by_row(decays.to_end, shape) * mc.product(shape, (s["k"], d_end.T))
-        mc.store(du, d_u + mc.product(shape, (attn.T, d_y)))
-        mc.commit()
-        d_write = mc.product(shape, (s["inverse"].T, du))
+        d_u = tiles.by_row(decays.to_end, shape) * tiles.product(shape, (s["k"], d_end.T))
+        tiles.store(du, d_u + tiles.product(shape, (attn.T, d_y)))
+        tiles.commit()
+        d_write = tiles.product(shape, (s["inverse"].T, du))
         d_beta = d_beta + jnp.sum(d_write * v_hbm(first), axis=1)
-        mc.store(du, d_write)
+        tiles.store(du, d_write)
         d_v = out["d_v"].at[tokens, head, pl.ds(value_start + first, CHUNK)]
-        _write_tile(s, d_v, d_write * mc.by_row(beta, shape))
+        _write_tile(s, d_v, d_write * tiles.by_row(beta, shape))
         return d_beta
 
-    return mc.over_blocks(s["du"].refs[0].shape[1], block, beta * 0.0)
+    return tiles.over_blocks(s["du"].refs[0].shape[1], block, beta * 0.0)
 
 
 def _square_grads(s, gates):
@@ -182,19 +107,19 @@ def _square_grads(s, gates):
     Returns the chunk's decays, made again here rather than kept in registers since stage
     1, and the share of d beta from the system, ``rowsum(dA * Gamma * K K^T)``."""
     shape = (CHUNK, CHUNK)
-    decays = mc.chunk_decays(gates, s)
+    decays = in_chunk.chunk_decays(gates, s)
     within = decays.within
-    d_attn = mc.product(shape, (s["d_y"], s["write"].T)) * within  # dY U^T
-    mc.store(s["sq_attn"], d_attn)
-    d_within = d_attn * mc.product(shape, (s["q"], s["k"].T))
-    d_strict = -mc.product(shape, (s["du"], s["write"].T)) * mc.load(s["strict"])
+    d_attn = tiles.product(shape, (s["d_y"], s["write"].T)) * within  # dY U^T
+    tiles.store(s["sq_attn"], d_attn)
+    d_within = d_attn * tiles.product(shape, (s["q"], s["k"].T))
+    d_strict = -tiles.product(shape, (s["du"], s["write"].T)) * tiles.load(s["strict"])
     d_strict = d_strict * within  # dVb U^T, below the diagonal, times the decays
-    gram = mc.product(shape, (s["k"], s["k"].T))
+    gram = tiles.product(shape, (s["k"], s["k"].T))
     d_beta = jnp.sum(d_strict * gram, axis=1)
-    beta = mc.by_row(plgpu.load(gates.at[1], layout=mc.ROWS), shape)
-    mc.store(s["sq_gram"], d_strict * beta)
-    mc.store(s["sq_within"], d_within + d_strict * beta * gram)
-    mc.commit()
+    beta = tiles.by_row(plgpu.load(gates.at[1], layout=tiles.ROWS), shape)
+    tiles.store(s["sq_gram"], d_strict * beta)
+    tiles.store(s["sq_within"], d_within + d_strict * beta * gram)
+    tiles.commit()
     return decays, d_beta
 
 
@@ -210,10 +135,10 @@ def _key_grads(s, out, decays, beta, index):
     def query_block(first, d_from_start):
         keys = (slice(None), pl.ds(first, CHUNK))
         q, k, start = (s[name].at(*keys) for name in ("q", "k", "start"))
-        d_y_start = mc.product(shape, (s["d_y"], start))
-        d_from_start = d_from_start + jnp.sum(d_y_start * mc.load(q), axis=1)
-        d_q = d_y_start * mc.by_row(decays.from_start, shape)
-        d_q = d_q + mc.product(shape, (s["sq_attn"], k))
+        d_y_start = tiles.product(shape, (s["d_y"], start))
+        d_from_start = d_from_start + jnp.sum(d_y_start * tiles.load(q), axis=1)
+        d_q = d_y_start * tiles.by_row(decays.from_start, shape)
+        d_q = d_q + tiles.product(shape, (s["sq_attn"], k))
         _write_tile(s, out["d_q"].at[tokens, head, keys[1]], d_q)
         return d_from_start
 
@@ -221,19 +146,19 @@ def _key_grads(s, out, decays, beta, index):
         keys = (slice(None), pl.ds(first, CHUNK))
         q, k, start, d_end = (s[name].at(*keys) for name in ("q", "k", "start", "d_end"))
         gram = s["sq_gram"]
-        d_k = mc.product(shape, (s["sq_attn"].T, q), (gram, k), (gram.T, k))
-        d_erase = -mc.product(shape, (s["du"], start))
-        d_k_proj = jnp.sum(d_erase * mc.load(k), axis=1)
-        d_k = d_k + d_erase * mc.by_row(beta * decays.from_start, shape)
-        d_k_to_end = mc.product(shape, (s["write"], d_end))  # U dS'
-        d_to_end = jnp.sum(d_k_to_end * mc.load(k), axis=1)
-        d_k = d_k + d_k_to_end * mc.by_row(decays.to_end, shape)
+        d_k = tiles.product(shape, (s["sq_attn"].T, q), (gram, k), (gram.T, k))
+        d_erase = -tiles.product(shape, (s["du"], start))
+        d_k_proj = jnp.sum(d_erase * tiles.load(k), axis=1)
+        d_k = d_k + d_erase * tiles.by_row(beta * decays.from_start, shape)
+        d_k_to_end = tiles.product(shape, (s["write"], d_end))  # U dS'
+        d_to_end = jnp.sum(d_k_to_end * tiles.load(k), axis=1)
+        d_k = d_k + d_k_to_end * tiles.by_row(decays.to_end, shape)
         _write_tile(s, out["d_k"].at[tokens, head, keys[1]], d_k)
         return sums[0] + d_to_end, sums[1] + d_k_proj
 
     zero = beta * 0.0
-    d_from_start = mc.over_blocks(key_dim, query_block, zero)
-    d_to_end, d_k_proj = mc.over_blocks(key_dim, key_block, (zero, zero))
+    d_from_start = tiles.over_blocks(key_dim, query_block, zero)
+    d_to_end, d_k_proj = tiles.over_blocks(key_dim, key_block, (zero, zero))
     return d_from_start, d_to_end, d_k_proj
 
 
@@ -243,22 +168,22 @@ def _gate_grads(s, decays, d_from_start, d_to_end):
     within the chunk times them; ``ones`` and ``strict`` the triangular masks."""
     shape = (CHUNK, CHUNK)
     # [t, s]: the sum over i < s of row t, a product with the strict mask's transpose.
-    rows_before = mc.product(shape, (s["sq_within"], s["strict"].T))
-    held = rows_before + mc.by_row(d_from_start * decays.from_start, shape)
-    lower = mc.load(s["ones"])  # (t >= s)
+    rows_before = tiles.product(shape, (s["sq_within"], s["strict"].T))
+    held = rows_before + tiles.by_row(d_from_start * decays.from_start, shape)
+    lower = tiles.load(s["ones"])  # (t >= s)
     d_log_alpha = jnp.sum(held * lower, axis=0)
-    to_end = mc.by_row(d_to_end * decays.to_end, shape)
+    to_end = tiles.by_row(d_to_end * decays.to_end, shape)
     d_log_alpha = d_log_alpha + jnp.sum(to_end - to_end * lower, axis=0)
 
     # The whole chunk's decay: sum(dS' * S), 64 rows of the state at a time.
     def rows_of(i, total):
         rows = pl.ds(pl.multiple_of(i * CHUNK, CHUNK), CHUNK)
-        product = mc.load(s["d_end"].at(rows)) * mc.load(s["start"].at(rows))
-        return total + jnp.sum(mc.by_row(jnp.sum(product, axis=1), shape), axis=0)
+        product = tiles.load(s["d_end"].at(rows)) * tiles.load(s["start"].at(rows))
+        return total + jnp.sum(tiles.by_row(jnp.sum(product, axis=1), shape), axis=0)
 
     blocks = (jnp.int32(0), jnp.int32(s["start"].refs[0].shape[0] // CHUNK))
     d_whole = jax.lax.fori_loop(*blocks, rows_of, d_log_alpha * 0.0)
-    return d_log_alpha + d_whole * plgpu.load(s["gates"].at[4], layout=mc.COLS)
+    return d_log_alpha + d_whole * plgpu.load(s["gates"].at[4], layout=tiles.COLS)
 
 
 def _grads_kernel(*refs, group: int, **s):
@@ -277,14 +202,14 @@ def _grads_kernel(*refs, group: int, **s):
 
     def v_hbm(first):  # v is read twice, straight from HBM: a tile of it would not fit
         values = pl.ds(block * value_block + first, CHUNK)
-        return mc.load_global([ref.at[tokens, head, values] for ref in hbm["v"]])
+        return tiles.load_global([ref.at[tokens, head, values] for ref in hbm["v"]])
 
     # Q K^T * Gamma as soon as the decays are made: Gamma [C, C] held in registers through
     # the inverse and the corrections until dU needed it, and ptxas spilled.
-    decays = mc.chunk_decays(s["gates"], s)
+    decays = in_chunk.chunk_decays(s["gates"], s)
     attn = Pieces(s["terms"].refs[: len(s["q"].refs)])  # the segment sums are done with it
-    mc.store(attn, mc.product((CHUNK, CHUNK), (s["q"], s["k"].T)) * decays.within)
-    decays, beta = mc.chunk_system(s, s["k"], s["gates"], decays)
+    tiles.store(attn, tiles.product((CHUNK, CHUNK), (s["q"], s["k"].T)) * decays.within)
+    decays, beta = in_chunk.chunk_system(s, s["k"], s["gates"], decays)
     _corrections(s, decays, beta, v_hbm)
     d_beta = _value_grads(s, out, decays, beta, attn, index, v_hbm)
     decays, d_beta_system = _square_grads(s, s["gates"])
@@ -297,7 +222,7 @@ def _grads_kernel(*refs, group: int, **s):
     plgpu.wait_smem_to_gmem(0)
 
 
-def grads(q, k, v, d_y, gates, starts, d_ends, *, dtypes=(F32, F32), interpret=None):
+def grads(q, k, v, d_y, gates, starts, d_ends, *, dtypes=(F32, F32), interpret):
     """Every chunk's gradients from its start state and end-state cotangent (pieces
     ``[chunks, HV, V, K]``): returns ``(d_q, d_k [blocks, tokens, HV, K], d_v [tokens, HV,
     V], d_gates [blocks, 2, HV, tokens])``, the shares of each value head and block of value
@@ -316,16 +241,16 @@ def grads(q, k, v, d_y, gates, starts, d_ends, *, dtypes=(F32, F32), interpret=N
         d_key_dtype = F32
     state = (value_block, key_dim)
     scratch = dict(
-        q=mc.pieces(count, (CHUNK, key_dim)),
-        k=mc.pieces(count, (CHUNK, key_dim)),
-        d_y=mc.pieces(count, (CHUNK, value_block)),
-        start=mc.pieces(count, state),
-        d_end=mc.pieces(count, state),
-        gates=plgpu.SMEM((mc.GATES, CHUNK), F32),
-        du=mc.pieces(count, (CHUNK, value_block)),
+        q=tiles.pieces(count, (CHUNK, key_dim)),
+        k=tiles.pieces(count, (CHUNK, key_dim)),
+        d_y=tiles.pieces(count, (CHUNK, value_block)),
+        start=tiles.pieces(count, state),
+        d_end=tiles.pieces(count, state),
+        gates=plgpu.SMEM((in_chunk.GATES, CHUNK), F32),
+        du=tiles.pieces(count, (CHUNK, value_block)),
         loaded=plgpu.Barrier(num_arrivals=5 * count + 1),
-        strict=mc.pieces(1, (CHUNK, CHUNK)),
-        out_tile=mc.smem((CHUNK, CHUNK), d_v_dtype),
+        strict=tiles.pieces(1, (CHUNK, CHUNK)),
+        out_tile=tiles.smem((CHUNK, CHUNK), d_v_dtype),
         **factor_scratch(count, key_dim, value_block),
     )
     del scratch["erase"]  # the grads kernel applies K S^T's decays to the product
@@ -336,12 +261,12 @@ def grads(q, k, v, d_y, gates, starts, d_ends, *, dtypes=(F32, F32), interpret=N
         jax.ShapeDtypeStruct((tokens, v_heads, value_dim), d_v_dtype),
         jax.ShapeDtypeStruct((blocks, 2, v_heads, tokens), F32),
     )
-    call = mc.kernel_call(
+    call = tiles.kernel_call(
         functools.partial(_grads_kernel, group=v_heads // heads),
         name="gdn_mosaic_grads",
         out_type=out_type,
         scratch=scratch,
-        grid=dict(chunk=tokens // CHUNK, head=v_heads, block=blocks),
+        grid=dict(block=blocks, head=v_heads, chunk=tokens // CHUNK),
         interpret=interpret,
     )
     return call(tuple(q), tuple(k), tuple(v), tuple(d_y), gates, tuple(starts), tuple(d_ends))

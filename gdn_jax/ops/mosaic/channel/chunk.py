@@ -1,10 +1,10 @@
 """What the channel-decay Mosaic GPU kernels (KDA, GDN-2) do inside one chunk: the per-channel
-decays of ``channel_decays.py`` and the scores they weight, on one warpgroup's register tiles
-and shared-memory operands (``mosaic_chunk.py``'s products, pieces and layouts).
+decays of ``chunked/channel_decays.py`` and the scores they weight, on one warpgroup's register tiles
+and shared-memory operands (``ops/mosaic/tiles.py``'s products, pieces and layouts).
 
 A chunk's log-decays ``g [C, K]`` (float32, one per token and key channel, each ``<= 0``) are
 in shared memory as ``SEGMENT_PIECES`` bf16 pieces, which hold them exactly. The halving
-levels of ``channel_decays.py`` need, for half-blocks of ``h`` tokens, the sums within blocks
+levels of ``chunked/channel_decays.py`` need, for half-blocks of ``h`` tokens, the sums within blocks
 of ``h``: ``P_h[t]``, the gates of ``t``'s block up to and including ``t``, and ``S_h[t]``,
 those after ``t`` in it. Each is one product of a 0/1 mask ``[C, C]`` with the gates' pieces
 (``block_sums``): a sum of the gates of its own segment, never a difference of running sums,
@@ -16,7 +16,7 @@ k_t`` plus one product a level (``channel_scores``): for half ``h`` the rows ``x
 exp(P_h[t])`` of each block's second half against the columns ``k_i exp(S_h[i])`` of its first
 half, kept where ``t`` and ``i`` are the two halves of one ``2h``-block (``t ^ i`` in ``[h,
 2h)``). Every ``exp`` is of a sum of gates, ``<= 0``: no level overflows, however strongly a
-chunk decays. Elementwise work runs over blocks of 64 key channels (``mosaic_chunk.over_blocks``)
+chunk decays. Elementwise work runs over blocks of 64 key channels (``tiles.over_blocks``)
 so that a register tile is ``[64, 64]``.
 """
 
@@ -27,8 +27,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gdn_jax.ops import mosaic_chunk as mc
-from gdn_jax.ops.mosaic_chunk import BF16, CHUNK, Pieces
+from gdn_jax.ops.mosaic import tiles
+from gdn_jax.ops.mosaic.limits import CHUNK
+from gdn_jax.ops.mosaic.tiles import BF16, Pieces
 
 SQUARE = (CHUNK, CHUNK)
 LEVELS = CHUNK.bit_length() - 1  # halving levels of a chunk: half-blocks of 1, 2, ..., C/2
@@ -45,7 +46,7 @@ def indices():
     index tiles held 32 registers each through every loop that LLVM hoisted them out of."""
     return tuple(
         plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=layout)
-        for layout in (mc.ROWS, mc.COLS)
+        for layout in (tiles.ROWS, tiles.COLS)
     )
 
 
@@ -53,7 +54,7 @@ def same_block(size):
     """``[C, C]`` bool: where ``t`` and ``i`` lie in one block of ``size`` tokens (a power
     of two, possibly traced)."""
     rows, cols = indices()
-    return mc.by_row(rows & -size, SQUARE) == mc.by_col(cols & -size, SQUARE)
+    return tiles.by_row(rows & -size, SQUARE) == tiles.by_col(cols & -size, SQUARE)
 
 
 def write_sum_masks(masks: tuple[Pieces, Pieces], half) -> None:
@@ -62,24 +63,24 @@ def write_sum_masks(masks: tuple[Pieces, Pieces], half) -> None:
     where ``j`` is in ``t``'s block and ``j <= t`` (``P``), and ``j > t`` (``S``)."""
     rows, cols = indices()
     same = same_block(half)
-    upto = mc.by_col(cols, SQUARE) <= mc.by_row(rows, SQUARE)
+    upto = tiles.by_col(cols, SQUARE) <= tiles.by_row(rows, SQUARE)
     masks[0].refs[0][...] = jnp.where(same & upto, 1.0, 0.0).astype(BF16)
     masks[1].refs[0][...] = jnp.where(same & ~upto, 1.0, 0.0).astype(BF16)
-    mc.commit()
+    tiles.commit()
 
 
 def block_sums(masks: tuple[Pieces, Pieces], gates: Pieces):
     """``(P, S)``: the sums within the blocks of ``masks`` (``write_sum_masks``) of the gates
     ``gates`` (a ``[C, 64]`` view of their pieces), float32 ``[C, 64]`` tiles (WGMMA)."""
     shape = (CHUNK, gates.refs[0].shape[1])
-    return mc.product(shape, (masks[0], gates)), mc.product(shape, (masks[1], gates))
+    return tiles.product(shape, (masks[0], gates)), tiles.product(shape, (masks[1], gates))
 
 
 def second_halves(half, shape):
     """``[C, n]`` float32: 1 on the rows of the second half of each block of ``2 half``
     tokens, 0 on the first."""
     rows, _ = indices()
-    return mc.by_row(jnp.minimum(rows & half, 1).astype(jnp.float32), shape)
+    return tiles.by_row(jnp.minimum(rows & half, 1).astype(jnp.float32), shape)
 
 
 def level_factors(sums, half):
@@ -108,17 +109,17 @@ def _level_operands(s: dict, xs: tuple[Pieces, ...], k: Pieces, gates: Pieces, h
     def block(first, carry):
         keys = key_block(first)
         second = second_halves(half, SQUARE)
-        sums = mc.product(SQUARE, (s["masks"][0], gates.at(*keys)))
+        sums = tiles.product(SQUARE, (s["masks"][0], gates.at(*keys)))
         factor = jnp.exp(sums) * second  # exp(P) <= 1: no inf meets the mask
         for x, dst in zip(xs, s["rows"], strict=True):
-            mc.store(dst.at(*keys), mc.load(x.at(*keys)) * factor)
-        sums = mc.product(SQUARE, (s["masks"][1], gates.at(*keys)))
+            tiles.store(dst.at(*keys), tiles.load(x.at(*keys)) * factor)
+        sums = tiles.product(SQUARE, (s["masks"][1], gates.at(*keys)))
         factor = jnp.exp(sums) * (1.0 - second)
-        mc.store(s["cols"].at(*keys), mc.load(k.at(*keys)) * factor)
+        tiles.store(s["cols"].at(*keys), tiles.load(k.at(*keys)) * factor)
         return carry
 
-    mc.over_blocks(k.refs[0].shape[1], block, 0)
-    mc.commit()
+    tiles.over_blocks(k.refs[0].shape[1], block, 0)
+    tiles.commit()
 
 
 def channel_scores(s: dict, xs: tuple[Pieces, ...], k: Pieces, gates: Pieces, *, diagonal=True):
@@ -130,9 +131,9 @@ def channel_scores(s: dict, xs: tuple[Pieces, ...], k: Pieces, gates: Pieces, *,
     ``cols`` (``[C, K]``). ``diagonal`` is one bool or one per ``x``."""
     flags = diagonal if isinstance(diagonal, tuple) else (diagonal,) * len(xs)
     eye = same_block(1)
-    zero = mc.by_row(indices()[0].astype(jnp.float32) * 0.0, SQUARE)  # in a WGMMA layout
+    zero = tiles.by_row(indices()[0].astype(jnp.float32) * 0.0, SQUARE)  # in a WGMMA layout
     totals = tuple(
-        jnp.where(eye, mc.product(SQUARE, (x, k.T)), 0.0) if flag else zero
+        jnp.where(eye, tiles.product(SQUARE, (x, k.T)), 0.0) if flag else zero
         for x, flag in zip(xs, flags, strict=True)
     )
 
@@ -141,7 +142,7 @@ def channel_scores(s: dict, xs: tuple[Pieces, ...], k: Pieces, gates: Pieces, *,
         _level_operands(s, xs, k, gates, half)
         kept = in_level(half)
         return tuple(
-            total + jnp.where(kept, mc.product(SQUARE, (x_rows, s["cols"].T)), 0.0)
+            total + jnp.where(kept, tiles.product(SQUARE, (x_rows, s["cols"].T)), 0.0)
             for total, x_rows in zip(totals, s["rows"], strict=True)
         )
 
@@ -160,7 +161,7 @@ def chunk_decay(masks: tuple[Pieces, Pieces], gates: Pieces, which: int):
     float32 ``[C, 64]`` tile (WGMMA), with the masks of ``write_chunk_masks`` in ``masks``.
     One product: a caller that uses one decay before it makes the other holds one tile."""
     shape = (CHUNK, gates.refs[0].shape[1])
-    return jnp.exp(mc.product(shape, (masks[which], gates)))
+    return jnp.exp(tiles.product(shape, (masks[which], gates)))
 
 
 def chunk_decays(masks: tuple[Pieces, Pieces], gates: Pieces):

@@ -10,7 +10,7 @@ blocks. Packed sequences add two integer arrays over the blocks:
   after the block is sequence ``m``'s final state.
 
 Blocks never straddle two sequences (the chunked form lays each sequence out from a chunk
-boundary, see ``varlen.py``). Without ``resets`` there is one sequence over all blocks.
+boundary, see ``chunked/varlen.py``). Without ``resets`` there is one sequence over all blocks.
 ``map_groups`` maps a function over blocks a group at a time (the chunked backward's
 gradients, where all blocks at once would not fit an accelerator's memory).
 """

@@ -24,7 +24,7 @@ quarters are the same problem at half the size, down to single tokens (``x_t . k
 decay). The matmuls add up to the ``2 C^2 K`` flops of one undecayed ``X K^T``.
 
 Every decay is the ``exp`` of a sum of the gates over its own segment of tokens, and every
-such sum is a sum over its own segment, never a difference of running sums (``decays.py``
+such sum is a sum over its own segment, never a difference of running sums (``chunked/decays.py``
 says why: float32 would lose the -0.01 steps after a -1e4 reset). They come from one chain
 over the levels, finest first, with no product: for blocks of ``h`` tokens let ``P_h[t]``
 be the sum of the gates from the start of ``t``'s block through ``t`` and ``S_h[t]`` the sum
@@ -70,7 +70,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from gdn_jax.ops.blocks import barrier_off_cpu
+from gdn_jax.ops.chunked.blocks import barrier_off_cpu
 
 
 class ChannelDecays(NamedTuple):

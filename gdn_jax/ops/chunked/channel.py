@@ -7,10 +7,10 @@ or one number) and a write gate ``w_t`` (``[V]``, or one number)::
     S_t = S_{t-1} Diag(alpha_t) + U_t k_t^T,   U_t = w_t * v_t - S_{t-1} Diag(alpha_t) (b_t * k_t)
 
 GDN-2 has both gates per channel; KDA is ``b_t = w_t = beta_t``; with equal channels of
-``g`` it is the gated delta rule (whose scalar decays ``chunked.py`` runs faster). With
+``g`` it is the gated delta rule (whose scalar decays ``ops/chunked/scalar.py`` runs faster). With
 ``e_t = b_t * k_t`` (what a token erases along) and ``x_t = w_t * v_t`` (what it writes), a
 chunk of ``C`` tokens from state ``S``, ``G_t`` the decays summed from its start
-(``channel_decays.py``), is the same problem as the gated delta rule's (``wy.py``), the
+(``chunked/channel_decays.py``), is the same problem as the gated delta rule's (``chunked/wy.py``), the
 decays inside the channel sums:
 
 1. Decays and WY factors: ``(I + A) U = X - (E * exp(G)) S^T`` with ``A_ti = sum_c e_tc k_ic
@@ -36,7 +36,7 @@ decay factor's cotangent to ``g`` (``channel_decays.channel_scores_bwd``, down i
 sums). Between the forward and the backward only the inputs, in their own dtype, and one
 ``[V, K]`` state per chunk are kept.
 
-As in ``chunked.py``, stages 1 and 3 and the gradients run hoisted out of the scan over
+As in ``ops/chunked/scalar.py``, stages 1 and 3 and the gradients run hoisted out of the scan over
 chunks and batched (``"hoisted"``: only state-sized products in the loops; the keys and
 queries enter them already decayed) or inside it, chunk by chunk (``"in_scan"``). Both take
 GDN-2's ``x = w * v`` already formed (``_writes_first``; the hoisted one only where that is
@@ -53,15 +53,22 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from gdn_jax.ops import checks, stages
-from gdn_jax.ops.blocks import barrier_off_cpu, map_groups, scan_blocks, scan_blocks_backward
-from gdn_jax.ops.channel_decays import (
+from gdn_jax.ops import checks
+from gdn_jax.ops.chunked import stages
+from gdn_jax.ops.chunked.blocks import (
+    barrier_off_cpu,
+    map_groups,
+    scan_blocks,
+    scan_blocks_backward,
+)
+from gdn_jax.ops.chunked.channel_decays import (
     ChannelDecays,
     channel_scores,
     channel_scores_bwd,
     level_sums,
 )
-from gdn_jax.ops.chunked import (
+from gdn_jax.ops.chunked.decays import LOG_ALPHA_FLOOR
+from gdn_jax.ops.chunked.scalar import (
     cast_back,
     cast_to,
     dtypes_of,
@@ -69,11 +76,10 @@ from gdn_jax.ops.chunked import (
     state_pass,
     state_pass_bwd,
 )
-from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
-from gdn_jax.ops.dispatch import run_schedule
-from gdn_jax.ops.state_scan import end_cotangents, state_pass_over
-from gdn_jax.ops.varlen import chunk_layout
-from gdn_jax.ops.wy import two_products, two_products_bwd
+from gdn_jax.ops.chunked.schedules import run_schedule
+from gdn_jax.ops.chunked.state_scan import end_cotangents, state_pass_over
+from gdn_jax.ops.chunked.varlen import chunk_layout
+from gdn_jax.ops.chunked.wy import two_products, two_products_bwd
 
 Gate = Float[Array, " C"] | Float[Array, "C D"]  # one number per token, or one per channel
 EraseGate = Float[Array, " C"] | Float[Array, "C K"]

@@ -1,22 +1,22 @@
 """The channel-decay delta rules (KDA, GDN-2) as Mosaic GPU kernels for Hopper
-(``impl="mosaic_gpu"``), of the design of the gated delta rule's (``chunked_mosaic.py``).
+(``impl="mosaic_gpu"``), of the design of the gated delta rule's (``ops/mosaic/scalar/op.py``).
 
 Both rules reduce to one kernel contract in XLA, before the kernels: per value head, the
 erase vectors ``e = b * k`` (KDA: ``beta * k``), the writes ``x = w * v`` (KDA: ``beta * v``)
 and the log-decays ``g`` clamped at ``decays.LOG_ALPHA_FLOOR`` (a reset), all on the token
-layout of ``mosaic_layout.py`` with channels padded with zeros to multiples of 64. The
-forward (``mosaic_channel_forward.py``) is a kernel over every chunk for the scores, the
+layout of ``ops/mosaic/layout.py`` with channels padded with zeros to multiples of 64. The
+forward (``ops/mosaic/channel/factors.py``, ``states.py``) is a kernel over every chunk for the scores, the
 inverse of the intra-chunk system and the WY factors, then a state pass a (sequence, value
 head, block of 64 value channels) that carries the float32 state on chip.
 
-The backward (``_core_bwd``, ``mosaic_channel_backward.py``) is a reverse state pass on the
+The backward (``_core_bwd``, ``ops/mosaic/channel/reverse.py``) is a reverse state pass on the
 forward's factors that carries the float32 cotangent of the state on chip, then kernels over
 every chunk for the gradients of the contract's q, k, e, x and g (their value blocks' and
 value heads' shares summed in XLA), pulled back to the rule's inputs through the contract's
 elementwise products in XLA (``_contract``).
 
 Every product is a wgmma with bf16 operands and float32 accumulation: bf16 v makes every
-operand one bf16 piece, any other dtype two (``mosaic_chunk.py``).
+operand one bf16 piece, any other dtype two (``ops/mosaic/tiles.py``).
 """
 
 from __future__ import annotations
@@ -26,18 +26,18 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gdn_jax.ops import mosaic_channel_backward as backward
-from gdn_jax.ops import mosaic_channel_forward as forward
-from gdn_jax.ops import mosaic_chunk as mc
-from gdn_jax.ops.decays import LOG_ALPHA_FLOOR
+from gdn_jax.ops.chunked.decays import LOG_ALPHA_FLOOR
 from gdn_jax.ops.forward_mode import first_order_only
-from gdn_jax.ops.mosaic_chunk import CHUNK, F32
-from gdn_jax.ops.mosaic_layout import padded, padded_states, token_layout
+from gdn_jax.ops.mosaic import limits, tiles
+from gdn_jax.ops.mosaic.channel import factors, grads, reverse, states
+from gdn_jax.ops.mosaic.layout import padded, padded_states, token_layout
+from gdn_jax.ops.mosaic.limits import CHUNK
+from gdn_jax.ops.mosaic.tiles import F32
 
 
 @jax.custom_jvp
 def _clamped(log_alpha):
-    """The log-decays clamped at the floor (a full reset), as ``channel_chunked.clamped``;
+    """The log-decays clamped at the floor (a full reset), as ``chunked/channel.py``'s ``clamped``;
     a clamped gate gets no gradient (at the floor too, where ``maximum``'s would be half).
     The forward's ``maximum`` and the backward's comparison are different operations: the
     same comparison in both, XLA kept one mask ``[tokens, HV, K]`` from the forward to the
@@ -56,7 +56,7 @@ def _contract(q, k, v, gates):
     = b * k`` per value head, the writes ``x = w * v``, KDA's ``beta`` for both gates, the
     log-decays clamped at the floor); its pullback takes the kernels' gradients to the
     rule's inputs. ``g`` passes no gradient to a gate clamped at the floor (as
-    ``channel_chunked.clamped``)."""
+    ``chunked/channel.py``'s ``clamped``)."""
     log_alpha, erase, *write = (x.astype(F32) for x in gates)
     group = v.shape[1] // q.shape[1]
     erase = erase[..., None] if erase.ndim == 2 else erase
@@ -72,8 +72,8 @@ def kernel_operands(q, k, v, gates):
     [tokens, HV, K], w [tokens, HV, V])``): ``_contract``'s ``(q, k, e, x)`` padded, as
     pieces (one each when v is bf16, else two), and its ``g [tokens, HV, K]`` padded."""
     *operands, g = _contract(q, k, v, gates)
-    count = mc.piece_count(v.dtype)
-    q, k, e, x = (mc.operand(padded(y, 2), count) for y in operands)
+    count = tiles.piece_count(v.dtype)
+    q, k, e, x = (tiles.operand(padded(y, 2), count) for y in operands)
     return (q, k, e, x), padded(g, 2)
 
 
@@ -82,9 +82,9 @@ def _forward(q, k, v, gates, initial_states, table, *, keep_starts, interpret):
     ``residuals = (operands, g, factors, starts)`` with ``keep_starts``, else None."""
     key_dim, value_dim = q.shape[-1], v.shape[-1]
     operands, g = kernel_operands(q, k, v, gates)
-    f = forward.factors(*operands, g, interpret=interpret)
+    f = factors.factors(*operands, g, interpret=interpret)
     h0 = padded_states(initial_states)
-    y, finals, *starts = forward.states(
+    y, finals, *starts = states.states(
         table, f.q_start, f.k_end, f.w, f.u, f.scores, f.whole, h0,
         keep_starts=keep_starts, interpret=interpret,
     )  # fmt: skip
@@ -94,7 +94,7 @@ def _forward(q, k, v, gates, initial_states, table, *, keep_starts, interpret):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _core(q, k, v, gates, initial_states, static, table):
-    """The kernels on the token layout; ``static = (rule name, interpret)``."""
+    """The kernels on the token layout; ``static = (op name, interpret)``."""
     y, finals, _ = _forward(
         q, k, v, gates, initial_states, table, keep_starts=False, interpret=static[1]
     )
@@ -102,7 +102,7 @@ def _core(q, k, v, gates, initial_states, static, table):
 
 
 def _core_fwd(q, k, v, gates, initial_states, static, table):
-    message = mc.SECOND_ORDER.format(rule=static[0])
+    message = limits.SECOND_ORDER.format(op=static[0])
     q, k, v, gates, initial_states = first_order_only(message, (q, k, v, gates, initial_states))
     y, finals, residuals = _forward(
         q, k, v, gates, initial_states, table, keep_starts=True, interpret=static[1]
@@ -113,60 +113,39 @@ def _core_fwd(q, k, v, gates, initial_states, static, table):
 def _core_bwd(static, saved, cotangents):
     """The backward kernels on the forward's residuals, then ``_contract``'s pullback."""
     saved, cotangents = first_order_only(
-        mc.SECOND_ORDER.format(rule=static[0]), (saved, cotangents)
+        limits.SECOND_ORDER.format(op=static[0]), (saved, cotangents)
     )
     inputs, (operands, g, f, starts), table = saved
     d_y, d_finals = cotangents
     key_dim, value_dim = inputs[0].shape[-1], inputs[2].shape[-1]
-    d_y = mc.operand(padded(d_y, 2), len(operands[0]))
-    d_initial, d_ends = backward.reverse(
+    d_y = tiles.operand(padded(d_y, 2), len(operands[0]))
+    d_initial, d_ends = reverse.reverse(
         table, f.q_start, f.k_end, f.w, f.scores, f.whole, d_y,
         padded_states(d_finals), interpret=static[1],
     )  # fmt: skip
-    grads = backward.chunk_grads(
-        *operands, forward.gate_pieces(g), f.scores, d_y, starts, d_ends, interpret=static[1]
+    contract_grads = grads.chunk_grads(
+        *operands, factors.gate_pieces(g), f.scores, d_y, starts, d_ends, interpret=static[1]
     )
     widths = (key_dim, key_dim, key_dim, value_dim, key_dim)
-    grads = tuple(d[..., :width].astype(F32) for d, width in zip(grads, widths, strict=True))
+    contract_grads = tuple(
+        d[..., :width].astype(F32) for d, width in zip(contract_grads, widths, strict=True)
+    )
     _, pullback = jax.vjp(_contract, *inputs[:4])
-    return (*pullback(grads), d_initial[..., :value_dim, :key_dim], None)
+    return (*pullback(contract_grads), d_initial[..., :value_dim, :key_dim], None)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def unsupported(key_dim: int, value_dim: int, v_dtype, compute, chunk_size: int) -> str | None:
-    """Why the kernels cannot take these inputs (None: they can): chunks other than 64, a
-    compute dtype other than float32, a JAX without Mosaic GPU's interpret mode (before
-    0.11), and dims, padded to multiples of 64, past what a Hopper block's shared memory
-    holds for the factors kernel: K up to 128 and V up to 256 with bf16 v (one bf16 piece
-    an operand), K up to 64 and V up to 128 with any other (two pieces an operand)."""
-    reason = mc.unsupported_run(compute, chunk_size)
-    if reason is not None:
-        return reason
-    widest_key, widest_value = (128, 256) if v_dtype == mc.BF16 else (64, 128)
-    if -(-key_dim // 64) * 64 > widest_key or -(-value_dim // 64) * 64 > widest_value:
-        return (
-            f"takes key dims up to {widest_key} and value dims up to {widest_value} (v of "
-            f"dtype {v_dtype}; bf16 v takes 128 and 256), got K={key_dim}, V={value_dim}"
-        )
-    return None
-
-
-def channel_rule_mosaic(
-    q, k, v, gates, initial_states, cu_seqlens, *, chunk_size: int, interpret=None, rule="kda"
-):
+def run(q, k, v, gates, initial_states, cu_seqlens, *, chunk_size: int, op: str, interpret):
     """KDA or GDN-2 batched by the Mosaic GPU kernels, on ``api.prepare_batched``'s inputs:
     q, k ``[B, T, H, K]`` unscaled, v ``[B, T, HV, V]``, ``gates = (log_alpha [B, T, HV, K],
     beta [B, T, HV])`` (KDA) or ``(log_alpha, b [B, T, HV, K], w [B, T, HV, V])`` (GDN-2),
     ``initial_states [B or N, HV, V, K]`` float32, ``cu_seqlens`` None or ``[N + 1]`` with
     ``B == 1``. Returns ``(o [B, T, HV, V], finals)`` in float32, ``o`` unscaled.
-    ``chunk_size`` must be 64; ``interpret`` as ``mosaic_chunk.interpret_params``; ``rule``
-    names the op in errors. Differentiable once in reverse mode (``jax.custom_vjp``)."""
-    dims = (q.shape[-1], v.shape[-1], v.dtype, initial_states.dtype, chunk_size)
-    reason = unsupported(*dims)
-    if reason is not None:
-        raise ValueError(f"{rule}: impl='mosaic_gpu' {reason}; use impl='chunked'")
+    ``chunk_size`` must be 64, within ``limits.refusals`` (``dispatch`` checks them); ``op``
+    names the calling op in errors; ``interpret`` as ``tiles.kernel_call``'s. Differentiable
+    once, in reverse mode (``jax.custom_vjp``)."""
     compute = initial_states.dtype
     batch, seq_len = q.shape[:2]
     if batch * seq_len == 0:  # no tokens: every sequence ends as it started
@@ -174,5 +153,5 @@ def channel_rule_mosaic(
     layout = token_layout(batch, seq_len, CHUNK, cu_seqlens)
     q, k, v = (layout.to_tokens(x) for x in (q, k, v))
     gates = tuple(layout.to_tokens(x) for x in gates)
-    y, finals = _core(q, k, v, gates, initial_states, (rule, interpret), layout.table)
+    y, finals = _core(q, k, v, gates, initial_states, (op, interpret), layout.table)
     return layout.from_tokens(y), finals

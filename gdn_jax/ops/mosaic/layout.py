@@ -1,4 +1,4 @@
-"""The token layout of the Mosaic GPU kernels (``chunked_mosaic.py``, ``channel_mosaic.py``):
+"""The token layout of the Mosaic GPU kernels (``ops/mosaic/scalar/op.py``, ``ops/mosaic/channel/op.py``):
 every sequence's chunks on one token axis, each sequence starting on a chunk boundary, and
 channels padded to the kernels' tiles (``padded``).
 
@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from gdn_jax.ops.varlen import pack_layout
+from gdn_jax.ops.chunked.varlen import pack_layout
 
 
 def padded(x, axis: int):

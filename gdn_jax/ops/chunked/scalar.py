@@ -3,7 +3,7 @@
 For chunks of ``C`` tokens, with ``g`` the summed log-decay from a chunk's start (Yang et
 al., 2025, Sec. 3.3; flash-linear-attention's ``chunk_gated_delta_rule`` has the same stages):
 
-1. Decays and WY factors of every chunk (``decays.py``, ``wy.py``): the corrections a chunk
+1. Decays and WY factors of every chunk (``chunked/decays.py``, ``chunked/wy.py``): the corrections a chunk
    writes are ``U = u - w S^T`` for its start state ``S``.
 2. The state pass, a scan over chunks with every product that touches a state, two per chunk
    (``w`` and the queries read the state together):
@@ -51,13 +51,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from gdn_jax.ops import checks, stages
-from gdn_jax.ops.blocks import barrier_off_cpu, scan_blocks, scan_blocks_backward
-from gdn_jax.ops.decays import LOG_ALPHA_FLOOR, ChunkDecays, chunk_decays, chunk_decays_bwd
-from gdn_jax.ops.dispatch import run_schedule
-from gdn_jax.ops.state_scan import end_cotangents, state_pass_over
-from gdn_jax.ops.varlen import chunk_layout
-from gdn_jax.ops.wy import DELTA, WriteRule
+from gdn_jax.ops import checks
+from gdn_jax.ops.chunked import stages
+from gdn_jax.ops.chunked.blocks import barrier_off_cpu, scan_blocks, scan_blocks_backward
+from gdn_jax.ops.chunked.decays import LOG_ALPHA_FLOOR, ChunkDecays, chunk_decays, chunk_decays_bwd
+from gdn_jax.ops.chunked.schedules import run_schedule
+from gdn_jax.ops.chunked.state_scan import end_cotangents, state_pass_over
+from gdn_jax.ops.chunked.varlen import chunk_layout
+from gdn_jax.ops.chunked.wy import DELTA, WriteRule
 
 over_chunks = jax.vmap
 
@@ -102,7 +103,7 @@ def state_pass(
     ``(S [V, K], w [C, K] or None, u [C, V], K decayed to the chunk's end, Q decayed from its
     start, exp(g_C)) -> (S' [V, K], (U [C, V] or (), diag(exp(g)) Q S^T [C, V]))``. ``w`` and
     the queries read the state in one product. Per-channel decays (KDA and GDN-2,
-    ``channel_chunked.py``), ``exp(g_C) [K]``, decay the state as ``S Diag(exp(g_C))``.
+    ``ops/chunked/channel.py``), ``exp(g_C) [K]``, decay the state as ``S Diag(exp(g_C))``.
     """
     with jax.named_scope(stages.STATE_PASS):
         faded = jnp.atleast_1d(whole)[None, :] * state  # [1, 1] or [1, K] against [V, K]

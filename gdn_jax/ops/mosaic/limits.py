@@ -1,0 +1,92 @@
+"""What the Mosaic GPU kernels take, in one place: their tile sizes and every limit they have,
+forward and backward, rendered as one message form with the calling op's name.
+
+``refusals(...)`` returns the reasons a call cannot run on the kernels (empty: it can), for
+everything the forward and the backward will need, so that an explicit
+``impl="mosaic_gpu"`` is refused before any work and ``"auto"`` never meets a limit later.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+F32 = jnp.float32
+
+CHUNK = 64  # a warpgroup's wgmma rows: the chunk's tokens
+VALUE_BLOCK = 64  # the value channels of one state-pass program: a wgmma's 64 rows of the state
+PAD = 64  # channels are padded with zeros to multiples of this: a wgmma operand's width
+
+
+# Mosaic GPU's API as these kernels are written for it (``plgpu.kernel`` with named grids,
+# Lane semantics, the interpreter that runs them off a GPU) is jax >= 0.11's (Python >= 3.12).
+HAS_KERNELS = hasattr(plgpu, "InterpretGPUParams")
+
+# CUDA's launch limits: the grid's x up to 2^31 - 1 programs, y and z up to 65,535. Every
+# kernel puts what grows with the input (chunks, sequences) on x, the last grid axis.
+GRID_X, GRID_YZ = 2**31 - 1, 65_535
+# Token offsets into the laid-out inputs are int32 in the kernels.
+MOST_TOKENS = 2**31 - 1
+
+# The named error of every route of a second derivative through the kernels' custom_vjp.
+SECOND_ORDER = (
+    "{op}: impl='mosaic_gpu' differentiates once, in reverse mode: its backward is "
+    "Mosaic GPU kernels, which JAX cannot differentiate again (forward over reverse, "
+    "jax.hessian, a gradient of a gradient); use impl='chunked' for second order"
+)
+
+
+def padded_width(dim: int) -> int:
+    """``dim`` channels as the kernels hold them, padded with zeros to a multiple of ``PAD``."""
+    return -(-dim // PAD) * PAD
+
+
+def _common(inputs) -> list[str]:
+    """What every kernel here needs: jax's Mosaic GPU API, chunks of a wgmma's rows, float32
+    compute, and a launch within CUDA's and int32's limits."""
+    reasons = []
+    if not HAS_KERNELS:
+        reasons.append(
+            f"needs jax >= 0.11 (Python >= 3.12; the Mosaic GPU API the kernels are written "
+            f"in, and its interpreter off a GPU), got jax {jax.__version__}"
+        )
+    if inputs.chunk_size != CHUNK:
+        reasons.append(
+            f"runs chunks of {CHUNK} tokens (a wgmma's rows), got chunk_size={inputs.chunk_size}"
+        )
+    if inputs.compute != F32:
+        reasons.append(f"computes in float32, got inputs whose compute dtype is {inputs.compute}")
+    if inputs.tokens > MOST_TOKENS:
+        reasons.append(
+            f"indexes tokens in int32: at most {MOST_TOKENS:,} laid out in chunks of {CHUNK}, "
+            f"got {inputs.tokens:,}"
+        )
+    if inputs.v_heads > GRID_YZ:
+        reasons.append(
+            f"launches a program row per value head, at most {GRID_YZ:,}, got HV={inputs.v_heads}"
+        )
+    return reasons
+
+
+def _widths(inputs, widest_key: int, widest_value: int, why: str) -> list[str]:
+    key, value = padded_width(inputs.key_dim), padded_width(inputs.value_dim)
+    if key <= widest_key and value <= widest_value:
+        return []
+    return [
+        f"takes key dims up to {widest_key} and value dims up to {widest_value} with v of "
+        f"dtype {jnp.dtype(inputs.v_dtype).name} ({why}), got K={inputs.key_dim}, "
+        f"V={inputs.value_dim}"
+    ]
+
+
+def refusals(inputs) -> tuple[str, ...]:
+    """Why the kernels (either gate kind's) cannot take ``inputs`` (``rule.KernelInputs``),
+    forward and backward alike: K up to 128 and V up to 256 with bf16 v (one bf16 piece an
+    operand), K up to 64 and V up to 128 with any other (two pieces an operand: the factors
+    and grads kernels' shared memory holds no more)."""
+    if jnp.dtype(inputs.v_dtype) == jnp.bfloat16:
+        widths = _widths(inputs, 128, 256, "a Hopper block's shared memory")
+    else:
+        widths = _widths(inputs, 64, 128, "two bf16 pieces an operand; bf16 v takes 128 and 256")
+    return (*_common(inputs), *widths)

@@ -1,0 +1,87 @@
+"""The gated delta rule's factors kernel (``impl="mosaic_gpu"``, ``op.py``), a program per
+(chunk, value head): the chunk's decays, ``K K^T``, the inverse ``T`` of its intra-chunk
+system by doubling blocks on the tensor cores and the WY factors ``w = T diag(beta exp(g))
+K``, ``u = T diag(beta) V`` (``chunk.chunk_factors``), written to HBM as bf16 pieces.
+
+HBM layouts (``layout.py``): k pieces ``[tokens, H, K]``, v, u pieces ``[tokens, HV, V]``, w
+``[tokens, HV, K]``, ``gates [GATES, HV, tokens]`` (``chunk.gate_rows``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from gdn_jax.ops.mosaic import tiles
+from gdn_jax.ops.mosaic.limits import CHUNK
+from gdn_jax.ops.mosaic.scalar import chunk as in_chunk
+from gdn_jax.ops.mosaic.tiles import F32
+
+
+def _factors_kernel(k_hbm, v_hbm, gates_hbm, w_hbm, u_hbm, *, group: int, **s):
+    """One chunk of one value head: its ``w [C, K]`` and ``u [C, V]``."""
+    chunk, head = jax.lax.axis_index("chunk"), jax.lax.axis_index("head")
+    tokens = pl.ds(chunk * CHUNK, CHUNK)
+    sources = (
+        *(ref.at[tokens, head // group] for ref in k_hbm),
+        *(ref.at[tokens, head] for ref in v_hbm),
+        gates_hbm.at[:, head, tokens],
+    )
+    for src, dst in zip(sources, (*s["k"].refs, *s["v"].refs, s["gates"]), strict=True):
+        plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
+    in_chunk.write_masks(s)
+    plgpu.barrier_wait(s["loaded"])
+    in_chunk.chunk_factors(s, s["k"], lambda: tiles.load(s["v"]), s["gates"])
+    tiles.copy_out(
+        *((src, dst.at[tokens, head]) for src, dst in zip(s["erase"].refs, w_hbm, strict=True)),
+        *((src, dst.at[tokens, head]) for src, dst in zip(s["write"].refs, u_hbm, strict=True)),
+    )
+    plgpu.wait_smem_to_gmem(0)
+
+
+def factor_scratch(count: int, key_dim: int, value_dim: int) -> dict:
+    """The scratch of ``scalar/chunk.chunk_factors`` for operands of ``count`` pieces (the
+    strict mask is made in registers: one chunk a program, no loop to hoist it out of)."""
+    square = (CHUNK, CHUNK)
+    return dict(
+        terms=tiles.pieces(tiles.SEGMENT_PIECES, square),
+        ones=tiles.pieces(1, square),
+        off=tiles.pieces(count, square),
+        inverse=tiles.pieces(count, square),
+        half=tiles.pieces(count, square),
+        erase=tiles.pieces(count, (CHUNK, key_dim)),
+        write=tiles.pieces(count, (CHUNK, value_dim)),
+    )
+
+
+def factors(k, v, gates, *, interpret):
+    """The WY factors of every chunk: ``k`` pieces ``[tokens, H, K]``, ``v`` pieces
+    ``[tokens, HV, V]``, ``gates [GATES, HV, tokens]`` float32 (``tokens`` a multiple of the
+    chunk, ``K`` and ``V`` of 64). Returns ``(w, u)``, pieces like ``k`` and ``v`` per value
+    head."""
+    count = len(k)
+    tokens, heads, key_dim = k[0].shape
+    v_heads, value_dim = v[0].shape[1:]
+    scratch = dict(
+        k=tiles.pieces(count, (CHUNK, key_dim)),
+        v=tiles.pieces(count, (CHUNK, value_dim)),
+        gates=plgpu.SMEM((in_chunk.GATES, CHUNK), F32),
+        loaded=plgpu.Barrier(num_arrivals=2 * count + 1),
+        **factor_scratch(count, key_dim, value_dim),
+    )
+    shapes = ((tokens, v_heads, key_dim), (tokens, v_heads, value_dim))
+    out_type = tuple(
+        tuple(jax.ShapeDtypeStruct(x, tiles.BF16) for _ in range(count)) for x in shapes
+    )
+    call = tiles.kernel_call(
+        functools.partial(_factors_kernel, group=v_heads // heads),
+        name="gdn_mosaic_factors",
+        out_type=out_type,
+        scratch=scratch,
+        grid=dict(head=v_heads, chunk=tokens // CHUNK),
+        interpret=interpret,
+    )
+    return call(tuple(k), tuple(v), gates)

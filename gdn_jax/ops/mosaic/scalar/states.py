@@ -1,0 +1,144 @@
+"""The gated delta rule's state pass with the outputs (``impl="mosaic_gpu"``, ``op.py``): a
+program per (sequence, value head, block of 64 value channels) keeps its block of the
+float32 state ``S [64, K]`` on chip (registers between chunks, shared memory through a
+chunk's products) from the sequence's first chunk to its last while each chunk's tiles
+stream in by TMA, two slots deep (``state_pass.stream_chunks``); per chunk ``U = u - w S^T``,
+``Y = diag(exp(g)) Q S^T + (Q K^T * Gamma) U`` and ``S' = exp(g_C) S + U^T diag(exp(g_C - g))
+K`` (``chunked/scalar.py``), writing ``Y`` and, for the backward, the start state as the
+pieces its products read.
+
+HBM layouts (``layout.py``): q, k pieces ``[tokens, H, K]``, u pieces ``[tokens, HV, V]``, w
+``[tokens, HV, K]``, ``gates [GATES, HV, tokens]``, states ``[N or chunks, HV, V, K]``,
+``table [N, 2]`` (each sequence's first chunk and count).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from gdn_jax.ops.mosaic import state_pass, tiles
+from gdn_jax.ops.mosaic.limits import CHUNK, VALUE_BLOCK
+from gdn_jax.ops.mosaic.scalar import chunk as in_chunk
+from gdn_jax.ops.mosaic.tiles import F32
+
+
+def pass_scratch(count: int, key_dim: int, *, values: str, squares: int) -> tuple[int, dict]:
+    """``(slots, scratch)``: the shared memory of a state pass, forward or reverse: the
+    chunk's tiles of q, k, w and the value block of ``values`` (u, or dY) in ``slots``
+    (two, streamed, where one bf16 piece an operand leaves room), the gates, the squares
+    of the decays and the system, ``squares`` more, the state's pieces, and a barrier a
+    slot."""
+    slots = 2 if count == 1 else 1  # two pieces a tile leave no room for a second slot
+    square = (CHUNK, CHUNK)
+    tile = (slots, CHUNK, key_dim)
+    scratch = dict(
+        q=tiles.pieces(count, tile),
+        k=tiles.pieces(count, tile),
+        w=tiles.pieces(count, tile),
+        gates=plgpu.SMEM((slots, in_chunk.GATES, CHUNK), F32),
+        terms=tiles.pieces(tiles.SEGMENT_PIECES, square),
+        ones=tiles.pieces(1, square),
+        strict=tiles.pieces(1, square),
+        extra=in_chunk.extra_squares(count, squares),
+        state=tiles.pieces(count, (VALUE_BLOCK, key_dim)),
+        loaded=plgpu.Barrier(num_arrivals=4 * count + 1, num_barriers=slots),
+    )
+    scratch[values] = tiles.pieces(count, (slots, CHUNK, VALUE_BLOCK))
+    return slots, scratch
+
+
+def fetch_chunk(hbm, s, chunk, slot, *, head, group, block, values="u"):
+    """Start the TMA copies of one chunk's tiles into ``slot``: q, k (key head), w, the
+    value block of ``values`` (u in the forward, dY in the reverse pass), and the gates."""
+    tokens = pl.ds(chunk * CHUNK, CHUNK)
+    channels = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
+    sources = (
+        *(ref.at[tokens, head // group] for ref in (*hbm["q"], *hbm["k"])),
+        *(ref.at[tokens, head] for ref in hbm["w"]),
+        *(ref.at[tokens, head, channels] for ref in hbm[values]),
+        hbm["gates"].at[:, head, tokens],
+    )
+    dsts = (*s["q"].refs, *s["k"].refs, *s["w"].refs, *s[values].refs, s["gates"])
+    for src, dst in zip(sources, dsts, strict=True):
+        plgpu.copy_gmem_to_smem(src, dst.at[slot], s["loaded"].at[slot])
+
+
+def _state_step(out, s, chunk, slot, state, *, head, block):
+    """One chunk of the state pass on tiles already in ``slot``: writes the chunk's outputs
+    (and start state, where ``out["starts"]`` is there) and returns the state after it.
+    Each register tile is stored as soon as it is made and the decays scale ``[C, 64]``
+    tiles, not ``[C, K]`` ones, so that few registers are live at once besides the state
+    (ptxas's figures, ``benchmarks/mosaic_sm90.py``)."""
+    q, k, w, u = (s[name].at(slot) for name in ("q", "k", "w", "u"))
+    decays = in_chunk.chunk_decays(s["gates"].at[slot], s)
+    values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
+    # The state's operand: every wgmma below reads it, and the backward its start state.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    tiles.store(s["state"], state)
+    if "carry" in s:  # the float32 state waits in shared memory, not in registers
+        s["carry"][...] = state
+    if "starts" in out:
+        starts = zip(s["state"].refs, out["starts"], strict=True)
+        tiles.copy_out(*((src, dst.at[chunk, head, values]) for src, dst in starts))
+    attn, corr, corr_to_end = in_chunk.squares(s, 3)
+    tiles.store(attn, tiles.product((CHUNK, CHUNK), (q, k.T)) * decays.within)
+    shape = (CHUNK, VALUE_BLOCK)
+    corrections = tiles.load(u) - tiles.product(shape, (w, s["state"].T))  # U = u - w S^T
+    tiles.store(corr, corrections)
+    tiles.store(corr_to_end, corrections * tiles.by_row(decays.to_end, shape))
+    tiles.commit()
+    y = tiles.by_row(decays.from_start, shape) * tiles.product(shape, (q, s["state"].T))
+    s["y"][...] = y + tiles.product(shape, (attn, corr))
+    tokens = pl.ds(chunk * CHUNK, CHUNK)
+    tiles.copy_out((s["y"], out["y"].at[tokens, head, values]))
+    written = tiles.product(state.shape, (corr_to_end.T, k))
+    state = s["carry"][...] if "carry" in s else state
+    return tiles.by_row(decays.whole, state.shape) * state + written
+
+
+def _states_kernel(table, *refs, group: int, slots: int, **s):
+    """One sequence, value head and block of value channels over the sequence's chunks."""
+    names = ("q", "k", "w", "u", "gates", "h0", "y", "finals", "starts")
+    hbm = dict(zip(names, refs, strict=False))
+    out = {name: hbm.pop(name) for name in names[6:] if name in hbm}
+    h0 = hbm.pop("h0")
+    seq, head, block = (jax.lax.axis_index(axis) for axis in ("seq", "head", "block"))
+    values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
+    fetch = functools.partial(fetch_chunk, hbm, s, head=head, group=group, block=block)
+    step = functools.partial(_state_step, out, s, head=head, block=block)
+    in_chunk.write_masks(s)
+    start, end = h0.at[seq, head, values], out["finals"].at[seq, head, values]
+    state_pass.carry_over_sequence(table, fetch, step, start, end, loaded=s["loaded"], slots=slots)
+
+
+def states(table, q, k, w, u, gates, h0, *, keep_starts: bool, interpret):
+    """The state pass with the outputs. Returns ``(y [tokens, HV, V], finals [N, HV, V,
+    K])`` in float32, and with ``keep_starts`` each chunk's start state as the bf16 pieces
+    that its products read, ``[chunks, HV, V, K]`` each."""
+    count = len(q)
+    tokens, heads, key_dim = q[0].shape
+    v_heads, value_dim = u[0].shape[1:]
+    slots, scratch = pass_scratch(count, key_dim, values="u", squares=3)
+    scratch["y"] = tiles.smem((CHUNK, VALUE_BLOCK), F32)
+    if count == 1:  # room for the state in shared memory through a chunk's products
+        scratch["carry"] = tiles.smem((VALUE_BLOCK, key_dim), F32)
+    out_type = [
+        jax.ShapeDtypeStruct((tokens, v_heads, value_dim), F32),
+        jax.ShapeDtypeStruct(h0.shape, F32),
+    ]
+    if keep_starts:
+        shape = (tokens // CHUNK, v_heads, value_dim, key_dim)
+        out_type.append(tuple(jax.ShapeDtypeStruct(shape, tiles.BF16) for _ in range(count)))
+    call = tiles.kernel_call(
+        functools.partial(_states_kernel, group=v_heads // heads, slots=slots),
+        name="gdn_mosaic_states",
+        out_type=tuple(out_type),
+        scratch=scratch,
+        grid=dict(block=value_dim // VALUE_BLOCK, head=v_heads, seq=h0.shape[0]),
+        interpret=interpret,
+    )
+    return call(table, tuple(q), tuple(k), tuple(w), tuple(u), gates, h0)

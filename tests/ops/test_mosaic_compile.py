@@ -1,0 +1,107 @@
+"""The Mosaic GPU kernels compiled for an H200 on this host (``gdn_jax.gpu_compile``), forward
+and backward through the public ops: over every width ``limits.refusals`` accepts, each
+kernel fits a Hopper block, spills nothing, runs its products on the tensor cores and leaves
+no shared-memory store unfenced before a wgmma or a TMA store reads it (read from its SASS);
+and at 2^23 tokens every rule's kernels launch (their grids within CUDA's limits).
+
+Traced on abstract shapes: nothing is computed, and T = 2^23 allocates nothing. jax >= 0.12
+keeps a compiled Mosaic kernel for the process and dumps it once, so each program here has
+shapes of its own.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+gpu_compile = pytest.importorskip("gdn_jax.gpu_compile")
+if not gpu_compile.plugin_installed():
+    pytest.skip('compiling for a GPU needs the CUDA plugin: pip install -e ".[gpu-compile]"',
+                allow_module_level=True)  # fmt: skip
+from gdn_jax.ops.mosaic import limits  # noqa: E402
+
+if not limits.HAS_KERNELS:
+    pytest.skip(f"the kernels need jax >= 0.11, got {jax.__version__}", allow_module_level=True)
+
+import gdn_jax  # noqa: E402
+from gdn_jax.ops.rule import STEPS, shape_of  # noqa: E402
+from gdn_jax.ops.rules import RULES  # noqa: E402
+
+# The widths the kernels accept (limits.refusals), padded to multiples of 64: every kernel's
+# resources depend on them and on the dtype, not on B, T or H.
+WIDTHS = {
+    jnp.bfloat16: [(k, v) for k in (64, 128) for v in (64, 128, 192, 256)],
+    jnp.float32: [(64, 64), (64, 128)],
+}
+KERNELS = {"gated_delta_rule": "gdn_mosaic", "gdn2": "channel_mosaic"}
+
+
+def abstract_args(name, *, seq_len, key_dim, value_dim, dtype, heads=(1, 2), batch=1):
+    rule = RULES[name]
+    sizes = {"B": batch, "T": seq_len, "H": heads[0], "HV": heads[1], "K": key_dim,
+             "V": value_dim, STEPS: 2}  # fmt: skip
+    return [
+        jax.ShapeDtypeStruct(
+            shape_of(rule.layout(spec, "batched"), sizes),
+            dtype if spec.name in ("q", "k", "v") else jnp.float32,
+        )
+        for spec in rule.arguments
+    ]
+
+
+def training_step(name, arg_sets):
+    """The gradient of a loss of every output of ``gdn_jax.<name>`` by its kernels, one call
+    for each set of abstract arguments: a training step's forward and backward."""
+    options = {RULES[name].steps: 2} if RULES[name].steps else {}
+    op = functools.partial(getattr(gdn_jax, name), impl="mosaic_gpu", chunk_size=64, **options)
+
+    def loss(arg_sets):
+        total = 0.0
+        for args in arg_sets:
+            y, final = op(*args)
+            total = total + jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
+        return total
+
+    return jax.grad(loss), [arg_sets]
+
+
+def assert_sound(report, prefix):
+    assert report.error is None, report.error
+    assert report.kernels and all(k.name.startswith(prefix) for k in report.kernels)
+    for kernel in report.kernels:
+        assert kernel.launchable, (kernel.name, kernel.problem)
+        assert (kernel.spill_stores, kernel.spill_loads) == (0, 0), kernel.name
+        assert kernel.tensor_core_instructions > 0, kernel.name
+        assert kernel.unfenced_stores == 0, (kernel.name, kernel.unfenced_stores)
+
+
+@pytest.mark.costly(120)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "float32"])
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_every_accepted_width_fits_spills_nothing_and_fences_every_store(name, dtype):
+    seq_len = 128 + 64 * list(KERNELS).index(name) + 32 * (dtype == jnp.float32)
+    arg_sets = [
+        abstract_args(name, seq_len=seq_len, key_dim=k, value_dim=v, dtype=dtype)
+        for k, v in WIDTHS[dtype]
+    ]
+    report = gpu_compile.report(*training_step(name, arg_sets))
+    assert_sound(report, KERNELS[name])
+    stages = {k.name.removeprefix(KERNELS[name] + "_").split("_")[0] for k in report.kernels}
+    assert stages == {"factors", "states", "reverse", "grads"}
+    # Every width is its own kernel of each stage.
+    assert len(report.kernels) == 4 * len(WIDTHS[dtype])
+
+
+@pytest.mark.costly(60)
+@pytest.mark.parametrize("name", sorted(n for n, rule in RULES.items() if rule.kernels))
+def test_every_rule_launches_at_2_to_the_23_tokens(name):
+    """The chunks grow on the grid's x, the only axis past 65,535 programs: 2^23 tokens are
+    131,072 chunks, which on y or z would not launch."""
+    args = abstract_args(name, seq_len=2**23, key_dim=64, value_dim=64, dtype=jnp.bfloat16,
+                         heads=(1, 1))  # fmt: skip
+    report = gpu_compile.report(*training_step(name, [args]))
+    prefix = "channel_mosaic" if name in ("kda", "gdn2") else "gdn_mosaic"
+    assert_sound(report, prefix)
+    assert max(kernel.grid[0] for kernel in report.kernels) >= 2**23 // 64
+    assert report.launches.total <= 40 and not report.launches.loops
