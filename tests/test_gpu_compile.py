@@ -129,7 +129,8 @@ def _stored_then_read(*, fenced: bool, by: str):
     scan (the second, without it, is the bug the scan is for)."""
     tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-    def body(o_gmem, a_smem, b_smem, o_smem):
+    def body(x_gmem, o_gmem, a_smem, b_smem, o_smem):
+        del x_gmem  # an argument to place on the GPU
         a_smem[...] = jnp.ones((64, 64), jnp.bfloat16)
         b_smem[...] = jnp.ones((64, 64), jnp.bfloat16)
         if fenced:
@@ -156,8 +157,9 @@ def _stored_then_read(*, fenced: bool, by: str):
 
 @pytest.mark.parametrize("by", ["wgmma", "tma"])
 def test_a_store_read_through_the_async_proxy_without_a_fence_is_reported(by):
-    (unfenced,) = gpu_compile.report(_stored_then_read(fenced=False, by=by)).kernels
-    (fenced,) = gpu_compile.report(_stored_then_read(fenced=True, by=by)).kernels
+    x = jax.ShapeDtypeStruct((8,), jnp.float32)
+    (unfenced,) = gpu_compile.report(_stored_then_read(fenced=False, by=by), x).kernels
+    (fenced,) = gpu_compile.report(_stored_then_read(fenced=True, by=by), x).kernels
     assert unfenced.unfenced_stores >= 1, by
     assert fenced.unfenced_stores == 0, by
     assert fenced.stall_cycles > 0
@@ -177,18 +179,19 @@ def test_the_fence_scan_reads_straight_line_order():
 def _gridded(rows: int):
     """A kernel over ``(rows, 2)`` programs: Pallas puts the last axis on CUDA's x."""
 
-    def body(o_gmem):
-        del o_gmem
+    def body(x_gmem, o_gmem):
+        del x_gmem, o_gmem
 
     out = jax.ShapeDtypeStruct((8,), jnp.float32)
     return plgpu.kernel(body, out_type=out, grid=(rows, 2), grid_names=("row", "col"))
 
 
 def test_a_grid_over_cudas_launch_limits_is_not_launchable():
-    (fits,) = gpu_compile.report(_gridded(65_535)).kernels
+    x = jax.ShapeDtypeStruct((8,), jnp.float32)
+    (fits,) = gpu_compile.report(_gridded(65_535), x).kernels
     assert fits.grid == (2, 65_535, 1) and fits.launchable
     assert fits.ctas_per_sm >= 1 and fits.waves > 0
-    (over,) = gpu_compile.report(_gridded(65_536)).kernels
+    (over,) = gpu_compile.report(_gridded(65_536), x).kernels
     assert over.grid == (2, 65_536, 1) and not over.launchable
     assert "over CUDA's launch limits" in over.problem
 

@@ -23,6 +23,7 @@ if not hasattr(plgpu, "InterpretGPUParams") or not hasattr(plgpu, "force_gpu_int
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from support.races import detecting_races  # noqa: F401 (the fixture)
 from support.reference import as_array, random_inputs, random_state
 from support.tolerance import assert_close
 
@@ -34,6 +35,11 @@ from gdn_jax.ops.mosaic.limits import CHUNK
 from gdn_jax.ops.mosaic.tiles import F32
 
 OPS = {"kda": gdn_jax.kda, "gdn2": gdn_jax.gdn2}
+
+
+# Every kernel of these tests runs under the interpreter's race detector, which must stay
+# silent (support/races.py).
+pytestmark = pytest.mark.usefixtures("detecting_races")
 
 
 def _scores_kernel(count: int, key_dim: int):

@@ -20,6 +20,7 @@ if not hasattr(plgpu, "InterpretGPUParams"):
 
 import jax.numpy as jnp
 import numpy as np
+from support.races import detecting_races  # noqa: F401 (the fixture)
 from support.tolerance import assert_close
 
 from gdn_jax.ops.chunked.channel_decays import channel_scores
@@ -31,6 +32,11 @@ from gdn_jax.ops.mosaic.limits import CHUNK
 
 # Chunks a sequence: three sequences, the second empty (its state's cotangent passes through).
 COUNTS = (2, 0, 1)
+
+
+# Every kernel of these tests runs under the interpreter's race detector, which must stay
+# silent (support/races.py).
+pytestmark = pytest.mark.usefixtures("detecting_races")
 
 
 def table_of(counts):

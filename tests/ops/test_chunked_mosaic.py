@@ -24,10 +24,19 @@ if not hasattr(plgpu, "InterpretGPUParams") or not hasattr(plgpu, "force_gpu_int
 
 import jax.numpy as jnp
 import numpy as np
+from support.races import (
+    detecting_races,  # noqa: F401 (the fixture)
+    races_reported,
+    racy_kernel,
+)
 from support.reference import random_inputs, random_state
 from support.tolerance import assert_close
 
 import gdn_jax
+
+# Every kernel of these tests runs under the interpreter's race detector, which must stay
+# silent (support/races.py).
+pytestmark = pytest.mark.usefixtures("detecting_races")
 
 
 def mosaic_rule(q, k, v, log_alpha, beta, *, initial_state=None, cu_seqlens=None, norm=False):
@@ -198,3 +207,9 @@ def test_gated_delta_product_runs_on_the_kernels_over_its_steps():
     for name, a, e in zip(names, grads, xla_grads, strict=True):
         assert a.shape == e.shape, (name, a.shape, e.shape)
         assert_close(a, e, jnp.float32, err_msg=f"d{name}")
+
+
+def test_the_race_detector_is_on_and_reports_a_race(capfd):
+    """The positive control: the detector these tests run under reports a kernel's race."""
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    assert races_reported(lambda: racy_kernel()(jnp.ones(x.shape, x.dtype)), capfd) >= 1

@@ -63,7 +63,7 @@ def training_step(name, arg_sets):
             total = total + jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
         return total
 
-    return jax.grad(loss), [arg_sets]
+    return jax.grad(loss), arg_sets
 
 
 def assert_sound(report, prefix):
@@ -85,7 +85,8 @@ def test_every_accepted_width_fits_spills_nothing_and_fences_every_store(name, d
         abstract_args(name, seq_len=seq_len, key_dim=k, value_dim=v, dtype=dtype)
         for k, v in WIDTHS[dtype]
     ]
-    report = gpu_compile.report(*training_step(name, arg_sets))
+    step, arg_sets = training_step(name, arg_sets)
+    report = gpu_compile.report(step, arg_sets)
     assert_sound(report, KERNELS[name])
     stages = {k.name.removeprefix(KERNELS[name] + "_").split("_")[0] for k in report.kernels}
     assert stages == {"factors", "states", "reverse", "grads"}
@@ -100,7 +101,8 @@ def test_every_rule_launches_at_2_to_the_23_tokens(name):
     131,072 chunks, which on y or z would not launch."""
     args = abstract_args(name, seq_len=2**23, key_dim=64, value_dim=64, dtype=jnp.bfloat16,
                          heads=(1, 1))  # fmt: skip
-    report = gpu_compile.report(*training_step(name, [args]))
+    step, arg_sets = training_step(name, [args])
+    report = gpu_compile.report(step, arg_sets)
     prefix = "channel_mosaic" if name in ("kda", "gdn2") else "gdn_mosaic"
     assert_sound(report, prefix)
     assert max(kernel.grid[0] for kernel in report.kernels) >= 2**23 // 64
