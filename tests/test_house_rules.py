@@ -196,6 +196,17 @@ def test_modules_and_functions_are_small():
     assert not offenders, offenders
 
 
+MAX_README_LINES = 200
+
+
+def test_the_readme_is_a_front_door():
+    """The README is for users: what it is, how to install, a tour, the results. It grew to
+    227 lines as history and details moved in; history goes to docs/benchmarks/history.jsonl
+    and details to docs/."""
+    lines = len((REPO / "README.md").read_text().splitlines())
+    assert lines <= MAX_README_LINES, f"README.md: {lines} lines, at most {MAX_README_LINES}"
+
+
 def test_test_modules_have_names_of_their_own():
     """The test folders are not packages, so pytest imports each test module by its file
     name: two of one name, in two folders, stop the whole collection."""

@@ -34,7 +34,7 @@ class MixerSpec:
 
     layer: type
     build: Callable[..., TokenMixer]
-    summary: str  # what it is, in a line (the README's table of configs says the same)
+    summary: str  # what it is, in a line (the README's results table says the same)
 
 
 def recurrent_kwargs(config) -> dict:
