@@ -1,7 +1,9 @@
 """Rules about the code itself: the public names at the top level of gdn_jax, enforced
-annotations, no private imports across modules, and small modules and functions."""
+annotations, no private imports across modules, no import circle, small modules and
+functions, and a README of a reader's length."""
 
 import ast
+import tomllib
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ from gdn_jax.ops.recurrent import recurrent_rule
 from gdn_jax.ops.step import delta_step
 
 PACKAGE = Path(gdn_jax.__file__).parent
+REPO = PACKAGE.parent
 
 
 def test_top_level_exports():
@@ -73,6 +76,91 @@ def test_no_module_imports_a_private_name_from_another():
     assert not offenders, offenders
 
 
+def imports_of(path: Path, root: Path) -> set[str]:
+    """The modules under ``root`` (a package, and the modules beside it) that the module at
+    ``path`` imports, at any depth of its code: an import inside a function closes a circle
+    as surely as one at the top, it only hides it. ``from a import b`` counts as an import of
+    ``a.b`` where that is a module, else of ``a``; a package's ``__init__`` is the package."""
+
+    def module(name: str) -> str | None:
+        parts = name.split(".")
+        if (root.joinpath(*parts).with_suffix(".py")).is_file():
+            return name
+        return name if (root.joinpath(*parts) / "__init__.py").is_file() else None
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {module(alias.name) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {
+                module(f"{node.module}.{alias.name}") or module(node.module) for alias in node.names
+            }
+    return found - {None}
+
+
+def circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of ``graph`` (module -> the modules it imports) as the modules around it,
+    the first repeated at the end; None where there is none."""
+    done, path = set(), []
+
+    def visit(node):
+        if node in path:
+            return path[path.index(node) :] + [node]
+        if node in done:
+            return None
+        path.append(node)
+        for child in sorted(graph.get(node, ())):
+            if found := visit(child):
+                return found
+        path.pop()
+        done.add(node)
+        return None
+
+    for node in sorted(graph):
+        if found := visit(node):
+            return found
+    return None
+
+
+def import_graph(root: Path, package: str, modules: list[str]) -> dict[str, set[str]]:
+    """The import graph of ``package`` under ``root`` and of the top-level ``modules`` beside
+    it (a script the package imports would close a circle through it)."""
+    paths = {
+        ".".join(p.relative_to(root).with_suffix("").parts): p
+        for p in sorted((root / package).rglob("*.py"))
+    }
+    paths = {name.removesuffix(".__init__"): path for name, path in paths.items()}
+    paths |= {name: root / f"{name}.py" for name in modules}
+    return {name: imports_of(path, root) & set(paths) for name, path in paths.items()}
+
+
+def test_the_circle_check_can_fail(tmp_path):
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    for name, source in {
+        "pkg/__init__.py": "from pkg.sub.a import f\n",
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/a.py": "def f():\n    from pkg.sub import b\n",
+        "pkg/sub/b.py": "import script\n",
+        "script.py": "from pkg.sub.a import f\n",
+    }.items():
+        (tmp_path / name).write_text(source)
+    graph = import_graph(tmp_path, "pkg", ["script"])
+    assert graph["pkg"] == {"pkg.sub.a"} and graph["pkg.sub"] == set()
+    assert circle(graph) == ["pkg.sub.a", "pkg.sub.b", "script", "pkg.sub.a"]
+    (tmp_path / "pkg/sub/b.py").write_text("")
+    assert circle(import_graph(tmp_path, "pkg", ["script"])) is None
+
+
+def test_no_import_circle():
+    """No module of gdn_jax imports, at any depth, a module that imports it back: through a
+    script outside the package (``gdn_train``) either. A circle works only by the order of
+    its imports, and a local import that hides one is a layer out of place."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    scripts = project["tool"]["setuptools"]["py-modules"]
+    assert circle(import_graph(REPO, "gdn_jax", scripts)) is None
+
+
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 450, 80
 
 
@@ -106,6 +194,17 @@ def test_modules_and_functions_are_small():
         if (found := oversized(path))
     }
     assert not offenders, offenders
+
+
+MAX_README_LINES = 200
+
+
+def test_the_readme_is_a_front_door():
+    """The README is for users: what it is, how to install, a tour, the results. It grew to
+    227 lines as history and details moved in; history goes to docs/benchmarks/history.jsonl
+    and details to docs/."""
+    lines = len((REPO / "README.md").read_text().splitlines())
+    assert lines <= MAX_README_LINES, f"README.md: {lines} lines, at most {MAX_README_LINES}"
 
 
 def test_test_modules_have_names_of_their_own():

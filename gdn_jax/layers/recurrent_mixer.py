@@ -57,8 +57,8 @@ class RecurrentMixer(RecurrentLayer):
     ``A_log`` and ``dt_bias`` start from ``gate_init`` (a ``GateInit``; unset fields are
     flash-linear-attention's ``A ~ U(0, 16)`` and ``dt`` log-uniform in ``[1e-3, 0.1]``).
     ``chunk_size``, ``impl`` and ``schedule`` are the op's (``gdn_jax.gated_delta_rule``):
-    ``schedule="auto"`` is chosen where the program is lowered, so both schedules are
-    traced; naming one traces it alone.
+    ``schedule="auto"`` is chosen where the program is lowered, so all three schedules
+    (``"hoisted"``, ``"associative"``, ``"in_scan"``) are traced; naming one traces it alone.
 
     Use one of the named mixers, which fix the two switches: ``GatedDeltaNet``, ``DeltaNet``,
     ``GatedLinearAttention``, ``LinearAttention``. Each is a ``RecurrentMixer``, not one of

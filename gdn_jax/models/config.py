@@ -57,10 +57,13 @@ class ModelConfig:
     low_rank_gates: bool = True
     # Chunk size C of the chunked recurrence.
     chunk_size: int = 64
-    # "chunked" (train with this) or "recurrent" (the token-by-token reference).
+    # Recurrent mixers' form: "auto" (a kernel of the rule where it is marked for the
+    # platform compiled for and takes these shapes, else "chunked"), "chunked" (train with
+    # this), "recurrent" (the token-by-token reference) or a kernel ("mosaic_gpu").
     impl: Impl = "auto"
-    # Schedule of the chunked recurrence: "auto" (in_scan on CPU, hoisted on GPU and TPU,
-    # picked where the program is lowered, so both are traced) or one of them, traced alone.
+    # Schedule of the chunked recurrence: "hoisted", "associative" or "in_scan", traced
+    # alone; "auto" picks one by the platform the program is lowered for (in_scan on CPU,
+    # associative on an NVIDIA GPU, hoisted elsewhere), so all three are traced.
     schedule: Schedule = "auto"
     # Attention: sliding window in tokens, or None for full causal attention.
     window: int | None = None

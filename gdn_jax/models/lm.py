@@ -8,12 +8,26 @@ from typing import no_type_check
 import jax.numpy as jnp
 from flax import nnx
 
-from gdn_jax.layers import SwiGLU, input_checks
+from gdn_jax.layers import SwiGLU, TokenMixer, input_checks
 from gdn_jax.layers.dense import projection_dot_general
 from gdn_jax.layers.params import check_build_args
 from gdn_jax.models.config import ModelConfig
-from gdn_jax.models.mixers import build_mixer
+from gdn_jax.models.mixers import MIXERS, common_kwargs
 from gdn_jax.ops import checks
+
+
+@no_type_check  # a public entry point: it names a bad argument itself
+def build_mixer(config: ModelConfig, name: str, *, rngs: nnx.Rngs) -> TokenMixer:
+    """The mixer ``name`` (a key of ``MIXERS``) built from ``config`` (a ``ModelConfig``).
+
+    It sits here, above the registry: ``ModelConfig`` reads the registry's names, so the
+    registry cannot import the config back to check one."""
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"build_mixer: config must be a ModelConfig, got {type(config).__name__}")
+    if not isinstance(name, str) or name not in MIXERS:
+        raise ValueError(f"build_mixer: name={name!r} is not a mixer; allowed: {tuple(MIXERS)}")
+    check_build_args("build_mixer", rngs=rngs)
+    return MIXERS[name].build(config, common_kwargs(config, rngs))
 
 
 class Block(nnx.Module):

@@ -2,7 +2,7 @@
 
 A mixer is one layer module (a ``layers.TokenMixer``) plus one entry in ``MIXERS``: how to
 build it from a ``ModelConfig`` and one line that says what it is. The config's allowed
-names (``ModelConfig.mixers``), ``build_mixer``, the sweep's ``--mixers`` and the tests that
+names (``ModelConfig.mixers``), ``build_mixer`` (in ``lm.py``), the sweep's ``--mixers`` and the tests that
 every mixer must pass (``tests/models/test_mixers.py``) all read this table;
 docs/architecture.md says how to add one.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import no_type_check
 
 from flax import nnx
 
@@ -26,7 +25,6 @@ from gdn_jax.layers import (
     SoftmaxAttention,
     TokenMixer,
 )
-from gdn_jax.layers.params import check_build_args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +34,7 @@ class MixerSpec:
 
     layer: type
     build: Callable[..., TokenMixer]
-    summary: str  # what it is, in a line (the README's table of configs says the same)
+    summary: str  # what it is, in a line (the README's results table says the same)
 
 
 def recurrent_kwargs(config) -> dict:
@@ -164,16 +162,3 @@ def common_kwargs(config, rngs: nnx.Rngs) -> dict:
         ),
         rngs=rngs,
     )
-
-
-@no_type_check  # a public entry point: it names a bad argument itself
-def build_mixer(config, name: str, *, rngs: nnx.Rngs) -> TokenMixer:
-    """The mixer ``name`` (a key of ``MIXERS``) built from ``config`` (a ``ModelConfig``)."""
-    from gdn_jax.models.config import ModelConfig  # which imports this module's MIXERS
-
-    if not isinstance(config, ModelConfig):
-        raise TypeError(f"build_mixer: config must be a ModelConfig, got {type(config).__name__}")
-    if not isinstance(name, str) or name not in MIXERS:
-        raise ValueError(f"build_mixer: name={name!r} is not a mixer; allowed: {tuple(MIXERS)}")
-    check_build_args("build_mixer", rngs=rngs)
-    return MIXERS[name].build(config, common_kwargs(config, rngs))

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from gdn_jax.data.mqar import split_seeds
 from gdn_jax.training import checkpoints as ckpt
-from gdn_jax.training import loop, run_dir
+from gdn_jax.training import loop, run_dir, run_state
 from gdn_jax.training import mesh as mesh_lib
 from gdn_jax.training.config import Config, to_dict
 from gdn_jax.training.errors import (
@@ -148,9 +148,9 @@ class _Member:
     """One run of the process: its directory, state and single-run steps, where it starts,
     its book and, once it has ended, its outcome."""
 
-    run: loop.RunState
+    run: run_state.RunState
     start: int
-    book: loop.RunBook
+    book: run_state.RunBook
     outcome: Outcome | None = None
 
     def __post_init__(self):
@@ -172,12 +172,12 @@ class _Member:
 
     def end(self, step: int) -> None:
         self.outcome = self.book.end(step)
-        loop.plot(self.run)
+        run_state.plot(self.run)
         run_dir.write_summary(self.run.out_dir, self.outcome)
 
     def fail(self, error: Exception) -> None:
         self.outcome = error
-        loop.plot(self.run)
+        run_state.plot(self.run)
 
 
 def _train(chosen, mesh, resume, callbacks, on_start) -> list[Outcome]:
@@ -186,12 +186,12 @@ def _train(chosen, mesh, resume, callbacks, on_start) -> list[Outcome]:
     runs, members = [], []
     try:
         for config, resolved, out_dir in chosen:
-            runs.append(loop.build(config, mesh, out_dir))
+            runs.append(run_state.build(config, mesh, out_dir))
             run = runs[-1]
             run.state, start = ckpt.restore_or_start(
                 resolved, out_dir, run.checkpoints, run.log, run.state, resume
             )
-            members.append(_Member(run, start, loop.RunBook(run, start)))
+            members.append(_Member(run, start, run_state.RunBook(run, start)))
             if start == config.train.steps:  # stopped after its last checkpoint
                 _final_evaluation(members[-1])
         training = [member for member in members if member.outcome is None]
@@ -204,7 +204,7 @@ def _train(chosen, mesh, resume, callbacks, on_start) -> list[Outcome]:
     finally:
         for member in members:
             if member.outcome is None:  # stopped, or something failed them all
-                loop.plot(member.run)
+                run_state.plot(member.run)
         for run in runs:
             run.checkpoints.close()
 

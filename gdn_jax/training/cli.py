@@ -17,8 +17,8 @@ import shlex
 import sys
 
 from gdn_jax.training.config_paths import DEFAULT_CONFIG, resolve_config
+from gdn_jax.training.entry import program_name
 from gdn_jax.training.xla_flags import add_cpu_flags
-from gdn_train import program_name
 
 # What the train extra installs, by the modules the commands import (a core install lacks
 # tqdm and matplotlib; Flax itself requires the others).
@@ -285,6 +285,6 @@ def _mesh_text(config, devices) -> str:
 
 
 if __name__ == "__main__":
-    from gdn_train import main as launch
+    from gdn_jax.training.entry import launch
 
-    sys.exit(launch())
+    sys.exit(launch(main))

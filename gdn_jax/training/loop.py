@@ -11,8 +11,6 @@ step it appeared and no checkpoint holds a state after it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
 import signal
 import threading
 import time
@@ -22,8 +20,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
-from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from gdn_jax.data.mqar import make_batch, split_seeds
@@ -32,12 +28,10 @@ from gdn_jax.training import checkpoints as ckpt
 from gdn_jax.training import mesh as mesh_lib
 from gdn_jax.training import run_dir
 from gdn_jax.training.config import Config, to_dict
-from gdn_jax.training.errors import Interrupted, NonFiniteLossError, OutOfMemory, is_out_of_memory
+from gdn_jax.training.errors import Interrupted, OutOfMemory, is_out_of_memory
 from gdn_jax.training.evaluation import evaluate, final_evaluation, held_out_set
-from gdn_jax.training.metrics_log import MetricsLog
-from gdn_jax.training.plots import plot_or_warn
-from gdn_jax.training.state import EvalStep, TrainStep, on_mesh, trace_steps, train_setup
-from gdn_jax.training.step import TrainState
+from gdn_jax.training.run_state import RunBook, RunState, build, plot
+from gdn_jax.training.state import trace_steps
 
 Callback = Callable[[int, dict], None]  # (step, host-side metrics), after each step
 
@@ -46,35 +40,6 @@ def batch_seed(train_seed: int, step: int) -> int:
     """The data seed of one step: batches depend on (seed, step) alone, so a resumed run
     sees exactly the batches an uninterrupted one would."""
     return int(np.random.SeedSequence([train_seed, step]).generate_state(1)[0])
-
-
-@dataclasses.dataclass
-class RunState:
-    """What the step loop needs: the jitted steps, the state and where to write."""
-
-    config: Config
-    out_dir: Path
-    log: MetricsLog
-    checkpoints: ocp.CheckpointManager
-    state: TrainState
-    train_step: TrainStep
-    eval_step: EvalStep
-    batch_shardings: dict
-
-
-def build(config: Config, mesh: Mesh, out_dir: Path) -> RunState:
-    """The state on ``mesh``, the steps called with it in context, and the checkpoints."""
-    steps, state = train_setup(config, mesh)
-    return RunState(
-        config,
-        out_dir,
-        MetricsLog(out_dir / run_dir.METRICS, writes=ckpt.is_primary()),
-        ckpt.manager(out_dir, config.train.keep_checkpoints),
-        state,
-        on_mesh(mesh, steps.train_step),
-        on_mesh(mesh, steps.eval_step),
-        steps.batch_shardings,
-    )
 
 
 def train_batch(data: TaskConfig, batch_size: int, train_seed: int, step: int) -> dict:
@@ -116,12 +81,6 @@ def memory_named(config: Config):
         raise OutOfMemory(error, sizes) from error
 
 
-def plot(run: RunState) -> None:
-    """The run's curves from what it logged, however it ended (``plot_or_warn``)."""
-    if ckpt.is_primary() and run.log.path.exists():
-        plot_or_warn(run.log, run.out_dir / run_dir.PLOT)
-
-
 @contextlib.contextmanager
 def stop_requests():
     """Turn SIGINT and SIGTERM into a request the loop sees after its current step."""
@@ -137,53 +96,6 @@ def stop_requests():
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-
-
-class RunBook:
-    """What one run records from ``start`` on: its train and eval records, checked for a NaN
-    loss, and its summary."""
-
-    def __init__(self, run: RunState, start: int):
-        self.run = run
-        self.summary = dict(start_step=start, eval_accuracy=None, eval_loss=None, reason="steps")
-        self.began = time.perf_counter()
-        self.tokens_per_step = run.config.train.batch_size * run.config.data.seq_len
-
-    def train(self, step: int, metrics: dict, seconds: float) -> dict:
-        """Log step ``step``'s host metrics (floats), which took ``seconds`` from dispatch to
-        the host; returns them with ``tokens_per_s``. A NaN or Inf loss raises
-        ``NonFiniteLossError`` and logs nothing."""
-        if not math.isfinite(metrics["loss"]):
-            latest = self.run.checkpoints.latest_step()
-            kept = (
-                "no checkpoint was saved yet"
-                if latest is None
-                else (
-                    f"the last good checkpoint is step {latest} in "
-                    f"{self.run.out_dir / run_dir.CHECKPOINTS}"
-                )
-            )
-            raise NonFiniteLossError(f"loss is {metrics['loss']} at step {step}; {kept}")
-        metrics = dict(metrics, tokens_per_s=self.tokens_per_step / seconds)
-        self.run.log.append("train", step, **metrics)
-        return metrics
-
-    def evaluation(self, step: int, loss: float, accuracy: float, *, last: bool) -> bool:
-        """Log the held-out loss and accuracy at ``step``; returns whether they end the run
-        before its ``last`` step (the target accuracy reached)."""
-        self.summary.update(eval_accuracy=accuracy, eval_loss=loss)
-        elapsed = time.perf_counter() - self.began
-        self.run.log.append("eval", step, loss=loss, accuracy=accuracy, elapsed_s=elapsed)
-        target = self.run.config.train.target_accuracy
-        if target is not None and accuracy >= target and not last:
-            self.summary["reason"] = "target"
-            return True
-        return False
-
-    def end(self, step: int) -> dict:
-        """The summary of the run, ended at ``step``."""
-        self.summary.update(final_step=step, wall_s=time.perf_counter() - self.began)
-        return self.summary
 
 
 class _Steps:

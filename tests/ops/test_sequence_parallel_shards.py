@@ -97,7 +97,7 @@ def compare(
     shards, inputs, state, weights, schedule, cu_seqlens=None, rule="gated_delta_rule", **options
 ):
     """``rule``'s op on ``shards`` devices against one device, both with ``schedule`` named
-    (the default, "auto", traces both schedules; the two-axis mesh check below runs it)."""
+    (the default, "auto", traces all three schedules; the two-axis mesh check below runs it)."""
     options = dict(chunk_size=C, schedule=schedule, **options)
     reference = getattr(gdn_jax, rule)
     parallel = getattr(gdn_jax.ops, f"{rule}_seq_parallel")

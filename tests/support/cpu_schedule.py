@@ -1,7 +1,7 @@
 """The CPU schedule, named, for the tests that are not about schedules: ``schedule="auto"``,
-the default, traces both schedules and lowers ``"in_scan"`` on CPU; named, one is traced.
+the default, traces all three schedules and lowers ``"in_scan"`` on CPU; named, one is traced.
 ``SCHEDULE`` is for the layers, models and loaders; the chunked ops below name it (a call may
-still name another). test_schedules.py runs both schedules and ``"auto"`` itself; the layer
+still name another). test_schedules.py runs every schedule and ``"auto"`` itself; the layer
 agreement tests, the interop checkpoint and bfloat16 tests and the TPU tests run the default.
 """
 

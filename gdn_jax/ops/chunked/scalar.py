@@ -23,14 +23,16 @@ with the chunk's start state, which need nothing carried (``dY S``, and ``dw = -
 the WY backward). Between the forward and the backward only the inputs, in their own dtype,
 and each chunk's start state are kept.
 
-Stages 1 and 3 and the gradients run either hoisted out of the scan and batched over all
-chunks (``"hoisted"``: only state-sized products inside the loop, the shape GPUs and TPUs
-need) or inside the scan, one chunk per step (``"in_scan"``: faster on CPU, where a chunk's
-intermediates then stay in cache). Both compose the same per-chunk functions. What the
-hoisted schedule keeps is held down for the accelerators' memory (docs/benchmarks.md): q, k
-and v stay in their input dtype until a chunk's work reads them, the loops decay the keys
-and queries themselves, and the backward forms its chunks' ``[C, C]`` matrices other than
-``T`` again after its loop instead of keeping them through it.
+Stages 1 and 3 and the gradients run hoisted out of the scan and batched over all chunks
+(``"hoisted"``: only state-sized products inside the loop, the shape GPUs and TPUs need),
+hoisted with an associative scan over the chunks' state maps in place of the loop
+(``"associative"``, ``state_scan.py``: no loop, for GPUs, where a loop launches kernels
+every chunk), or inside the scan, one chunk per step (``"in_scan"``: faster on CPU, where a
+chunk's intermediates then stay in cache). All three compose the same per-chunk functions.
+What the hoisted schedules keep is held down for the accelerators' memory
+(docs/benchmarks.md): q, k and v stay in their input dtype until a chunk's work reads them,
+the loops decay the keys and queries themselves, and the backward forms its chunks' ``[C,
+C]`` matrices other than ``T`` again after its loop instead of keeping them through it.
 
 A NaN or inf goes further back than in the recurrent form, to the start of its chunk. A NaN
 in k, v, log_alpha or beta at token t reaches the recurrent outputs from t on, but the
@@ -321,8 +323,10 @@ def _in_scan_backward(write, inputs, starts, resets, d_ys, d_finals):
 
 
 # Where each chunk's own work runs: hoisted out of the scan over chunks and batched over all
-# chunks (the accelerator shape: only state-sized products inside the loop), or inside the
-# scan, chunk by chunk, which keeps a chunk's intermediates in cache on CPU.
+# chunks (the accelerator shape: only state-sized products inside the loop), hoisted too with
+# the scan replaced by an associative scan over the chunks' state maps (no loop: a loop
+# launches a few kernels a chunk on a GPU), or inside the scan, chunk by chunk, which keeps a
+# chunk's intermediates in cache on CPU.
 SCHEDULES = {
     "hoisted": (_hoisted_forward, _hoisted_backward),
     "associative": (functools.partial(_hoisted_forward, associative=True), _associative_backward),

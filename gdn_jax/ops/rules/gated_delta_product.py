@@ -15,7 +15,7 @@ attention's layout).
 Its chunked form is the gated delta rule's over the ``T n`` interleaved steps: the token's
 decay on its first step and none on the others, its query on its last step and zeros on the
 others, its output read there. So the staged chunked form of ``ops/chunked/scalar.py`` with its
-hand-derived backward, both schedules, packed sequences and grouped value heads serve it as
+hand-derived backward, every schedule, packed sequences and grouped value heads serve it as
 they are; the zero queries cost the outputs of ``n - 1`` steps a token. ``cu_seqlens``
 counts tokens, as the outputs do; ``chunk_size`` counts steps. The gated delta rule's Mosaic
 GPU kernels (``impl="mosaic_gpu"``) serve it the same way.
