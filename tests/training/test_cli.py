@@ -531,15 +531,107 @@ def test_out_of_memory_is_one_line_and_the_directory_stays_usable(tmp_path, monk
         raise MemoryError
 
     monkeypatch.setattr(evaluation, "make_examples", held_out_too_big)
+    out = tmp_path / "run"
+    out.mkdir()  # the user's: the run did not create it, so it keeps what the run wrote
+    (out / "notes.txt").write_text("mine")
     one_line_error(
-        command(tmp_path / "run"),
+        command(out),
         r"out of memory \(MemoryError\) with .*train.eval_examples=16; shrink ",
         status=1,
     )
     one_line_error(
-        command(tmp_path / "run", "--resume"),
+        command(out, "--resume"),
         r"its run died before its first checkpoint\); start it afresh with",
     )
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def users_things(checkpoints):
+    """A user's file, folder and links (one named like a step) inside ``checkpoints/``."""
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    (checkpoints / "model.pt").write_text("weights")
+    (checkpoints / "mine").mkdir()
+    (checkpoints / "mine" / "notes.txt").write_text("notes")
+    (checkpoints / "latest").symlink_to(checkpoints / "mine")
+    (checkpoints / "8").symlink_to(checkpoints / "mine")
+
+
+@pytest.mark.parametrize(
+    ("earlier", "flags"),
+    [
+        ("died before its first checkpoint", ()),  # a plain run used to replace it
+        ("checkpoint at step 4", ("--overwrite",)),
+        ("checkpoint at step 4", ("--resume",)),
+        ("nothing", ()),
+    ],
+)
+def test_a_checkpoints_folder_with_what_no_run_makes_is_refused_and_kept(
+    tmp_path, command, earlier, flags
+):
+    out = tmp_path / "run"
+    if earlier == "died before its first checkpoint":
+        fake_run(out, steps=())
+        (out / "metrics.jsonl").write_text("")
+    elif earlier == "checkpoint at step 4":
+        fake_run(out, steps=(4,))
+    users_things(out / "checkpoints")
+    before = snapshot(out)
+    one_line_error(
+        command(out, *flags),
+        r"run holds, where a run keeps its files, what no run makes: checkpoints/8, "
+        r"checkpoints/latest, checkpoints/mine, checkpoints/model.pt; move it away first",
+    )
+    assert snapshot(out) == before
+    assert (out / "checkpoints" / "latest").is_symlink() and (
+        out / "checkpoints" / "8"
+    ).is_symlink()
+
+
+def test_overwrite_names_every_path_it_deletes_and_nothing_else(tmp_path, monkeypatch, command):
+    import jax
+
+    from gdn_jax.training import loop
+
+    out = tmp_path / "run"
+    fake_run(out, steps=(4, 8))
+    (out / "checkpoints" / "12.orbax-checkpoint-tmp-1796522850").mkdir()  # a save cut short
+    (out / "notes.txt").write_text("mine")
+
+    def too_big(*args, **kwargs):  # stop the run just after it took the directory
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4e12 B")
+
+    monkeypatch.setattr(loop, "build", too_big)
+    deleted, _ = command(out, "--overwrite").stderr.strip().splitlines()
+    assert deleted == (
+        "overwrite: deleted config.yaml, metrics.jsonl, checkpoints/12.orbax-checkpoint-tmp-"
+        f"1796522850, checkpoints/4, checkpoints/8, checkpoints in {out}"
+    )
+    assert sorted(os.listdir(out)) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("ending", ["out of memory", "Ctrl-C"])
+def test_a_run_that_ends_before_its_first_step_removes_the_directory_it_created(
+    tmp_path, monkeypatch, command, ending
+):
+    import jax
+
+    from gdn_jax.training import loop
+
+    def start_up(*args, **kwargs):  # compiling the first step, a few seconds in
+        if ending == "Ctrl-C":
+            raise KeyboardInterrupt  # what Python's own SIGINT handler raises
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4e12 B")
+
+    monkeypatch.setattr(loop, "build", start_up)
+    result = command(tmp_path / "run")
+    if ending == "Ctrl-C":
+        assert (result.returncode, result.stderr) == (
+            130,
+            "train.py: interrupted before training began\n",
+        )
+    else:
+        one_line_error(result, r"^train.py: error: out of memory \(RESOURCE_EXHAUSTED", status=1)
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_plot_that_fails_in_the_finally_block_does_not_hide_the_error(
