@@ -144,7 +144,7 @@ def plan_jobs(args, seeds):
         except ValueError as error:
             where = f" (the config of mixer {mixer})" if "{mixer}" in args.config else ""
             raise SweepError(f"{error}{where}") from None
-    plan = Plan(configs, tuple(args.set), args.steps, args.layers, Path(args.runs))
+    plan = Plan(configs, tuple(args.set), args.steps, args.layers, Path(args.runs).expanduser())
 
     def command_args(cell, items) -> tuple[str, ...]:  # --config and the --set items
         config = ("--config", str(configs[cell.mixer]))
@@ -183,7 +183,7 @@ def _main(argv, trainers) -> int:
 
     try:
         check_args(args)
-        out, runs = Path(args.out), Path(args.runs)
+        out, runs = Path(args.out).expanduser(), Path(args.runs).expanduser()
         check_writable(out.absolute(), "--out")
         check_writable(runs.absolute(), "--runs")
         check_outputs(out, args.overwrite)

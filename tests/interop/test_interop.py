@@ -487,6 +487,9 @@ def test_read_safetensors_errors(tmp_path):
         {"a.x": np.zeros(3, np.float32), "b.y": np.ones(2, np.float32)}, tmp_path / "m.safetensors"
     )
     assert read_safetensors(tmp_path / "m.safetensors", "a.").keys() == {"x"}
+    with pytest.MonkeyPatch.context() as patch:  # "~" is the home, as in a shell
+        patch.setenv("HOME", str(tmp_path))
+        assert read_safetensors("~/m.safetensors", "a.").keys() == {"x"}
     with pytest.raises(ValueError, match=r"no tensor in .* starts with prefix 'c.'"):
         read_safetensors(tmp_path / "m.safetensors", "c.")
     with pytest.raises(ValueError, match=r"neither a file nor a directory"):

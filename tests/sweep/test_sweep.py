@@ -227,6 +227,14 @@ def test_a_table_or_plot_the_sweep_did_not_write_is_refused_unless_overwrite(swe
     assert (status, err) == (0, "")
 
 
+def test_a_tilde_in_the_sweeps_paths_is_the_home(sweep, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    status, _, err, trained = sweep(*GRID, "--out", "~/out", "--runs", "~/runs")
+    assert status == 0 and len(trained) == 8, err
+    assert {"results.jsonl", "table.md"} <= set(os.listdir(tmp_path / "home" / "out"))
+    assert (tmp_path / "home" / "runs").is_dir() and not (tmp_path / "~").exists()
+
+
 def test_other_settings_train_their_own_runs_and_the_table_shows_them(sweep):
     assert sweep(*GRID, "--out", "out")[0] == 0
     status, _, err, trained = sweep(*GRID, "--out", "out", "--set", "train.eval_every=4")

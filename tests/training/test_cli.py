@@ -194,7 +194,29 @@ def test_an_error_that_building_the_model_raises_comes_before_any_write(
     assert not (tmp_path / "run").exists()
 
 
+def test_a_tilde_in_out_dir_and_config_is_the_home(tmp_path, monkeypatch, command):
+    """``~`` was kept literally: the run wrote into a folder named ``~`` in the working
+    directory while printing ``out: ~/x``, and ``--config ~/my.yaml`` was no such file."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    fake_run(home / "x")  # an earlier run there: the refusal names where the run looked
+    one_line_error(command("~/x"), rf"error: {home}/x holds an earlier run")
+    fake_run(home / "y")
+    (home / "my.yaml").write_text("train:\n  out_dir: ~/y\n")
+    tiny = [x for item in TINY for x in ("--set", item)]
+    one_line_error(
+        command(None, "--config", "~/my.yaml", *tiny), rf"error: {home}/y holds an earlier run"
+    )
+    assert os.listdir(work) == []
+
+
 def test_out_dir_problems_are_one_line(tmp_path, command):
+    # YAML reads the empty value as null: that was "None must be of type str".
+    one_line_error(
+        command(None, "--set", "train.out_dir="), r"train.out_dir='' must name a directory"
+    )
     (tmp_path / "file").write_text("mine")
     one_line_error(command(tmp_path / "file"), r"exists and is not a directory")
     one_line_error(command(tmp_path / "file" / "run"), r"is not a directory")
