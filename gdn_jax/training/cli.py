@@ -133,9 +133,6 @@ def _main(argv) -> int:
     # Imported here so that --help and argument errors do not wait for JAX.
     import jax
 
-    from gdn_jax.training.platforms import use_host_platforms
-
-    use_host_platforms()  # before anything starts a backend
     from gdn_jax.training.config import load_config
     from gdn_jax.training.errors import (
         Interrupted,
