@@ -284,7 +284,13 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] | None 
     data = {}
     if path is not None:
         path = resolve_config(path, given=f"load_config: path={str(path)!r}")
-        data = parse_yaml(Path(path).read_text(), str(path))
+        try:
+            text = Path(path).read_text()
+        except UnicodeDecodeError as error:  # its message names neither the file nor YAML
+            raise ValueError(
+                f"{path}: not a YAML text file (byte {error.start} is not {error.encoding})"
+            ) from None
+        data = parse_yaml(text, str(path))
         if data is None:  # an empty file, or only comments: it was meant to say something
             raise ValueError(
                 f"{path}: the file holds no settings (it is empty or only comments); give "

@@ -21,6 +21,8 @@ def resolve_config(name: str | Path, *, given: str | None = None) -> Path:
     path = Path(name).expanduser()
     if path.is_file():
         return path
+    if path.is_dir():
+        raise ValueError(f"{given}: is a directory; give a YAML file in it")
     if path.name != name:
         raise ValueError(f"{given}: no such file")
     packaged = CONFIG_DIR / name

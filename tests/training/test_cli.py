@@ -698,6 +698,48 @@ def test_a_config_path_must_exist_and_its_keys_be_unique(tmp_path):
         load_config(None, ["model={d_model: 64, d_model: 32}"])
 
 
+def test_a_config_that_is_no_yaml_file_is_named(tmp_path, command):
+    """A binary file was "'utf-8' codec can't decode byte ..." with no file named; a folder
+    was "no such file"."""
+    (tmp_path / "model.pt").write_bytes(b"\x80\x02weights")
+    one_line_error(
+        command(tmp_path / "run", "--config", str(tmp_path / "model.pt")),
+        r"error: \S+/model.pt: not a YAML text file \(byte 0 is not utf-8\)$",
+    )
+    one_line_error(
+        command(tmp_path / "run", "--config", str(tmp_path)),
+        r"error: --config \S+: is a directory; give a YAML file in it$",
+    )
+    assert os.listdir(tmp_path) == ["model.pt"]
+
+
+def test_help_names_the_gpu_targets_of_compile_only(capsys):
+    from gdn_jax.training import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "libtpu (TPUs) or JAX's CUDA plugin (GPUs)" in text
+    assert "or GPUs of one host, h100 or h200 with an optional count, e.g. h200:8" in text
+
+
+def test_a_damaged_checkpoint_metadata_file_is_one_warning_not_orbaxs_log(
+    tmp_path, command, finished_run, caplog
+):
+    """orbax logged "Failed to json parse Metadata file" with the file's content, twice for
+    the newest step, before the resume's own warning."""
+    out = resumable_copy(finished_run, tmp_path / "run")
+    for step in ("8", "12"):
+        (out / "checkpoints" / step / "_CHECKPOINT_METADATA").write_text("garbage{")
+    resumed = command(out, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert [line.split(" (")[0] for line in resumed.stderr.splitlines()] == [
+        f"warning: orbax cannot read {out}/checkpoints/{step}/_CHECKPOINT_METADATA"
+        for step in ("12", "8")
+    ]
+    assert not [r for r in caplog.records if "Metadata file" in r.getMessage()]
+
+
 def test_a_dangling_link_as_out_dir_is_one_line(tmp_path):
     from gdn_jax.training.errors import RunError
     from gdn_jax.training.run_dir import check_writable
@@ -764,7 +806,7 @@ def test_compile_only_prints_the_memory_per_chip_and_whether_it_fits(tmp_path, c
         (
             ["--compile-only", "--topology", "h200:0"],
             [],
-            r"GPU target 'h200:0' must be one of h100, h200, optionally with a GPU count",
+            r"error: GPU target 'h200:0': the GPU count must be at least 1, e.g. h200:8$",
         ),
         (
             ["--compile-only", "--topology", "v7:2x2"],
