@@ -428,7 +428,8 @@ def test_a_failed_save_stops_at_once_and_keeps_the_earlier_checkpoints(
         ("metrics.jsonl", '{"kind"\n{"kind": "train", "step": 1}\n', r"metrics.jsonl cannot be "
          r"read: line 1 is not JSON"),
         ("summary.json", '{"final_step": 1', r"summary.json cannot be read: not JSON"),
-        ("checkpoints", "not a directory", r"checkpoints cannot be read: Not a directory"),
+        ("checkpoints", "not a directory", r"run holds, where a run keeps its files, what no run "
+         r"makes: checkpoints; move it away first"),
     ],
 )  # fmt: skip
 def test_resume_refuses_an_unreadable_run_file_in_one_line_and_touches_nothing(
