@@ -235,7 +235,8 @@ class RunLock:
         self._file.close()  # closing drops the flock
         out_dir = self.path.parent
         if ended_early and self.created and nothing_measured(out_dir):
-            remove_created(out_dir)
+            with contextlib.suppress(OSError):  # the error that ended the run is the news
+                remove_created(out_dir)
 
     def __enter__(self) -> RunLock:
         return self.acquire()
