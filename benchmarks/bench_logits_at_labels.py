@@ -19,7 +19,6 @@ from gdn_jax.data.mqar import make_batch, make_mqar
 from gdn_jax.models import LanguageModel
 from gdn_jax.training.config import load_config
 from gdn_jax.training.optim import learning_rate_schedule, make_optimizer
-from gdn_jax.training.platforms import use_host_platforms
 from gdn_jax.training.step import TrainState, make_train_step
 
 
@@ -28,7 +27,6 @@ def main():
     parser.add_argument("--config", default="configs/mqar_gdn.yaml")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    use_host_platforms()  # no TPU backend, and none of libtpu's warnings, on a TPU-less host
     config = load_config(args.config)
     graphdef, params = nnx.split(LanguageModel(config.model, rngs=nnx.Rngs(0)))
     optimizer = make_optimizer(config.train, params)

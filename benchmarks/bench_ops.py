@@ -41,7 +41,6 @@ import numpy as np
 from revision import import_revision
 
 import gdn_jax
-from gdn_jax.training.platforms import use_host_platforms
 from gdn_jax.training.xla_flags import add_cpu_flags
 
 # (B, H, K, V): the long-sequence shape of the issue and the MQAR training shape.
@@ -180,7 +179,6 @@ def main():
         "after the other",
     )
     args = parser.parse_args()
-    use_host_platforms()  # no TPU backend, and none of libtpu's warnings, on a TPU-less host
     if not args.xla_defaults:
         add_cpu_flags()  # before the first JAX computation starts the backend
     shape = SHAPES[args.shape]

@@ -31,7 +31,6 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from gdn_jax import gated_delta_rule  # noqa: E402
 from gdn_jax.ops import gated_delta_rule_seq_parallel  # noqa: E402
-from gdn_jax.training.platforms import use_host_platforms
 
 B, H, K, V = 1, 8, 128, 128
 
@@ -116,7 +115,6 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--budget-gib", type=float, default=16.0)
     args = parser.parse_args()
-    use_host_platforms()  # no TPU backend, and none of libtpu's warnings, on a TPU-less host
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {len(jax.devices())} devices")
     overhead(args.seq_len, args.repeats)
     reach(args.budget_gib)

@@ -28,7 +28,6 @@ from flax import nnx
 from revision import import_revision
 
 import gdn_jax
-from gdn_jax.training.platforms import use_host_platforms
 from gdn_jax.training.xla_flags import add_cpu_flags
 
 
@@ -103,7 +102,6 @@ def main():
     parser.add_argument("--loop", action="store_true", help="time the training loop")
     parser.add_argument("--loop-steps", type=int, default=10)
     args = parser.parse_args()
-    use_host_platforms()  # no TPU backend, and none of libtpu's warnings, on a TPU-less host
     if not args.xla_defaults:
         add_cpu_flags()  # before the first JAX computation starts the backend
     packages = {"now": gdn_jax, args.baseline: import_revision(args.baseline)}

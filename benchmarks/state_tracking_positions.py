@@ -29,7 +29,6 @@ from gdn_jax.models import LanguageModel
 from gdn_jax.training import run_dir
 from gdn_jax.training.config import Config, load_config
 from gdn_jax.training.optim import make_optimizer
-from gdn_jax.training.platforms import use_host_platforms
 from gdn_jax.training.step import TrainState
 
 
@@ -77,7 +76,6 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (train.out_dir)")
     parser.add_argument("--seq-len", type=int, help="tokens per example (default: the run's)")
     args = parser.parse_args()
-    use_host_platforms()  # no TPU backend, and none of libtpu's warnings, on a TPU-less host
     for out_dir in args.runs:
         config = load_config(out_dir / run_dir.CONFIG)
         if not isinstance(config.data, StateTrackingConfig):

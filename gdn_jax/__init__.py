@@ -18,8 +18,14 @@ model, which need Flax, load on first use of one of their names here or on impor
 import importlib
 from typing import TYPE_CHECKING
 
-from gdn_jax import ops
-from gdn_jax.ops import *  # noqa: F403 (the ops' own __all__ is the public list)
+from gdn_jax import platforms
+
+# Before anything here can start a backend: JAX kept off the accelerators this host lacks,
+# whose start-up failures printed a traceback and libtpu's errors in every user's process.
+platforms.use_host_platforms()
+
+from gdn_jax import ops  # noqa: E402
+from gdn_jax.ops import *  # noqa: E402, F403 (the ops' own __all__ is the public list)
 
 __version__ = "0.1.0"
 

@@ -203,8 +203,13 @@ def test_bad_targets_and_arguments_are_named():
         gpu_compile.compile_for(jnp.sin, MATRIX, device=jax.devices("cpu")[0])
     with pytest.raises(TypeError, match="args\\[0\\] must be an array or a jax.ShapeDtypeStruct"):
         gpu_compile.report(jnp.sin, "matrix")
-    with pytest.raises(ValueError, match="GPU target 'h200:0' must be one of h100, h200"):
+    with pytest.raises(ValueError, match=r"^GPU target 'h200:0': the GPU count must be at least"):
         gpu_compile.target_devices("h200:0")
+    # JAX's own "Expected a callable value" named neither the function nor fn.
+    with pytest.raises(TypeError, match=r"^report: fn='gated_delta_rule' must be a function"):
+        gpu_compile.report("gated_delta_rule", MATRIX)
+    # A count, as target_devices and --topology take it (it was "must be one of h100, h200").
+    assert gpu_compile.report(jnp.sin, MATRIX, target="h200:2").target == "h200:2"
     with pytest.raises(ValueError, match="autotune_results '/nonexistent' is not a file"):
         gpu_compile.report(jnp.sin, MATRIX, autotune_results="/nonexistent")
 

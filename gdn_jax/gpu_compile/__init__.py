@@ -27,6 +27,7 @@ import importlib.util
 import os
 import re
 import tempfile
+import typing
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,7 +62,7 @@ INSTALL_COMMAND = 'pip install "gdn_jax[gpu-compile]"'
 TARGETS = {"h100": "h100.txtpb", "h200": "h200.txtpb"}
 
 
-_NAME = re.compile(r"^(?P<model>[a-z0-9]+)(?::(?P<count>[1-9][0-9]*))?$")
+_NAME = re.compile(r"^(?P<model>[a-z0-9]+)(?::(?P<count>[0-9]+))?$")
 
 
 class GpuCompileMissing(RuntimeError):
@@ -96,6 +97,8 @@ def parse_target(name: str) -> GpuTarget:
             f"GPU target {name!r} must be one of {', '.join(TARGETS)}, optionally with a GPU "
             "count, e.g. h200 or h200:8"
         )
+    if match["count"] is not None and int(match["count"]) < 1:
+        raise ValueError(f"GPU target {name!r}: the GPU count must be at least 1, e.g. h200:8")
     return GpuTarget(name, match["model"], int(match["count"] or 1))
 
 
@@ -146,6 +149,7 @@ def target_devices(name: str) -> list[jax.Device]:
     return list(topology.devices)
 
 
+@typing.no_type_check  # a public entry point: it names a bad fn itself
 def compile_for(
     fn: Callable,
     *args,
@@ -158,6 +162,7 @@ def compile_for(
     (their shapes and dtypes), placed on ``device`` unless they carry a sharding of their own
     (``tpu_compile.place_arguments``); ``options`` are XLA debug options for this compile
     alone (``xla_dump_to``, ...)."""
+    _check_function("compile_for", fn)
     if device is not None and (not isinstance(device, jax.Device) or device.platform != "gpu"):
         raise ValueError(
             f"compile_for: device must be a GPU device of target_device, got {device!r}"
@@ -215,18 +220,21 @@ class Report:
         return report_lines(self)
 
 
+@typing.no_type_check  # a public entry point: it names a bad fn itself
 def report(
     fn: Callable,
     *args,
     target: str = "h200",
     autotune_results: str | os.PathLike | None = None,
 ) -> Report:
-    """``fn`` compiled for GPU ``target`` (a key of ``TARGETS``) with ``args`` as in
-    ``compile_for``: its launches per call, memory and Pallas kernels (module docstring).
+    """``fn`` compiled for GPU ``target`` (``parse_target``: ``"h200"``, or ``"h200:8"``,
+    whose first GPU takes the arguments that carry no sharding of their own) with ``args`` as
+    in ``compile_for``: its launches per call, memory and Pallas kernels (module docstring).
     A program XLA refuses to build (a kernel over a block's shared memory) is a report with
     ``error`` set, not an exception."""
-    device = target_device(target)
-    config = target_config(target)
+    _check_function("report", fn)
+    device = target_devices(target)[0]
+    config = target_config(parse_target(target).model)
     limits = kernel_reports.Limits.of(config)
     memory_size = int(config.split("device_memory_size: ")[1].split()[0])
     with tempfile.TemporaryDirectory(prefix="gdn_jax-gpu-compile-") as folder:
@@ -262,6 +270,16 @@ def report(
         kernels=tuple(kernels),
         tuned=autotune_results is not None,
     )
+
+
+def _check_function(fn_name: str, fn) -> None:
+    """``TypeError`` for an ``fn`` that cannot be called (an op's name as a string, say):
+    JAX's own message, "Expected a callable value", names neither the function nor fn."""
+    if not callable(fn):
+        raise TypeError(
+            f"{fn_name}: fn={fn!r:.60} must be a function or a jax.jit of one, got "
+            f"{type(fn).__name__}"
+        )
 
 
 @contextlib.contextmanager

@@ -45,7 +45,7 @@ def read_safetensors(path: str | os.PathLike, prefix: str = "") -> dict[str, np.
     Args:
       path: a ``*.safetensors`` file, or a directory holding ``model.safetensors.index.json``
         and the shards it names (or a single ``model.safetensors``), as ``save_pretrained``
-        writes them.
+        writes them; ``~`` is the home.
       prefix: keep only names starting with it, e.g. ``"model.layers.0.linear_attn."`` (end
         it with a dot: ``model.layers.1`` would also match ``model.layers.10``).
 
@@ -64,7 +64,7 @@ def read_safetensors(path: str | os.PathLike, prefix: str = "") -> dict[str, np.
         raise TypeError(f"{fn}: path={path!r:.60} must be a file or directory name or a Path")
     if not isinstance(prefix, str):
         raise TypeError(f"{fn}: prefix={prefix!r:.60} must be a string")
-    path = Path(path)
+    path = Path(path).expanduser()
     files, promised = _files(fn, path, prefix)
     out: dict[str, np.ndarray] = {}
     for file in files:

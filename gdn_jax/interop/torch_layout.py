@@ -11,6 +11,8 @@ onto them (``family.py``).
 
 from __future__ import annotations
 
+import inspect
+
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -88,6 +90,7 @@ def load_torch_layer(fn: str, layer_class, state_dict, **layer_kwargs):
     """
     if "rngs" in layer_kwargs:
         raise ValueError(f"{fn}: rngs is not taken; every parameter comes from state_dict")
+    _check_layer_kwargs(fn, layer_class, layer_kwargs)
     tensors = as_numpy_dict(fn, state_dict)
     param_dtype = layer_kwargs.pop("param_dtype", None)
     dtype = layer_kwargs.pop("dtype", None)
@@ -119,6 +122,28 @@ def load_torch_layer(fn: str, layer_class, state_dict, **layer_kwargs):
         node[path[-1]] = value
     nnx.replace_by_pure_dict(state, values)
     return nnx.merge(graphdef, state)
+
+
+def _check_layer_kwargs(fn: str, layer_class, layer_kwargs: dict) -> None:
+    """``ValueError`` naming the sizes missing from ``layer_kwargs``, or the keywords that
+    ``layer_class``'s constructor does not take: Python's own ``TypeError`` names the
+    internal class the layer inherits its constructor from."""
+    parameters = dict(inspect.signature(layer_class.__init__).parameters)
+    for internal in ("self", "rngs"):
+        parameters.pop(internal)
+    unknown = sorted(set(layer_kwargs) - set(parameters))
+    if unknown:
+        raise ValueError(
+            f"{fn}: {layer_class.__name__} takes no argument {', '.join(unknown)}; it takes "
+            f"{', '.join(parameters)}"
+        )
+    empty = inspect.Parameter.empty
+    missing = [n for n, p in parameters.items() if p.default is empty and n not in layer_kwargs]
+    if missing:
+        raise ValueError(
+            f"{fn}: give the layer's sizes as keyword arguments, as to fla's layer: "
+            f"{', '.join(f'{name}=...' for name in missing)} are missing"
+        )
 
 
 def torch_state_dict(layer) -> dict[str, np.ndarray]:

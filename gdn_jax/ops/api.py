@@ -139,9 +139,10 @@ def batched(
     checks.check_scale(fn, scale)
     checks.check_flag(fn, use_qk_l2norm=use_qk_l2norm)
     dispatch.check_impl(fn, rule, impl)
+    # Whatever the impl: a typo would wait for the day the impl changes.
+    chunk_size = checks.check_chunk_size(fn, chunk_size)
+    checks.check_schedule(fn, schedule)
     if impl != "recurrent":
-        chunk_size = checks.check_chunk_size(fn, chunk_size)
-        checks.check_schedule(fn, schedule)
         if not rule.forward_mode or impl not in ("auto", "chunked"):
             q, k, v, gates, initial_state = reverse_mode_only(
                 fn, 'impl="recurrent"', rule.gate_names, q, k, v, gates, initial_state

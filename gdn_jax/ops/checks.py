@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn_jax.ops.rule import STEPS, Form, GateSpec, Rule, shape_of
+from gdn_jax.ops.rule import LOG_DECAY, STEPS, Form, GateSpec, Rule, shape_of
 
 # "auto", the forms every rule has, and the kernels some rules have (``Rule.kernels``).
 Impl = Literal["auto", "chunked", "recurrent", "mosaic_gpu"]
@@ -273,6 +273,24 @@ def check_inputs(fn: str, rule: Rule, form: Form, arrays: dict) -> None:
     check_arrays(fn, **{name: x for name, x in arrays.items() if name not in scalars})
     check_floating(fn, **arrays)
     check_same_dtype(fn, q=arrays["q"], k=arrays["k"], v=arrays["v"])
+    check_log_decay(fn, arrays.get(LOG_DECAY))
+
+
+def check_log_decay(fn: str, log_alpha) -> None:
+    """``log_alpha <= 0`` where its values are concrete (above 0 the state grows every token
+    and the outputs turn to NaN); a tracer's, or an array's spread over several hosts, this
+    process cannot read."""
+    if log_alpha is None or isinstance(log_alpha, jax.core.Tracer):
+        return
+    if not getattr(log_alpha, "is_fully_addressable", True):
+        return
+    values = np.asarray(log_alpha, np.float64)
+    if (values > 0).any():
+        at = tuple(int(i) for i in np.argwhere(values > 0)[0])
+        raise ValueError(
+            f"{fn}: log_alpha must be <= 0 (decays in log space), got {values[at]:g} at index "
+            f"{at} (largest {np.nanmax(values):g}, shape {values.shape})"
+        )
 
 
 def check_step(fn: str, rule: Rule, state, q, k, v, gates: dict, steps: int = 1) -> dict:

@@ -11,6 +11,8 @@ primitive that is linear with the identity as its transpose, and that raises the
 wherever it would be computed (evaluated, batched as ``jax.jacfwd`` does, or compiled).
 Reverse mode only transposes it, so the reverse-mode program is unchanged; forward over
 reverse transposes it inside and differentiates the transposed program, which holds none.
+``jax.linearize`` of a function that calls the op is refused when it traces the op, since
+its trace says it is no ``jax.vjp``; of a ``jax.jit`` of one, when its linear function runs.
 """
 
 from __future__ import annotations
@@ -51,17 +53,28 @@ def _through_jvp(op, names, primals, tangents):
     live = [i for i, t in enumerate(tangents) if not isinstance(t, SymbolicZero)]
     if not live:
         return arrays, tangents
-    message = (
-        f"{op[0]}: forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) reaches "
-        f"{', '.join(names[i] for i in live)}, but the chunked form differentiates in reverse "
-        f"mode only (a hand-written custom_vjp); for forward mode use {op[1]} (jax.grad, "
-        "jax.vjp, jax.hessian and other forward over reverse work with either)"
-    )
+    message = _message(op, [names[i] for i in live])
     guarded = _REVERSE_ONLY.bind(*(tangents[i] for i in live), message=message)
     out = list(tangents)
     for i, tangent in zip(live, guarded, strict=True):
         out[i] = tangent
     return arrays, tuple(out)
+
+
+def _message(op: tuple[str, str], reached: list[str]) -> str:
+    return (
+        f"{op[0]}: forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) reaches "
+        f"{', '.join(reached)}, but the chunked form differentiates in reverse mode only (a "
+        f"hand-written custom_vjp); for forward mode use {op[1]} (jax.grad, jax.vjp, "
+        "jax.hessian and other forward over reverse work with either)"
+    )
+
+
+def _linearized(x) -> bool:
+    """Whether ``x`` is an input of ``jax.linearize`` itself, whose linear function would
+    run the tangents forward: JAX's linearize trace tells it from ``jax.vjp``'s (its
+    ``is_vjp``, a private attribute; a JAX without it answers False)."""
+    return getattr(getattr(x, "_trace", None), "is_vjp", True) is False
 
 
 def reverse_mode_only(fn: str, instead: str, gate_names, q, k, v, gates: tuple, initial_state):
@@ -77,6 +90,9 @@ def reverse_mode_only(fn: str, instead: str, gate_names, q, k, v, gates: tuple, 
         for i, x in enumerate(arrays)
         if isinstance(x, jax.core.Tracer) and jnp.issubdtype(x.dtype, jnp.inexact)
     ]
+    linearized = [names[i] for i in traced if _linearized(arrays[i])]
+    if linearized:  # raised here, not when the linear function is first called
+        raise ValueError(_message((fn, instead), linearized))
     if traced:  # else nothing here can carry a tangent
         passed = _through(
             (fn, instead), tuple(names[i] for i in traced), tuple(arrays[i] for i in traced)

@@ -96,6 +96,11 @@ def _load(ref):
     return getattr(importlib.import_module(module), name)
 
 
+# What every rule calls its decays in log space (``<= 0``), which checks.py reads where they
+# are concrete.
+LOG_DECAY = "log_alpha"
+
+
 class GateSpec(NamedTuple):
     """One array argument of a rule (a gate; q, k and v are described the same way).
 
@@ -205,6 +210,11 @@ class Rule:
             shown = f"``[{', '.join(axes)}]``" if axes else "a scalar (array or Python number)"
             extra = " or ``None`` (no decay)" if spec.default is not None else ""
             lines.append(f"{spec.name}: {shown}{extra}, {spec.doc}.")
+            if spec.name == LOG_DECAY:
+                lines[-1] += (
+                    " A value above 0 is refused where it is concrete; traced (under"
+                    " ``jax.jit``) it cannot be read, and the outputs grow without bound."
+                )
         if form == "batched":
             lines[2] += (
                 " ``HV`` is a multiple of ``H``: value head ``i`` reads query/key head"

@@ -22,7 +22,7 @@ from gdn_jax.models.mixers import MIXERS
 from gdn_jax.sweep.cells import Plan, grid, refused_sets
 from gdn_jax.sweep.results import FAILED, Results, SweepError
 from gdn_jax.sweep.runner import TRAINERS, Job, Stop, Trainers, run_jobs
-from gdn_jax.sweep.table import best_per_cell, write_plot, write_table
+from gdn_jax.sweep.table import PLOT, TABLE, best_per_cell, check_outputs, write_plot, write_table
 from gdn_jax.training.cli import (
     OneLineParser,
     missing_train_extra,
@@ -90,6 +90,11 @@ def parse_args(argv):
         "repository's own sweep is docs/sweep)",
     )
     add("--runs", default="runs/sweep", help="the runs' own directories")
+    add(
+        "--overwrite",
+        action="store_true",
+        help="replace a table.md or accuracy.png in --out that no sweep wrote",
+    )
     return parser.parse_args(argv)
 
 
@@ -139,7 +144,7 @@ def plan_jobs(args, seeds):
         except ValueError as error:
             where = f" (the config of mixer {mixer})" if "{mixer}" in args.config else ""
             raise SweepError(f"{error}{where}") from None
-    plan = Plan(configs, tuple(args.set), args.steps, args.layers, Path(args.runs))
+    plan = Plan(configs, tuple(args.set), args.steps, args.layers, Path(args.runs).expanduser())
 
     def command_args(cell, items) -> tuple[str, ...]:  # --config and the --set items
         config = ("--config", str(configs[cell.mixer]))
@@ -178,9 +183,10 @@ def _main(argv, trainers) -> int:
 
     try:
         check_args(args)
-        out, runs = Path(args.out), Path(args.runs)
+        out, runs = Path(args.out).expanduser(), Path(args.runs).expanduser()
         check_writable(out.absolute(), "--out")
         check_writable(runs.absolute(), "--runs")
+        check_outputs(out, args.overwrite)
         # The later seeds' jobs at every rate too, so that each is checked before anything
         # trains; the grid is the jobs of --seeds.
         jobs = plan_jobs(args, [*args.seeds, *args.best_rate_seeds])
@@ -226,9 +232,9 @@ def _sweep(args, argv, phases, out: Path, trainers) -> int:
         jobs += chosen
     command = f"{PROG} {shlex.join(_training_argv(argv))}".strip()
     runs = [(job.cell, results.records.get(job.key)) for job in jobs]
-    table = write_table(out / "table.md", runs, command, grid_seeds if later else None)
-    write_plot(out / "accuracy.png", table)
-    print((out / "table.md").read_text())
+    table = write_table(out / TABLE, runs, command, grid_seeds if later else None)
+    write_plot(out / PLOT, table)
+    print((out / TABLE).read_text())
     failed = sum(1 for _, r in runs if r is not None and r["status"] == FAILED)
     if failed:
         print(f"{failed} run(s) failed: see their errors in {results.path}", file=sys.stderr)
@@ -236,9 +242,10 @@ def _sweep(args, argv, phases, out: Path, trainers) -> int:
 
 
 def _training_argv(argv) -> list[str]:
-    """``argv`` less ``--table-only``, however abbreviated (argparse takes any unique prefix
-    of it): the command that trains the runs the table shows."""
-    return [a for a in argv if not (len(a) > 2 and "--table-only".startswith(a))]
+    """``argv`` less ``--table-only`` and ``--overwrite``, however abbreviated (argparse
+    takes any unique prefix of either): the command that trains the runs the table shows."""
+    flags = ("--table-only", "--overwrite")
+    return [a for a in argv if not (len(a) > 3 and any(f.startswith(a) for f in flags))]
 
 
 def _rate(best: dict, job) -> float | None:

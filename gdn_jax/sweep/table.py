@@ -8,17 +8,21 @@ accuracy at the stop is only where it crossed the target, and the steps tell the
 run that failed is counted as failed, never as an accuracy, and a table cell whose runs all
 failed reads "failed". Only the records of the sweep's own runs are shown, under
 the command that made them.
+
+A sweep replaces only the ``OUTPUTS`` it wrote itself, as ``WRITTEN`` in ``--out`` records:
+a file of the same name that it did not write is refused unless ``--overwrite``.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
 from gdn_jax.models.mixers import MIXERS
 from gdn_jax.sweep.cells import Cell
-from gdn_jax.sweep.results import FAILED, FINISHED
+from gdn_jax.sweep.results import FAILED, FINISHED, SweepError
 from gdn_jax.training.files import write_whole
 
 
@@ -113,6 +117,41 @@ def cell_text(summary: dict | None) -> str:
     return text + (f" ({', '.join(notes)})" if notes else "")
 
 
+TABLE, PLOT = "table.md", "accuracy.png"
+OUTPUTS = (TABLE, PLOT)
+# The record, in --out, of the OUTPUTS a sweep wrote there: one name a line after this one.
+WRITTEN = ".gdn_jax-sweep"
+WRITTEN_HEAD = "# written by python -m gdn_jax.sweep, which replaces them on its next run"
+
+
+def written(out: Path) -> set[str]:
+    """The ``OUTPUTS`` that a sweep wrote in ``out`` (``WRITTEN``)."""
+    try:
+        lines = (out / WRITTEN).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return set()
+    return set(lines[1:]) & set(OUTPUTS) if lines[:1] == [WRITTEN_HEAD] else set()
+
+
+def check_outputs(out: Path, overwrite: bool) -> None:
+    """Raise ``SweepError`` when ``out`` holds one of the ``OUTPUTS`` that no sweep wrote
+    there (``written``), unless ``overwrite``: the sweep would replace a file of the user's."""
+    theirs = [n for n in OUTPUTS if os.path.lexists(out / n) and n not in written(out)]
+    if theirs and not overwrite:
+        raise SweepError(
+            f"--out {out} holds {', '.join(theirs)}, which no sweep wrote there (no record in "
+            f"{out / WRITTEN}); move it away, or replace it with --overwrite"
+        )
+
+
+def mark_written(out: Path, name: str) -> None:
+    """Record in ``out/WRITTEN`` that the sweep writes ``name`` there, before it does: a
+    crash between the two leaves a record of a file that is the sweep's or absent."""
+    names = written(out) | {name}
+    text = "\n".join([WRITTEN_HEAD, *sorted(names)]) + "\n"
+    write_whole(out / WRITTEN, lambda partial: partial.write_text(text))
+
+
 def write_table(
     path: Path, runs: list[tuple[Cell, dict | None]], command: str, grid_seeds=None
 ) -> dict:
@@ -146,6 +185,7 @@ def write_table(
             "",
         ]
     text = "\n".join(lines)
+    mark_written(path.parent, path.name)
     write_whole(path, lambda partial: partial.write_text(text))
     return table
 
@@ -200,6 +240,7 @@ def write_plot(path: Path, table: dict) -> None:
         else:  # --table-only before any run finished: an empty plot that says so
             ax.text(0.5, 0.5, "no finished runs yet", ha="center", transform=ax.transAxes)
     fig.tight_layout()
+    mark_written(path.parent, path.name)
     try:
         write_whole(path, lambda partial: fig.savefig(partial, dpi=120, format="png"))
     finally:

@@ -123,7 +123,7 @@ def run(
     resolved = [to_dict(config) for config in configs]
     claims = [(c.train.out_dir, r) for c, r in zip(configs, resolved, strict=True)]
     locks = run_dir.claim_all(claims, resume=resume, overwrite=overwrite)
-    try:
+    with run_dir.held(locks):
         out_dirs = [lock.path.parent for lock in locks]
         outcomes = [
             run_dir.finished_summary(out_dir, c.train.steps, c.train.target_accuracy)
@@ -138,9 +138,6 @@ def run(
         for i, outcome in zip(todo, trained, strict=True):
             outcomes[i] = outcome
         return outcomes
-    finally:
-        for lock in locks:
-            lock.release()
 
 
 @dataclasses.dataclass(eq=False)  # a member is itself, not its fields

@@ -85,9 +85,6 @@ def _main(argv) -> int:
     except SystemExit as done:  # --help, or an argument argparse refused (one line)
         return done.code
     add_cpu_flags()  # before the first JAX computation starts the backend
-    from gdn_jax.training.platforms import use_host_platforms
-
-    use_host_platforms()  # before anything starts a backend
     from gdn_jax.training import batched
     from gdn_jax.training.errors import Interrupted, OutOfMemory, RunError
 

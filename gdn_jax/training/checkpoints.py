@@ -76,9 +76,36 @@ def drop_orphaned_save_tasks() -> None:
     logging.getLogger("asyncio").addFilter(_OrphanedSaveTasks())
 
 
+class _DamagedMetadata(logging.Filter):
+    """Turns orbax's report of a checkpoint metadata file it cannot read (logged at every
+    read, with the file's whole content, and read again for every step listed) into one
+    warning line per file; whether that checkpoint restores is the resume's to say."""
+
+    REPORTS = ("Failed to json parse Metadata file", "Failed to read Metadata file")
+
+    def __init__(self):
+        super().__init__()
+        self.warned = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(self.REPORTS) or not record.args:
+            return True
+        path, error = record.args[0], record.args[-1]
+        if str(path) not in self.warned:
+            self.warned.add(str(path))
+            print(f"warning: orbax cannot read {path} ({error})", file=sys.stderr)
+        return False
+
+
+@functools.cache  # once a process: the logger is global
+def name_damaged_metadata() -> None:
+    logging.getLogger("absl").addFilter(_DamagedMetadata())
+
+
 def manager(out_dir: Path, keep: int) -> ocp.CheckpointManager:
     use_replica_parallel_only_across_processes()
     drop_orphaned_save_tasks()
+    name_damaged_metadata()
     return ocp.CheckpointManager(
         out_dir / run_dir.CHECKPOINTS,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),

@@ -104,13 +104,14 @@ def parse_args(argv):
         action="store_true",
         help="train nothing: compile the train step for the TPU slice or GPUs --topology ahead of "
         "time and print its memory per chip against the chip's HBM (exit 0 if it fits, 1 if "
-        "not); needs libtpu, not a TPU",
+        "not); needs libtpu (TPUs) or JAX's CUDA plugin (GPUs), not the chips",
     )
     parser.add_argument(
         "--topology",
         metavar="NAME",
-        help="the TPU slice of --compile-only: <generation>:<chips per axis>, e.g. v5e:2x4 "
-        "(generations v4, v5e, v5p, v6e)",
+        help="what --compile-only compiles for: a TPU slice, <generation>:<chips per axis>, "
+        "e.g. v5e:2x4 (generations v4, v5e, v5p, v6e), or GPUs of one host, h100 or h200 "
+        "with an optional count, e.g. h200:8",
     )
     return parser, parser.parse_args(argv)
 
@@ -133,9 +134,6 @@ def _main(argv) -> int:
     # Imported here so that --help and argument errors do not wait for JAX.
     import jax
 
-    from gdn_jax.training.platforms import use_host_platforms
-
-    use_host_platforms()  # before anything starts a backend
     from gdn_jax.training.config import load_config
     from gdn_jax.training.errors import (
         Interrupted,
@@ -215,8 +213,9 @@ def _compile_only(args, fail) -> int:
     try:
         parse = gpu_compile.parse_target if gpu else tpu_compile.parse_topology
         topology = parse(args.topology)
-    except ValueError as error:
-        return fail(f"{error}; or GPUs of one host: {', '.join(gpu_compile.TARGETS)}[:count]")
+    except ValueError as error:  # a GPU target's message names its own forms
+        gpus = f"; or GPUs of one host: {', '.join(gpu_compile.TARGETS)}[:count]"
+        return fail(f"{error}{'' if gpu else gpus}")
     try:
         config = load_config(resolve_config(args.config), args.overrides)
     except (ValueError, OSError) as error:

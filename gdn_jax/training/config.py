@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 import math
 import numbers
+import os
 import types
 import typing
 from collections.abc import Hashable, Sequence
@@ -82,6 +83,12 @@ class TrainConfig:
     progress: bool = True
     # How the devices are arranged (all on data by default); see MeshConfig.
     mesh: MeshConfig = MeshConfig()
+
+    def __post_init__(self):
+        # "~" is the user's home, as in a shell: kept literally, it made a folder named "~"
+        # in the working directory, where "rm -rf ~" would remove the home.
+        if isinstance(self.out_dir, str) and self.out_dir.startswith("~"):
+            object.__setattr__(self, "out_dir", os.path.expanduser(self.out_dir))
 
 
 @typing.no_type_check  # data: validate() names a field of the wrong type
@@ -277,7 +284,13 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] | None 
     data = {}
     if path is not None:
         path = resolve_config(path, given=f"load_config: path={str(path)!r}")
-        data = parse_yaml(Path(path).read_text(), str(path))
+        try:
+            text = Path(path).read_text()
+        except UnicodeDecodeError as error:  # its message names neither the file nor YAML
+            raise ValueError(
+                f"{path}: not a YAML text file (byte {error.start} is not {error.encoding})"
+            ) from None
+        data = parse_yaml(text, str(path))
         if data is None:  # an empty file, or only comments: it was meant to say something
             raise ValueError(
                 f"{path}: the file holds no settings (it is empty or only comments); give "
@@ -290,6 +303,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] | None 
         if not sep or not key:
             raise ValueError(f"--set {item!r} must look like section.field=value")
         _set(data, key.strip(), parse_yaml(raw, f"--set {item!r}"))
+    train = data.get("train")
+    if isinstance(train, dict) and "out_dir" in train and train["out_dir"] is None:
+        # YAML reads "--set train.out_dir=" (or "out_dir:") as null: it is the empty name,
+        # which validate() refuses with its reason, not a value of the wrong type.
+        train["out_dir"] = ""
     return from_dict(Config, data).validate()
 
 

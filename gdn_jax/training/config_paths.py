@@ -12,15 +12,17 @@ DEFAULT_CONFIG = "mqar_gdn.yaml"
 
 
 def resolve_config(name: str | Path, *, given: str | None = None) -> Path:
-    """``name`` as given when that file exists; a bare file name (``mqar_gdn.yaml``) that is
+    """``name`` as given (``~`` being the home) when that file exists; a bare file name (``mqar_gdn.yaml``) that is
     not in the working directory names a packaged config, so it works from any directory.
     A path with a directory in it must exist: falling back would train some other file.
     ``given`` names what the user gave in the ``ValueError`` (default ``--config NAME``)."""
     name = str(name)
     given = f"--config {name}" if given is None else given
-    path = Path(name)
+    path = Path(name).expanduser()
     if path.is_file():
         return path
+    if path.is_dir():
+        raise ValueError(f"{given}: is a directory; give a YAML file in it")
     if path.name != name:
         raise ValueError(f"{given}: no such file")
     packaged = CONFIG_DIR / name

@@ -266,16 +266,13 @@ def run(
     lock = run_dir.claim(train.out_dir, resolved, **claim) if primary else None
     ckpt.sync("run directory claimed")
     out_dir = Path(train.out_dir).absolute() if lock is None else lock.path.parent
-    try:
+    with run_dir.held([] if lock is None else [lock]):
         if resume:
             finished = run_dir.finished_summary(out_dir, train.steps, train.target_accuracy)
             if finished is not None:
                 return finished
         with memory_named(config):
             return _train(config, resolved, mesh, out_dir, resume, callbacks, on_start)
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 def _train(config: Config, resolved, mesh, out_dir: Path, resume, callbacks, on_start) -> dict:

@@ -7,7 +7,10 @@ different run, and refuses to guess when ``config.yaml`` is missing or unreadabl
 run refuses a directory that holds an earlier run unless told to overwrite it, except one
 whose run died before its first checkpoint (nothing there can be resumed): that one is
 replaced only when its ``config.yaml`` begins with ``MARKER``, the line every run writes
-first, since a file of that name without it is the user's own. A lock refuses a
+first, since a file of that name without it is the user's own. A run deletes only what runs
+make (its files, and in ``checkpoints/`` step directories and orbax's temporary ones), names
+each path it deletes, and refuses a ``checkpoints/`` that holds anything else. A run that
+created its directory and ends before its first step removes it again. A lock refuses a
 second writer while a run is live (the kernel drops the lock when its process dies, however
 it dies, so a stale lock file is simply taken over). A run file that cannot be read is a
 ``RunError`` naming the file.
@@ -15,11 +18,11 @@ it dies, so a stale lock file is simply taken over). A run file that cannot be r
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -30,11 +33,21 @@ from gdn_jax.training.config import parse_yaml
 from gdn_jax.training.errors import NothingToResume, RunError, unreadable
 from gdn_jax.training.files import read_text
 from gdn_jax.training.metrics_log import MetricsLog
+from gdn_jax.training.run_files import (  # noqa: F401 (the run directory's names, read here)
+    CHECKPOINTS,
+    CONFIG,
+    LOCK,
+    METRICS,
+    PLOT,
+    RUN_FILES,
+    SUMMARY,
+    check_only_run_files,
+    checkpoint_steps,
+    clear,
+    earlier_run,
+    remove_created,
+)
 
-CONFIG, METRICS, PLOT, SUMMARY, CHECKPOINTS, LOCK = (
-    "config.yaml", "metrics.jsonl", "curves.png", "summary.json", "checkpoints", ".lock",
-)  # fmt: skip
-RUN_FILES = (CONFIG, METRICS, PLOT, SUMMARY, CHECKPOINTS)
 # The first line of every config.yaml a run writes (a YAML comment): what tells a run's own
 # file from a user's file of the same name.
 MARKER = "# gdn_jax run: the resolved config of the run in this directory"
@@ -74,31 +87,6 @@ def check_writable(out_dir: Path, name: str = "train.out_dir") -> None:
         raise RunError(f"{name}={out_dir} is not writable: {error.strerror}") from None
 
 
-def checkpoint_steps(out_dir: Path) -> list[int]:
-    """The steps of the checkpoints in ``out_dir``, oldest first."""
-    path = out_dir / CHECKPOINTS
-    if not path.exists():
-        return []
-    try:
-        return sorted(int(p.name) for p in path.iterdir() if p.name.isdigit())
-    except OSError as error:
-        raise unreadable(path, error.strerror) from None
-
-
-def earlier_run(out_dir: Path) -> list[str]:
-    """The run files in ``out_dir``, with checkpoint steps, e.g. ``['config.yaml',
-    'checkpoints (steps 4, 8)']``; empty when it holds no run."""
-    found = []
-    for name in RUN_FILES:
-        if name == CHECKPOINTS:
-            steps = checkpoint_steps(out_dir)
-            if steps:
-                found.append(f"{name} (steps {', '.join(map(str, steps))})")
-        elif (out_dir / name).exists():
-            found.append(name)
-    return found
-
-
 def written_by_a_run(path: Path) -> bool:
     """Whether the file ``path`` begins with ``MARKER``: a run wrote it."""
     try:
@@ -122,18 +110,6 @@ def died_before_first_save(out_dir: Path) -> bool:
     (``MARKER``): nothing there can be resumed, nothing was measured, and nothing is the
     user's."""
     return nothing_measured(out_dir) and written_by_a_run(out_dir / CONFIG)
-
-
-def clear(out_dir: Path) -> list[str]:
-    """Delete an earlier run's files (``--overwrite``); returns what was there."""
-    found = earlier_run(out_dir)
-    for name in RUN_FILES:
-        path = out_dir / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-    return found
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -220,9 +196,12 @@ class RunLock:
     its lock had gone with its process, so it is simply taken over.
     """
 
-    def __init__(self, out_dir: Path):
+    def __init__(self, out_dir: Path, *, created: bool = False):
+        """``created``: the run made ``out_dir`` (so a run that ends before its first step
+        removes it)."""
         self.path = out_dir / LOCK
         self.took_over = False
+        self.created = created
         self._file = None
 
     def acquire(self) -> RunLock:
@@ -248,15 +227,36 @@ class RunLock:
         self._file = handle
         return self
 
-    def release(self) -> None:
+    def release(self, *, ended_early: bool = False) -> None:
+        """Drop the lock. ``ended_early``: the run ended by an exception (a failure, Ctrl-C);
+        a directory it created in which nothing was measured goes too (``remove_created``),
+        so that start-up leaves no empty run directory behind."""
         self.path.unlink(missing_ok=True)
         self._file.close()  # closing drops the flock
+        out_dir = self.path.parent
+        if ended_early and self.created and nothing_measured(out_dir):
+            with contextlib.suppress(OSError):  # the error that ended the run is the news
+                remove_created(out_dir)
 
     def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+@contextlib.contextmanager
+def held(locks: list[RunLock]):
+    """Release ``locks`` (``claim``'s, ``claim_all``'s) when the block ends, as
+    ``RunLock.release(ended_early=...)`` when it ends by an exception."""
+    try:
+        yield
+    except BaseException:
+        for lock in locks:
+            lock.release(ended_early=True)
+        raise
+    for lock in locks:
+        lock.release()
 
 
 def claim(out_dir: str | Path, resolved: dict, *, resume: bool, overwrite: bool) -> RunLock:
@@ -284,10 +284,11 @@ def claim_all(
     locks, created = [], []
     try:
         for (_, resolved), out_dir in zip(runs, out_dirs, strict=True):
-            if not out_dir.exists():
+            new = not out_dir.exists()
+            if new:
                 out_dir.mkdir(parents=True)
                 created.append(out_dir)
-            locks.append(RunLock(out_dir).acquire())
+            locks.append(RunLock(out_dir, created=new).acquire())
             _check_claim(resolved, out_dir, resume=resume, overwrite=overwrite)
     except BaseException:
         for lock in locks:
@@ -307,6 +308,7 @@ def claim_all(
 
 
 def _check_claim(resolved: dict, out_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    check_only_run_files(out_dir)
     earlier = earlier_run(out_dir)
     stranded = bool(earlier) and died_before_first_save(out_dir)
     if resume:

@@ -414,6 +414,17 @@ def test_missing_extra_and_misshapen_tensors_are_named():
     del fla["g_proj.weight"]
     with pytest.raises(ValueError, match=r"load_fla_layer: missing tensor 'g_proj.weight'"):
         load_fla_layer(fla, hidden_size=64, num_heads=4, head_dim=16, num_v_heads=8, expand_v=1.0)
+    # Both were a TypeError naming RecurrentMixer.__init__, a class the user never met.
+    with pytest.raises(
+        ValueError,
+        match=r"^load_fla_layer: give the layer's sizes as keyword arguments, as to fla's "
+        r"layer: hidden_size=..., num_heads=..., head_dim=... are missing$",
+    ):
+        load_fla_layer(fla)
+    with pytest.raises(
+        ValueError, match=r"^load_fla_layer: GatedDeltaNet takes no argument hiden_size; it takes "
+    ):
+        load_fla_layer(fla, hiden_size=64, num_heads=4, head_dim=16)
 
 
 def test_float64_tensors_without_64_bit_mode_name_the_loaders_param_dtype():
@@ -487,6 +498,9 @@ def test_read_safetensors_errors(tmp_path):
         {"a.x": np.zeros(3, np.float32), "b.y": np.ones(2, np.float32)}, tmp_path / "m.safetensors"
     )
     assert read_safetensors(tmp_path / "m.safetensors", "a.").keys() == {"x"}
+    with pytest.MonkeyPatch.context() as patch:  # "~" is the home, as in a shell
+        patch.setenv("HOME", str(tmp_path))
+        assert read_safetensors("~/m.safetensors", "a.").keys() == {"x"}
     with pytest.raises(ValueError, match=r"no tensor in .* starts with prefix 'c.'"):
         read_safetensors(tmp_path / "m.safetensors", "c.")
     with pytest.raises(ValueError, match=r"neither a file nor a directory"):

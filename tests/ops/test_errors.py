@@ -186,6 +186,37 @@ def test_unknown_schedule():
         gdn_jax.gated_delta_rule_chunked(q, k, v, la, b, schedule="fused")
 
 
+def test_chunk_size_and_schedule_are_checked_whatever_the_impl():
+    """With impl="recurrent" they went unchecked: a typo that waited for the impl to change."""
+    for options, message in (
+        (dict(schedule="bogus"), r"^gated_delta_rule: schedule='bogus' must be one of"),
+        (dict(chunk_size=7), r"^gated_delta_rule: chunk_size=7 must be one of"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            call(batched_inputs(), impl="recurrent", **options)
+
+
+def test_a_positive_log_alpha_is_named_where_its_values_are_known():
+    """At +2 every output was NaN without a word; under jax.jit the values are not known,
+    and the docstring says so."""
+    args = batched_inputs()
+    args[3] = np.asarray(args[3]).copy()
+    args[3][0, 5, 1] = 2.0
+    for impl in ("recurrent", "chunked"):
+        with pytest.raises(
+            ValueError,
+            match=r"^gated_delta_rule: log_alpha must be <= 0 \(decays in log space\), got 2 "
+            r"at index \(0, 5, 1\) \(largest 2, shape \(1, 8, 2\)\)$",
+        ):
+            call(args, impl=impl)
+    q, k, v, la, b = random_inputs(0, 8, 4, 4)
+    with pytest.raises(ValueError, match=r"^gated_delta_step: log_alpha must be <= 0"):
+        gdn_jax.gated_delta_step(np.zeros((4, 4), np.float32), q[0], k[0], v[0], 0.5, b[0])
+    assert "A value above 0 is refused where it is concrete" in " ".join(
+        gdn_jax.gated_delta_rule.__doc__.split()
+    )
+
+
 def test_integer_inputs():
     args = batched_inputs()
     args[0] = jnp.zeros((1, 8, 2, 4), jnp.int32)

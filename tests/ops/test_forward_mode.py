@@ -19,7 +19,7 @@ from support import cpu_schedule
 from support.reference import as_array
 
 import gdn_jax
-from gdn_jax.ops.rule import shape_of
+from gdn_jax.ops.rule import LOG_DECAY, shape_of
 from gdn_jax.ops.rules import RULES
 
 # Each way forward mode reaches the op, as ``route(f, x)`` with ``f`` a function of v.
@@ -42,6 +42,8 @@ def inputs(rule, form):
     sizes = dict(B=1, T=T // steps, H=1, HV=1, K=K, V=V, n=steps)
     rng = np.random.default_rng(0)
     drawn = [rng.uniform(0.1, 0.9, shape_of(rule.layout(s, form), sizes)) for s in rule.arguments]
+    for i, spec in enumerate(rule.arguments):
+        drawn[i] *= -1 if spec.name == LOG_DECAY else 1  # decays in log space are <= 0
     options = {rule.steps: steps} if rule.steps else {}
     return [as_array(x, np.float32) for x in drawn], options
 
@@ -93,6 +95,16 @@ def test_the_one_head_and_sequence_parallel_forms_say_what_to_use():
         f, v = op_of_v("gated_delta_rule", form)
         with pytest.raises(ValueError, match=rf"for forward mode use {instead} "):
             ROUTES["jvp"](f, v)
+
+
+def test_linearize_raises_when_it_is_called_not_when_its_linear_function_runs():
+    """``jax.linearize`` returned, and its linear function raised at its first call: a
+    program that linearizes once and pushes tangents later failed far from the cause. (JAX's
+    vjp linearizes too, to transpose: test_gradients.py runs it.)"""
+    for form in ("one_head", "batched"):
+        f, v = op_of_v("gated_delta_rule", form)
+        with pytest.raises(ValueError, match=expected("gated_delta_rule", form)):
+            jax.linearize(f, v)
 
 
 def test_the_mosaic_gpu_kernel_refuses_forward_mode_too():

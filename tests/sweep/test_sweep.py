@@ -199,6 +199,42 @@ def test_the_default_out_is_no_folder_of_the_repository(sweep, tmp_path):
     assert {"table.md", "accuracy.png"} <= set(os.listdir(tmp_path / "runs" / "sweep"))
 
 
+def test_a_table_or_plot_the_sweep_did_not_write_is_refused_unless_overwrite(sweep):
+    """``--out`` may be a folder of the user's: a table.md or accuracy.png there that no
+    sweep wrote is one line and kept; the sweep's own it replaces on every run."""
+    Path("out").mkdir()
+    Path("out", "table.md").write_text("MINE\n")
+    Path("plot.png").write_bytes(b"mine")
+    Path("out", "accuracy.png").symlink_to(Path("plot.png").absolute())
+    args = ["--table-only", *GRID, "--out", "out"]
+    status, out, err, trained = sweep(*args)
+    assert (status, out, trained) == (2, "", [])
+    assert err == (
+        "python -m gdn_jax.sweep: error: --out out holds table.md, accuracy.png, which no "
+        "sweep wrote there (no record in out/.gdn_jax-sweep); move it away, or replace it "
+        "with --overwrite\n"
+    )
+    assert sorted(os.listdir("out")) == ["accuracy.png", "table.md"]
+    assert Path("out", "table.md").read_text() == "MINE\n"
+    assert Path("plot.png").read_bytes() == b"mine"
+
+    status, _, err, _ = sweep(*args, "--overwrite")
+    assert status == 0, err
+    table = Path("out", "table.md").read_text()
+    assert table.startswith(f"Command: `python -m gdn_jax.sweep {' '.join(GRID)} --out out`")
+    assert Path("plot.png").read_bytes() == b"mine"  # the link was replaced, not its target
+    status, _, err, _ = sweep(*args)  # its own table and plot: replaced without a word
+    assert (status, err) == (0, "")
+
+
+def test_a_tilde_in_the_sweeps_paths_is_the_home(sweep, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    status, _, err, trained = sweep(*GRID, "--out", "~/out", "--runs", "~/runs")
+    assert status == 0 and len(trained) == 8, err
+    assert {"results.jsonl", "table.md"} <= set(os.listdir(tmp_path / "home" / "out"))
+    assert (tmp_path / "home" / "runs").is_dir() and not (tmp_path / "~").exists()
+
+
 def test_other_settings_train_their_own_runs_and_the_table_shows_them(sweep):
     assert sweep(*GRID, "--out", "out")[0] == 0
     status, _, err, trained = sweep(*GRID, "--out", "out", "--set", "train.eval_every=4")

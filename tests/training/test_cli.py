@@ -194,7 +194,29 @@ def test_an_error_that_building_the_model_raises_comes_before_any_write(
     assert not (tmp_path / "run").exists()
 
 
+def test_a_tilde_in_out_dir_and_config_is_the_home(tmp_path, monkeypatch, command):
+    """``~`` was kept literally: the run wrote into a folder named ``~`` in the working
+    directory while printing ``out: ~/x``, and ``--config ~/my.yaml`` was no such file."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    fake_run(home / "x")  # an earlier run there: the refusal names where the run looked
+    one_line_error(command("~/x"), rf"error: {home}/x holds an earlier run")
+    fake_run(home / "y")
+    (home / "my.yaml").write_text("train:\n  out_dir: ~/y\n")
+    tiny = [x for item in TINY for x in ("--set", item)]
+    one_line_error(
+        command(None, "--config", "~/my.yaml", *tiny), rf"error: {home}/y holds an earlier run"
+    )
+    assert os.listdir(work) == []
+
+
 def test_out_dir_problems_are_one_line(tmp_path, command):
+    # YAML reads the empty value as null: that was "None must be of type str".
+    one_line_error(
+        command(None, "--set", "train.out_dir="), r"train.out_dir='' must name a directory"
+    )
     (tmp_path / "file").write_text("mine")
     one_line_error(command(tmp_path / "file"), r"exists and is not a directory")
     one_line_error(command(tmp_path / "file" / "run"), r"is not a directory")
@@ -406,7 +428,8 @@ def test_a_failed_save_stops_at_once_and_keeps_the_earlier_checkpoints(
         ("metrics.jsonl", '{"kind"\n{"kind": "train", "step": 1}\n', r"metrics.jsonl cannot be "
          r"read: line 1 is not JSON"),
         ("summary.json", '{"final_step": 1', r"summary.json cannot be read: not JSON"),
-        ("checkpoints", "not a directory", r"checkpoints cannot be read: Not a directory"),
+        ("checkpoints", "not a directory", r"run holds, where a run keeps its files, what no run "
+         r"makes: checkpoints; move it away first"),
     ],
 )  # fmt: skip
 def test_resume_refuses_an_unreadable_run_file_in_one_line_and_touches_nothing(
@@ -531,15 +554,107 @@ def test_out_of_memory_is_one_line_and_the_directory_stays_usable(tmp_path, monk
         raise MemoryError
 
     monkeypatch.setattr(evaluation, "make_examples", held_out_too_big)
+    out = tmp_path / "run"
+    out.mkdir()  # the user's: the run did not create it, so it keeps what the run wrote
+    (out / "notes.txt").write_text("mine")
     one_line_error(
-        command(tmp_path / "run"),
+        command(out),
         r"out of memory \(MemoryError\) with .*train.eval_examples=16; shrink ",
         status=1,
     )
     one_line_error(
-        command(tmp_path / "run", "--resume"),
+        command(out, "--resume"),
         r"its run died before its first checkpoint\); start it afresh with",
     )
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def users_things(checkpoints):
+    """A user's file, folder and links (one named like a step) inside ``checkpoints/``."""
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    (checkpoints / "model.pt").write_text("weights")
+    (checkpoints / "mine").mkdir()
+    (checkpoints / "mine" / "notes.txt").write_text("notes")
+    (checkpoints / "latest").symlink_to(checkpoints / "mine")
+    (checkpoints / "8").symlink_to(checkpoints / "mine")
+
+
+@pytest.mark.parametrize(
+    ("earlier", "flags"),
+    [
+        ("died before its first checkpoint", ()),  # a plain run used to replace it
+        ("checkpoint at step 4", ("--overwrite",)),
+        ("checkpoint at step 4", ("--resume",)),
+        ("nothing", ()),
+    ],
+)
+def test_a_checkpoints_folder_with_what_no_run_makes_is_refused_and_kept(
+    tmp_path, command, earlier, flags
+):
+    out = tmp_path / "run"
+    if earlier == "died before its first checkpoint":
+        fake_run(out, steps=())
+        (out / "metrics.jsonl").write_text("")
+    elif earlier == "checkpoint at step 4":
+        fake_run(out, steps=(4,))
+    users_things(out / "checkpoints")
+    before = snapshot(out)
+    one_line_error(
+        command(out, *flags),
+        r"run holds, where a run keeps its files, what no run makes: checkpoints/8, "
+        r"checkpoints/latest, checkpoints/mine, checkpoints/model.pt; move it away first",
+    )
+    assert snapshot(out) == before
+    assert (out / "checkpoints" / "latest").is_symlink() and (
+        out / "checkpoints" / "8"
+    ).is_symlink()
+
+
+def test_overwrite_names_every_path_it_deletes_and_nothing_else(tmp_path, monkeypatch, command):
+    import jax
+
+    from gdn_jax.training import loop
+
+    out = tmp_path / "run"
+    fake_run(out, steps=(4, 8))
+    (out / "checkpoints" / "12.orbax-checkpoint-tmp-1796522850").mkdir()  # a save cut short
+    (out / "notes.txt").write_text("mine")
+
+    def too_big(*args, **kwargs):  # stop the run just after it took the directory
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4e12 B")
+
+    monkeypatch.setattr(loop, "build", too_big)
+    deleted, _ = command(out, "--overwrite").stderr.strip().splitlines()
+    assert deleted == (
+        "overwrite: deleted config.yaml, metrics.jsonl, checkpoints/12.orbax-checkpoint-tmp-"
+        f"1796522850, checkpoints/4, checkpoints/8, checkpoints in {out}"
+    )
+    assert sorted(os.listdir(out)) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("ending", ["out of memory", "Ctrl-C"])
+def test_a_run_that_ends_before_its_first_step_removes_the_directory_it_created(
+    tmp_path, monkeypatch, command, ending
+):
+    import jax
+
+    from gdn_jax.training import loop
+
+    def start_up(*args, **kwargs):  # compiling the first step, a few seconds in
+        if ending == "Ctrl-C":
+            raise KeyboardInterrupt  # what Python's own SIGINT handler raises
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4e12 B")
+
+    monkeypatch.setattr(loop, "build", start_up)
+    result = command(tmp_path / "run")
+    if ending == "Ctrl-C":
+        assert (result.returncode, result.stderr) == (
+            130,
+            "train.py: interrupted before training began\n",
+        )
+    else:
+        one_line_error(result, r"^train.py: error: out of memory \(RESOURCE_EXHAUSTED", status=1)
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_plot_that_fails_in_the_finally_block_does_not_hide_the_error(
@@ -582,6 +697,48 @@ def test_a_config_path_must_exist_and_its_keys_be_unique(tmp_path):
         load_config(config)
     with pytest.raises(ValueError, match=r"duplicate key 'd_model'"):
         load_config(None, ["model={d_model: 64, d_model: 32}"])
+
+
+def test_a_config_that_is_no_yaml_file_is_named(tmp_path, command):
+    """A binary file was "'utf-8' codec can't decode byte ..." with no file named; a folder
+    was "no such file"."""
+    (tmp_path / "model.pt").write_bytes(b"\x80\x02weights")
+    one_line_error(
+        command(tmp_path / "run", "--config", str(tmp_path / "model.pt")),
+        r"error: \S+/model.pt: not a YAML text file \(byte 0 is not utf-8\)$",
+    )
+    one_line_error(
+        command(tmp_path / "run", "--config", str(tmp_path)),
+        r"error: --config \S+: is a directory; give a YAML file in it$",
+    )
+    assert os.listdir(tmp_path) == ["model.pt"]
+
+
+def test_help_names_the_gpu_targets_of_compile_only(capsys):
+    from gdn_jax.training import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "libtpu (TPUs) or JAX's CUDA plugin (GPUs)" in text
+    assert "or GPUs of one host, h100 or h200 with an optional count, e.g. h200:8" in text
+
+
+def test_a_damaged_checkpoint_metadata_file_is_one_warning_not_orbaxs_log(
+    tmp_path, command, finished_run, caplog
+):
+    """orbax logged "Failed to json parse Metadata file" with the file's content, twice for
+    the newest step, before the resume's own warning."""
+    out = resumable_copy(finished_run, tmp_path / "run")
+    for step in ("8", "12"):
+        (out / "checkpoints" / step / "_CHECKPOINT_METADATA").write_text("garbage{")
+    resumed = command(out, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert [line.split(" (")[0] for line in resumed.stderr.splitlines()] == [
+        f"warning: orbax cannot read {out}/checkpoints/{step}/_CHECKPOINT_METADATA"
+        for step in ("12", "8")
+    ]
+    assert not [r for r in caplog.records if "Metadata file" in r.getMessage()]
 
 
 def test_a_dangling_link_as_out_dir_is_one_line(tmp_path):
@@ -650,7 +807,7 @@ def test_compile_only_prints_the_memory_per_chip_and_whether_it_fits(tmp_path, c
         (
             ["--compile-only", "--topology", "h200:0"],
             [],
-            r"GPU target 'h200:0' must be one of h100, h200, optionally with a GPU count",
+            r"error: GPU target 'h200:0': the GPU count must be at least 1, e.g. h200:8$",
         ),
         (
             ["--compile-only", "--topology", "v7:2x2"],

@@ -1,13 +1,15 @@
-"""The training command's choice of JAX backends (``gdn_jax.training.platforms``): off
+"""The choice of JAX backends of a process that imports gdn_jax (``gdn_jax.platforms``): off
 libtpu on a host without TPU chips and off a GPU plugin on a host without its GPU, JAX's own
 choice everywhere else."""
 
 import os
+import subprocess
+import sys
 
 import pytest
+from support.runs import REPO
 
-from gdn_jax import tpu_compile
-from gdn_jax.training import platforms
+from gdn_jax import platforms, tpu_compile
 
 
 @pytest.fixture
@@ -89,3 +91,43 @@ def test_compile_only_keeps_libtpu_logs_in_a_directory_removed_at_exit(monkeypat
     given = {"TPU_LOG_DIR": str(tmp_path)}
     tpu_compile.quiet_libtpu(tpu_compile.parse_topology("v5e:2x2"), given)
     assert given["TPU_LOG_DIR"] == str(tmp_path)
+
+
+# A user's script: it imports gdn_jax and runs an op, as on the README's tour.
+USER_SCRIPT = """
+import jax, jax.numpy as jnp
+import gdn_jax
+
+q = k = jnp.ones((1, 8, 1, 4)) / 2
+v, gates = jnp.ones((1, 8, 1, 4)), jnp.zeros((1, 8, 1))
+o, _ = jax.jit(gdn_jax.gated_delta_rule)(q, k, v, gates - 0.1, gates + 0.5)
+print(float(o.sum()))
+"""
+
+
+@pytest.mark.costly(6)
+def test_a_users_script_prints_nothing_it_did_not_ask_for_and_leaves_no_tpu_logs(
+    tmp_path, subprocess_env
+):
+    """On this host (no TPU, no GPU), with the test extra's libtpu and CUDA plugin installed
+    and ``JAX_PLATFORMS`` unset as a user leaves it: libtpu's warnings and ``INVALID_ARGUMENT``
+    error, its logs in ``tpu_logs``, and the CUDA plugin's cuDNN traceback came with every
+    process."""
+    env = {k: v for k, v in subprocess_env.items() if k != "JAX_PLATFORMS"}
+    env["TMPDIR"] = str(tmp_path)
+    # libtpu logs to /tmp/tpu_logs whatever TMPDIR says, one file set per process id.
+    shared_logs = "/tmp/tpu_logs"
+    child = subprocess.Popen(
+        [sys.executable, "-c", USER_SCRIPT],
+        cwd=REPO,  # this checkout's gdn_jax
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = child.communicate(timeout=120)  # about 4 s
+    assert child.returncode == 0 and err == "", err
+    assert float(out) > 0
+    assert os.listdir(tmp_path) == []
+    logs = os.listdir(shared_logs) if os.path.isdir(shared_logs) else []
+    assert [name for name in logs if name.endswith(f".{child.pid}")] == []

@@ -1,5 +1,5 @@
-"""Which JAX backends the training command starts: never an accelerator's that the host
-lacks.
+"""Which JAX backends a process that imports gdn_jax starts: never an accelerator's that the
+host lacks.
 
 With libtpu installed (the test and ``tpu-compile`` extras bring it, to compile for TPUs
 ahead of time) and ``JAX_PLATFORMS`` unset, JAX tries a TPU backend in every process. On a
@@ -8,11 +8,15 @@ host without TPU chips that fails, as it should, but libtpu first prints warning
 hostnames) and writes logs to ``/tmp/tpu_logs``: a user reads a broken install. JAX's CUDA
 plugin (the test and ``gpu-compile`` extras bring it, to compile for GPUs) does the same on a
 host without an NVIDIA driver: it looks for cuDNN first and logs a traceback when it finds
-none. So before the first computation the command names the backends itself when an
-installed one's hardware is absent: TPU chips by the same check of the host's PCI devices
-that JAX's own TPU set-up makes, an NVIDIA or AMD GPU by its driver's device files. A host
-that has them keeps JAX's choice, and so does any process whose user chose
-(``JAX_PLATFORMS``, ``JAX_FORCE_TPU_INIT``).
+none. libtpu's log-level variables do not reach the lines it prints before its logging
+starts, and the traceback is JAX's own record of the plugin's failure; so ``import gdn_jax``
+names the backends itself (``use_host_platforms``) when an installed one's hardware is
+absent: TPU chips by the same check of the host's PCI devices that JAX's own TPU set-up
+makes, an NVIDIA or AMD GPU by its driver's device files. The backends are those JAX would
+end up with; only the failed attempts and their noise are gone. A host that has the
+hardware keeps JAX's choice, and so does any process whose user chose (``JAX_PLATFORMS``,
+``JAX_FORCE_TPU_INIT``, ``jax_platforms`` set before the import) or whose backends had
+started before gdn_jax was imported.
 """
 
 from __future__ import annotations
@@ -40,6 +44,17 @@ def tpu_chips() -> int | None:
         return hardware_utils.num_available_tpu_chips_and_device_id()[0]
     except (ImportError, AttributeError, OSError):
         return None
+
+
+def backends_started() -> bool:
+    """Whether this process's JAX backends have started (a computation ran), after which
+    the choice of platforms is made; False when this JAX cannot tell."""
+    try:  # JAX keeps it private; without it, a late choice is only a config value
+        from jax._src import xla_bridge
+
+        return xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):
+        return False
 
 
 def gpu_platforms() -> list[str] | None:
@@ -85,7 +100,7 @@ def use_host_platforms(environ: Mapping[str, str] = os.environ) -> str | None:
     (the backends start then); returns the value set, if any."""
     import jax
 
-    if jax.config.jax_platforms:  # set in this process already
+    if jax.config.jax_platforms or backends_started():  # chosen, or too late to choose
         return None
     chosen = host_platforms(environ)
     if chosen is not None:
