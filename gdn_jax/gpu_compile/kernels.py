@@ -165,7 +165,8 @@ def mosaic_kernels(folder: Path, limits: Limits) -> list[Kernel]:
     return kernels
 
 
-_LAUNCH = re.compile(r"gpu\.launch_func .* blocks in \(%c(\d+)\w*, %c(\d+)\w*, %c(\d+)\w*\)")
+_LAUNCH = re.compile(r"gpu\.launch_func .* blocks in \((%[\w.]+), (%[\w.]+), (%[\w.]+)\)")
+_CONSTANT = re.compile(r"(%[\w.]+) = arith\.constant (\d+) : (?:index|i32|i64)")
 # A store to shared memory from registers, and what reads shared memory through the async
 # proxy: a wgmma group (its WARPGROUP.ARRIVE) and a TMA store.
 _SMEM_STORE = re.compile(r"\s(?:STS|STSM)[.\s]")
@@ -197,15 +198,21 @@ def stall_cycles(sass: str) -> int:
 
 
 def _launch_grid(folder: Path, stem: str) -> tuple[int, int, int] | None:
-    """The ``(x, y, z)`` grid a Mosaic GPU kernel launches, from its MLIR's ``launch_func``."""
+    """The ``(x, y, z)`` grid a Mosaic GPU kernel launches, from its MLIR's ``launch_func``:
+    its operands are constants defined before it (the latest definition of each name)."""
     for name in (f"{stem}.mlir-passes.log", f"{stem}.before_layout_inference.txt"):
         path = Path(folder) / name
         if not path.exists():
             continue
+        constants = {}
         with path.open() as lines:
             for line in lines:
-                if "gpu.launch_func" in line and (found := _LAUNCH.search(line)):
-                    return tuple(int(found[i]) for i in (1, 2, 3))
+                if "arith.constant" in line and (found := _CONSTANT.search(line)):
+                    constants[found[1]] = int(found[2])
+                elif "gpu.launch_func" in line and (found := _LAUNCH.search(line)):
+                    grid = tuple(constants.get(found[i]) for i in (1, 2, 3))
+                    if None not in grid:
+                        return grid
     return None
 
 

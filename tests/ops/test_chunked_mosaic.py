@@ -168,11 +168,29 @@ def test_second_order_through_the_kernels_is_one_named_error():
     def loss(v, q):
         return jnp.sum(mosaic_rule(q, k, v, la, b)[0] ** 2)
 
-    message = r"impl='mosaic_gpu' differentiates once, in reverse mode.*use impl='chunked'"
+    message = (
+        r"^gated_delta_rule: impl='mosaic_gpu' differentiates once, in reverse mode.*'chunked'"
+    )
     with pytest.raises(ValueError, match=message):
         jax.jvp(lambda q: jax.grad(loss)(v, q), (q,), (q,))
     with pytest.raises(ValueError, match=message):
         jax.hessian(loss)(v, q)
+
+
+def test_gated_delta_products_errors_through_the_kernels_name_it():
+    """Gated DeltaProduct runs the gated delta rule's kernels; their errors name the op that
+    was called (traced on abstract shapes: nothing runs)."""
+    steps = random_inputs(12, 40, 16, 16, lead=(1,), heads=(1, 1))
+    q, log_alpha = steps[0][:, :20], steps[3][:, :20]
+
+    def loss(v):
+        y, _ = gdn_jax.gated_delta_product(q, steps[1], v, log_alpha, steps[4],
+                                           num_householder=2, impl="mosaic_gpu", chunk_size=64)  # fmt: skip
+        return jnp.sum(y**2)
+
+    message = r"^gated_delta_product: impl='mosaic_gpu' differentiates once"
+    with pytest.raises(ValueError, match=message):
+        jax.eval_shape(jax.hessian(loss), steps[2])
 
 
 def test_gated_delta_product_runs_on_the_kernels_over_its_steps():
