@@ -156,7 +156,9 @@ def summary(report) -> dict:
         kernels=[
             dict(name=k.name, backend=k.backend, registers=k.registers, spill_stores=k.spill_stores,
                  spill_loads=k.spill_loads, shared_memory=k.shared_memory,
-                 tensor_core_instructions=k.tensor_core_instructions, problem=k.problem)
+                 tensor_core_instructions=k.tensor_core_instructions, problem=k.problem,
+                 grid=k.grid, ctas_per_sm=k.ctas_per_sm, waves=k.waves,
+                 unfenced_stores=k.unfenced_stores, stall_cycles=k.stall_cycles)
             for k in report.kernels
         ],
     )  # fmt: skip
@@ -183,9 +185,12 @@ def cell_kernels(part: dict) -> str:
     cells = []
     for k in part.get("kernels", []):
         state = "ok" if k["problem"] is None else f"NOT launchable ({k['problem']})"
+        waves = "?" if k.get("waves") is None else f"{k['waves']:.1f}"
         cells.append(
             f"{k['name']}: {k['registers']} regs, spills {k['spill_stores']}/{k['spill_loads']} B, "
-            f"{k['shared_memory']} B smem, {k['tensor_core_instructions']} tc; {state}"
+            f"{k['shared_memory']} B smem, {k['tensor_core_instructions']} tc, grid "
+            f"{k.get('grid')}, {k.get('ctas_per_sm')}/SM, {waves} waves, "
+            f"{k.get('unfenced_stores')} unfenced, {k.get('stall_cycles')} stall cycles; {state}"
         )
     return "; ".join(cells)
 

@@ -10,6 +10,10 @@ shapes of its own.
 """
 
 import functools
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -107,3 +111,39 @@ def test_every_rule_launches_at_2_to_the_23_tokens(name):
     assert_sound(report, prefix)
     assert max(kernel.grid[0] for kernel in report.kernels) >= 2**23 // 64
     assert report.launches.total <= 40 and not report.launches.loops
+
+
+def test_the_readmes_gpu_compile_block_runs_as_written_and_prints_the_kernels():
+    """The README's block that compiles for an H200 (its install line is this JAX's set),
+    run as written in a fresh process: it prints every kernel of the op, launchable."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    (block,) = [
+        b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "gdn_jax.gpu_compile" in b
+    ]
+    result = subprocess.run(
+        [sys.executable, "-c", block], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    kernels = [line for line in result.stdout.splitlines() if line.startswith("kernel ")]
+    assert {line.split()[1].rsplit("_", 1)[0] for line in kernels} == {
+        "gdn_mosaic_factors",
+        "gdn_mosaic_states",
+    }
+    assert all(line.endswith("; launchable") for line in kernels), kernels
+
+
+def test_traced_here_and_lowered_for_a_gpu_the_kernels_compile():
+    """Compiling ahead of time the standard JAX way on this CPU host: ``jax.jit(op).trace(
+    arguments placed on an H200).lower()``. Tracing cannot tell the platform, so the kernels'
+    form waits for the lowering (``mosaic/by_platform.py``): lowered for CUDA they are the
+    compiled Mosaic GPU kernels, with none of the interpreter's host callbacks."""
+    device = gpu_compile.target_device("h200")
+    placed = jax.sharding.SingleDeviceSharding(device)
+    args = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed)
+        for a in abstract_args("kda", seq_len=320, key_dim=64, value_dim=64, dtype=jnp.bfloat16)
+    ]
+    lowered = jax.jit(functools.partial(gdn_jax.kda, impl="mosaic_gpu")).trace(*args).lower()
+    text = lowered.as_text()
+    assert "mosaic_gpu" in text and "callback" not in text
+    assert lowered.compile().memory_analysis() is not None
