@@ -17,14 +17,14 @@ from gdn_jax.layers import (
     GatedDeltaNet,
     GatedDeltaNet2,
     GatedDeltaProduct,
-    GatedLinearAttention,
     KimiDeltaAttention,
     LinearAttention,
     NoWeightDecay,
+    SimpleGatedLinearAttention,
     SoftmaxAttention,
 )
 
-RECURRENT = [GatedDeltaNet, DeltaNet, GatedLinearAttention, LinearAttention]
+RECURRENT = [GatedDeltaNet, DeltaNet, SimpleGatedLinearAttention, LinearAttention]
 # Every mixer with a recurrent state; KimiDeltaAttention's, GatedDeltaNet2's and
 # GatedDeltaProduct's own tests are in test_kda_layer.py, test_gdn2_layer.py and
 # test_gated_deltaproduct_layer.py.

@@ -135,7 +135,7 @@ def test_packed_sequences_across_shards_equal_one_device(shards, dtype, schedule
 
 
 def test_linear_rule_on_4_shards_with_qk_l2norm_hoisted():
-    rule = "gated_linear_attention"
+    rule = "simple_gla"
     inputs, state, weights = random_inputs(20, B, B, rule)
     compare(4, inputs, state, weights, "hoisted", rule=rule, use_qk_l2norm=True)
 
