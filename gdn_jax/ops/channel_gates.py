@@ -10,7 +10,7 @@ from __future__ import annotations
 from jaxtyping import Array, Float
 
 Gate = Float[Array, " C"] | Float[Array, "C D"]  # one number per token, or one per channel
-EraseGate = Float[Array, " C"] | Float[Array, "C K"]
+EraseGate = Float[Array, " C"] | Float[Array, "C K"] | tuple[()]  # or NO_ERASE
 WriteGate = Float[Array, " C"] | Float[Array, "C V"]
 
 

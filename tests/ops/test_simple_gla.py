@@ -1,5 +1,5 @@
-"""simple_gla: the recurrence without the delta correction; its one-head forms
-against the float64 loop and each other, and its step against its recurrent form."""
+"""simple_gla (one decay a head, no delta correction): its batched and one-head forms against
+the float64 loop and each other, and its step against its recurrent form."""
 
 import functools
 
