@@ -79,7 +79,9 @@ class GatedLinearAttention(RecurrentLayer, metaclass=_OldForm):
     channel; the rule with ``scale = head_k_dim ** -0.5`` and no L2 norm; a per-head
     RMSNorm (with a weight when ``elementwise_affine``) times ``gate_fn(g_proj(x))`` with
     ``use_output_gate`` (``fuse_norm`` fuses the two in flash-linear-attention's kernels:
-    the same values here); bias-free ``o_proj``.
+    the same values here); bias-free ``o_proj``. ``dtype``, ``param_dtype`` and
+    ``kernel_init`` (the projections' initialiser, Flax's LeCun normal when ``None``) are as
+    in ``GatedDeltaNet``.
 
     Args:
       hidden_size: ``D``.
@@ -104,9 +106,6 @@ class GatedLinearAttention(RecurrentLayer, metaclass=_OldForm):
         ``schedule``, which replace flash-linear-attention's ``mode``.
       impl: see ``chunk_size``.
       schedule: see ``chunk_size``.
-      dtype: the computation's dtype.
-      param_dtype: the parameters'.
-      kernel_init: the projections' initialiser (Flax's LeCun normal when ``None``).
       rngs: the random streams.
     """
 
