@@ -45,6 +45,7 @@ RULES = {
     "kda": ("kda", ("kda", ("g", "beta")), {}),
     "gdn2": ("gdn2", ("gdn2", ("g", "b", "w")), {}),
     "gdp": ("gated_delta_product", None, {"num_householder": 2}),
+    "simple_gla": ("simple_gla", None, {}),
     "gla": ("gated_linear_attention", None, {}),
 }
 # (impl, schedule) of gdn_jax's forms (a kernel impl for the rules that have it); "jla" is
@@ -266,7 +267,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="gpu_compile_report.py", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--rules", default="gdn,kda,gdn2,gdp,gla")
+    parser.add_argument("--rules", default="gdn,kda,gdn2,gdp,simple_gla,gla")
     parser.add_argument(
         "--forms",
         default=",".join(f"{i}:{s}" if s else i for i, s in FORMS),

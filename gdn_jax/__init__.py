@@ -40,6 +40,7 @@ _LAZY = {
     "KVCache": "gdn_jax.layers",
     "LinearAttention": "gdn_jax.layers",
     "RecurrentCache": "gdn_jax.layers",
+    "SimpleGatedLinearAttention": "gdn_jax.layers",
     "SoftmaxAttention": "gdn_jax.layers",
     "LanguageModel": "gdn_jax.models",
     "ModelConfig": "gdn_jax.models",
@@ -59,6 +60,7 @@ if TYPE_CHECKING:  # what type checkers see of the lazy names
         KVCache,
         LinearAttention,
         RecurrentCache,
+        SimpleGatedLinearAttention,
         SoftmaxAttention,
     )
     from gdn_jax.models import LanguageModel, ModelConfig, generate

@@ -58,16 +58,20 @@ def test_op_compiles_for_tpu_with_its_schedules_loops(schedule):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("op", ["kda", "gdn2"])
-def test_channel_gated_rules_compile_for_tpu_with_state_sized_loops(op):
-    """KDA and GDN-2, hoisted, have Gated DeltaNet's two state passes, each body state-sized:
-    the forward's two products, the reverse pass's four (a decay a channel changes what
-    decays the keys and queries before the loop, not what the loop does)."""
+@pytest.mark.parametrize(
+    ("op", "backward_dots"), [("kda", [2, 4]), ("gdn2", [2, 4]), ("gated_linear_attention", [1, 3])]
+)
+def test_channel_gated_rules_compile_for_tpu_with_state_sized_loops(op, backward_dots):
+    """KDA, GDN-2 and GLA, hoisted, have Gated DeltaNet's two state passes, each body
+    state-sized: the forward's two products and the reverse pass's four; GLA's reverse pass
+    has three (no WY factor reads the state), and beside it its forward pass one, since the
+    outputs read the start states kept for the backward after the loop. A decay a channel
+    changes what decays the keys and queries before the loop, not what the loop does."""
     forward = op_program(TOPOLOGY, "hoisted", "bfloat16", SHAPE, CHUNK, grad=False, op=op)
     both = op_program(TOPOLOGY, "hoisted", "bfloat16", SHAPE, CHUNK, grad=True, op=op)
     assert (forward.whiles, both.whiles) == (1, 2)
     assert [len(dots(body)) for body in forward.bodies] == [2]
-    assert sorted(len(dots(body)) for body in both.bodies) == [2, 4]
+    assert sorted(len(dots(body)) for body in both.bodies) == backward_dots
     for body in (*forward.bodies, *both.bodies):
         assert not has_square(body, CHUNK)
 

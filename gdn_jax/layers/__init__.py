@@ -1,10 +1,11 @@
 """Flax NNX layers: thin modules that create parameters and call ``gdn_jax.ops``."""
 
 from gdn_jax.layers.attention import KVCache, SoftmaxAttention
-from gdn_jax.layers.baselines import DeltaNet, GatedLinearAttention, LinearAttention
+from gdn_jax.layers.baselines import DeltaNet, LinearAttention, SimpleGatedLinearAttention
 from gdn_jax.layers.gated_deltanet import GatedDeltaNet
 from gdn_jax.layers.gated_deltaproduct import GatedDeltaProduct
 from gdn_jax.layers.gdn2 import GatedDeltaNet2
+from gdn_jax.layers.gla import GatedLinearAttention
 from gdn_jax.layers.kda import KimiDeltaAttention
 from gdn_jax.layers.mixer import TokenMixer
 from gdn_jax.layers.mlp import SwiGLU
@@ -27,6 +28,7 @@ __all__ = [
     "NoWeightDecay",
     "RecurrentCache",
     "RecurrentMixer",
+    "SimpleGatedLinearAttention",
     "SoftmaxAttention",
     "SwiGLU",
     "TokenMixer",

@@ -15,9 +15,11 @@ class DeltaNet(RecurrentMixer):
     delta = True
 
 
-class GatedLinearAttention(RecurrentMixer):
-    """Linear attention with a scalar decay gate per head and token, Mamba-2 style (not GLA's
-    per-feature gate): ``S_t = alpha_t S_{t-1} + v_t k_t^T``."""
+class SimpleGatedLinearAttention(RecurrentMixer):
+    """Simple gated linear attention (flash-linear-attention's ``simple_gla``): linear
+    attention with a scalar decay gate per head and token, Mamba-2 style, ``S_t = alpha_t
+    S_{t-1} + v_t k_t^T`` (GLA's per-channel gate is ``GatedLinearAttention``'s). It was
+    called ``GatedLinearAttention`` before; that name's old call still builds it."""
 
     decay = True
     delta = False

@@ -102,8 +102,11 @@ class RecurrentLayer(nnx.Module):
     cache, impl) -> (y, cache)``, which gets q, k and v from ``_qkv``. ``rule`` is what it
     runs (``ops.rules.RULES``), with ``rule_options`` (Gated DeltaProduct's
     ``num_householder``), which also say how many keys and values a token takes;
-    ``chunk_size``, ``impl`` and ``schedule`` are its op's.
+    ``chunk_size``, ``impl`` and ``schedule`` are its op's. The op L2-normalises q and k
+    unless the subclass sets ``qk_l2norm = False`` (GLA's feature map replaces it).
     """
+
+    qk_l2norm: bool = True
 
     def __init__(
         self,
@@ -251,7 +254,7 @@ class RecurrentLayer(nnx.Module):
             chunk_size=self.chunk_size,
             schedule=self.schedule,
             cu_seqlens=cu_seqlens,
-            use_qk_l2norm=True,
+            use_qk_l2norm=self.qk_l2norm,
             scale=None,
             **dict(self.rule_options),
         )

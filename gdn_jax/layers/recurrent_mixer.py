@@ -1,7 +1,7 @@
 """The recurrent token mixer behind Gated DeltaNet and its baselines.
 
 Wiring only: projections, short convolutions, gates and the gated output norm around
-``gdn_jax.gated_delta_rule`` (or ``gated_linear_attention`` without the delta correction).
+``gdn_jax.gated_delta_rule`` (or ``simple_gla`` without the delta correction).
 The parameter names, shapes and initialisation follow flash-linear-attention's
 ``GatedDeltaNet``, so parameter counts match for one config. Two switches, ``decay`` and
 ``delta``, say which parts of the recurrence a mixer has; ``GatedDeltaNet`` has both, the
@@ -32,7 +32,7 @@ from gdn_jax.layers.params import (
 from gdn_jax.layers.recurrent_layer import RecurrentCache, RecurrentLayer
 from gdn_jax.ops import checks
 from gdn_jax.ops.rules.gated_delta import GATED_DELTA
-from gdn_jax.ops.rules.gated_linear import GATED_LINEAR
+from gdn_jax.ops.rules.simple_gla import SIMPLE_GLA
 
 
 def head_log_decay(projected, A_log, dt_bias):
@@ -61,7 +61,7 @@ class RecurrentMixer(RecurrentLayer):
     (``"hoisted"``, ``"associative"``, ``"in_scan"``) are traced; naming one traces it alone.
 
     Use one of the named mixers, which fix the two switches: ``GatedDeltaNet``, ``DeltaNet``,
-    ``GatedLinearAttention``, ``LinearAttention``. Each is a ``RecurrentMixer``, not one of
+    ``SimpleGatedLinearAttention``, ``LinearAttention``. Each is a ``RecurrentMixer``, not one of
     another, so none inherits an argument it would ignore.
     """
 
@@ -95,7 +95,7 @@ class RecurrentMixer(RecurrentLayer):
         checks.require(
             name,
             hasattr(type(self), "decay") and hasattr(type(self), "delta"),
-            "build GatedDeltaNet, DeltaNet, GatedLinearAttention or LinearAttention, which "
+            "build GatedDeltaNet, DeltaNet, SimpleGatedLinearAttention or LinearAttention, which "
             "say whether the mixer has a decay gate and a delta correction",
         )
         checks.require(
@@ -117,7 +117,7 @@ class RecurrentMixer(RecurrentLayer):
             conv_bias=conv_bias, allow_neg_eigval=allow_neg_eigval, norm_eps=norm_eps,
             chunk_size=chunk_size, impl=impl, schedule=schedule, dtype=dtype,
             param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs,
-            rule=GATED_DELTA if self.delta else GATED_LINEAR,
+            rule=GATED_DELTA if self.delta else SIMPLE_GLA,
         )  # fmt: skip
         linear = bias_free_linear(
             dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs

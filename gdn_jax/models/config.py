@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from gdn_jax.layers.params import GateInit
-from gdn_jax.models.mixers import MIXERS
+from gdn_jax.models.mixers import MIXERS, RENAMED
 from gdn_jax.ops.checks import Impl, Schedule, is_real_number
+from gdn_jax.ops.renamed import warn_renamed
 
 # The names of the registered mixers (models/mixers.py), in the registry's order.
 Mixer = Literal[tuple(MIXERS)]
@@ -81,7 +82,7 @@ class ModelConfig:
     init_std: float = 0.02
     # Std of the normal init of the mixers' projections alone; None is init_std.
     mixer_init_std: float | None = None
-    # Initial law of the decay gates of the mixers with one decay per head (gdn, gated_linear,
+    # Initial law of the decay gates of the mixers with one decay per head (gdn, simple_gla,
     # gated_deltaproduct) and one per key channel (kda, gdn2): A ~ U(a_min, a_max), dt
     # log-uniform in [dt_min, dt_max] floored at dt_floor. An unset field is the layer's
     # default, flash-linear-attention's (A from U(0, 16) a head, U(1, 16) a channel; dt in
@@ -100,6 +101,11 @@ class ModelConfig:
             object.__setattr__(self, "mixers", (self.mixers,))
         elif isinstance(self.mixers, list):
             object.__setattr__(self, "mixers", tuple(self.mixers))
+        if isinstance(self.mixers, tuple) and any(name in RENAMED for name in self.mixers):
+            for old in {name for name in self.mixers if name in RENAMED}:
+                warn_renamed(f"mixer name {old!r}", repr(RENAMED[old]), stacklevel=4)
+            renamed = tuple(RENAMED.get(name, name) for name in self.mixers)
+            object.__setattr__(self, "mixers", renamed)
         for field in GATE_INITS:
             value = getattr(self, field)
             if isinstance(value, dict) and set(value) <= GATE_INIT_FIELDS:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from fractions import Fraction
 
 from flax import nnx
 
@@ -22,9 +23,11 @@ from gdn_jax.layers import (
     GatedLinearAttention,
     KimiDeltaAttention,
     LinearAttention,
+    SimpleGatedLinearAttention,
     SoftmaxAttention,
     TokenMixer,
 )
+from gdn_jax.ops import checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +84,26 @@ def delta_product(config, common) -> TokenMixer:
     )  # fmt: skip
 
 
+def gla(config, common) -> TokenMixer:
+    """GLA with the config's head layout in flash-linear-attention's terms: ``expand_k`` and
+    ``expand_v`` as exact fractions of ``d_model`` (``num_heads * key_head_dim`` and that
+    times ``expand_v``), the output gate ``use_gate``; one value head a key head."""
+    checks.require(
+        "build_mixer",
+        config.num_v_heads in (None, config.num_heads),
+        f"mixer 'gla' has one value head a key head; num_v_heads={config.num_v_heads} must be "
+        f"None or num_heads={config.num_heads}",
+    )
+    key_dim = config.num_heads * config.key_head_dim
+    return GatedLinearAttention(
+        config.d_model, expand_k=Fraction(key_dim, config.d_model),
+        expand_v=Fraction(key_dim, config.d_model) * Fraction(config.expand_v),
+        num_heads=config.num_heads, use_short_conv=config.use_short_conv,
+        conv_size=config.conv_size, use_output_gate=config.use_gate, norm_eps=config.norm_eps,
+        chunk_size=config.chunk_size, impl=config.impl, schedule=config.schedule, **common,
+    )  # fmt: skip
+
+
 def attention(*, short_conv: bool) -> Callable[..., TokenMixer]:
     def build(config, common):
         return SoftmaxAttention(
@@ -108,10 +131,17 @@ MIXERS: dict[str, MixerSpec] = {
         recurrent(DeltaNet, negative_eigenvalues=True, gate_init=None),
         "DeltaNet: delta correction, no decay (`log_alpha = 0`)",
     ),
-    "gated_linear": MixerSpec(
+    "simple_gla": MixerSpec(
+        SimpleGatedLinearAttention,
+        recurrent(
+            SimpleGatedLinearAttention, negative_eigenvalues=False, gate_init="head_gate_init"
+        ),
+        "simple gated linear attention, Mamba2-style scalar decay, no delta",
+    ),
+    "gla": MixerSpec(
         GatedLinearAttention,
-        recurrent(GatedLinearAttention, negative_eigenvalues=False, gate_init="head_gate_init"),
-        "gated linear attention, Mamba2-style scalar decay, no delta",
+        gla,
+        "gated linear attention (GLA): one decay per key channel, no delta",
     ),
     "linear": MixerSpec(
         LinearAttention,
@@ -150,6 +180,11 @@ MIXERS: dict[str, MixerSpec] = {
         "attention with the short convolutions of the recurrent mixers",
     ),
 }
+
+
+# Mixer names that changed: a config that names one builds the new one, with a
+# DeprecationWarning once a process (``ModelConfig``).
+RENAMED = {"gated_linear": "simple_gla"}
 
 
 def common_kwargs(config, rngs: nnx.Rngs) -> dict:

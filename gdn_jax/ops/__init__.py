@@ -1,6 +1,7 @@
 """Pure JAX functions for the delta-rule family, one home per rule (``rules/``): the gated
-delta rule, gated linear attention, Kimi Delta Attention (KDA), Gated DeltaNet-2 (GDN-2) and
-Gated DeltaProduct; see ``gdn_jax`` for the dimension legend. Every rule has the same public
+delta rule, simple gated linear attention (one decay per head), gated linear attention (GLA,
+one decay per key channel), Kimi Delta Attention (KDA), Gated DeltaNet-2 (GDN-2) and Gated
+DeltaProduct; see ``gdn_jax`` for the dimension legend. Every rule has the same public
 forms: ``<name>_step``, ``<name>_recurrent``, ``<name>_chunked``, ``<name>`` (batched) and
 ``<name>_seq_parallel``."""
 
@@ -21,15 +22,22 @@ from gdn_jax.ops.rules.gated_delta_product import (
     gated_delta_product_seq_parallel,
     gated_delta_product_step,
 )
-from gdn_jax.ops.rules.gated_linear import (
+from gdn_jax.ops.rules.gdn2 import gdn2, gdn2_chunked, gdn2_recurrent, gdn2_seq_parallel, gdn2_step
+from gdn_jax.ops.rules.gla import (
     gated_linear_attention,
     gated_linear_attention_chunked,
     gated_linear_attention_recurrent,
     gated_linear_attention_seq_parallel,
     gated_linear_attention_step,
 )
-from gdn_jax.ops.rules.gdn2 import gdn2, gdn2_chunked, gdn2_recurrent, gdn2_seq_parallel, gdn2_step
 from gdn_jax.ops.rules.kda import kda, kda_chunked, kda_recurrent, kda_seq_parallel, kda_step
+from gdn_jax.ops.rules.simple_gla import (
+    simple_gla,
+    simple_gla_chunked,
+    simple_gla_recurrent,
+    simple_gla_seq_parallel,
+    simple_gla_step,
+)
 from gdn_jax.ops.single_head import default_scale
 
 __all__ = [
@@ -62,4 +70,9 @@ __all__ = [
     "kda_seq_parallel",
     "kda_step",
     "l2_normalize",
+    "simple_gla",
+    "simple_gla_chunked",
+    "simple_gla_recurrent",
+    "simple_gla_seq_parallel",
+    "simple_gla_step",
 ]

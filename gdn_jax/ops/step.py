@@ -52,6 +52,19 @@ def linear_step(
     return new_state, new_state @ q
 
 
+def gla_step(
+    state: Float[Array, "V K"],
+    q: Float[Array, " K"],
+    k: Float[Array, " K"],
+    v: Float[Array, " V"],
+    log_alpha: Float[Array, " K"],
+) -> tuple[Float[Array, "V K"], Float[Array, " V"]]:
+    """Gated linear attention (GLA): each key channel decays by its own gate, nothing is
+    erased and the value is written as it is, ``S' = S Diag(alpha) + v k^T``, ``y = S' q``."""
+    new_state = decay(state, log_alpha) + jnp.outer(v, k)
+    return new_state, new_state @ q
+
+
 def erase_write_step(
     state: Float[Array, "V K"],
     q: Float[Array, " K"],

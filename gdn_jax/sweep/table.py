@@ -20,7 +20,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from gdn_jax.models.mixers import MIXERS
+from gdn_jax.models.mixers import MIXERS, RENAMED
 from gdn_jax.sweep.cells import Cell
 from gdn_jax.sweep.results import FAILED, FINISHED, SweepError
 from gdn_jax.training.files import write_whole
@@ -158,7 +158,8 @@ def write_table(
     """Write the table of ``runs`` under ``command`` to ``path`` (whole or not at all), each
     cell at the rate ``best_per_cell(runs, grid_seeds)`` chooses; returns its summaries."""
     table = best_per_cell(runs, grid_seeds)
-    mixers = [m for m in MIXERS if any(g[0] == m for g in table)]
+    # Records made under a mixer's old name (RENAMED) keep their rows, under that name.
+    mixers = [m for m in (*MIXERS, *RENAMED) if any(g[0] == m for g in table)]
     pairs = sorted({g[1] for g in table})
     widths = sorted({g[2] for g in table})
     lines = [f"Command: `{command}`", ""]
@@ -210,7 +211,7 @@ def write_plot(path: Path, table: dict) -> None:
 
     widths = sorted({g[2] for g in table})
     pairs = sorted({g[1] for g in table})
-    mixers = [m for m in MIXERS if any(g[0] == m for g in table)]
+    mixers = [m for m in (*MIXERS, *RENAMED) if any(g[0] == m for g in table)]
     fig, axes = plt.subplots(1, len(widths), figsize=(4.5 * len(widths), 3.5), squeeze=False)
     for ax, width in zip(axes[0], widths, strict=True):
         for mixer in mixers:

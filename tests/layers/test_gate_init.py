@@ -15,15 +15,15 @@ from gdn_jax.layers import (
     GatedDeltaNet,
     GatedDeltaNet2,
     GatedDeltaProduct,
-    GatedLinearAttention,
     GateInit,
     KimiDeltaAttention,
     LinearAttention,
+    SimpleGatedLinearAttention,
 )
 from gdn_jax.models import LanguageModel
 from gdn_jax.training.config import load_config, to_dict
 
-HEAD = [GatedDeltaNet, GatedLinearAttention, GatedDeltaProduct]  # one decay per head
+HEAD = [GatedDeltaNet, SimpleGatedLinearAttention, GatedDeltaProduct]  # one decay per head
 CHANNEL = [KimiDeltaAttention, GatedDeltaNet2]  # one per key channel
 # Wide enough that every draw of a law lands near both ends of its range.
 WIDTH, HEADS, HEAD_DIM = 64, 16, 4
@@ -94,7 +94,7 @@ def test_a_mixer_without_a_decay_gate_refuses_a_law(cls):
 
 def test_model_config_sets_each_kind_of_decay_and_keeps_earlier_keys():
     overrides = [
-        "model.mixers=[gdn, kda, gated_linear, gdn2, gated_deltaproduct, deltanet]",
+        "model.mixers=[gdn, kda, simple_gla, gdn2, gated_deltaproduct, deltanet]",
         "model.head_gate_init.dt_min=1e-4", "model.head_gate_init.dt_max=1e-3",
         "model.channel_gate_init.a_min=0.0",
     ]  # fmt: skip

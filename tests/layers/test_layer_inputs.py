@@ -26,9 +26,9 @@ from gdn_jax.layers import (
     DeltaNet,
     GatedDeltaNet2,
     GatedDeltaProduct,
-    GatedLinearAttention,
     GateInit,
     RecurrentMixer,
+    SimpleGatedLinearAttention,
     SwiGLU,
 )
 from gdn_jax.layers.params import gate_law
@@ -252,7 +252,7 @@ def test_no_layer_accepts_an_argument_it_would_ignore():
 
 
 def test_baselines_are_siblings_not_kinds_of_gated_deltanet():
-    for cls in (DeltaNet, GatedLinearAttention, LinearAttention):
+    for cls in (DeltaNet, SimpleGatedLinearAttention, LinearAttention):
         layer = cls(16, 2, 8, rngs=nnx.Rngs(0))
         assert isinstance(layer, RecurrentMixer) and not isinstance(layer, GatedDeltaNet)
     with pytest.raises(ValueError, match=r"RecurrentMixer: build GatedDeltaNet, DeltaNet"):
@@ -261,7 +261,7 @@ def test_baselines_are_siblings_not_kinds_of_gated_deltanet():
 
 ALL_LAYERS = (
     GatedDeltaNet, KimiDeltaAttention, GatedDeltaNet2, GatedDeltaProduct, DeltaNet,
-    GatedLinearAttention, LinearAttention, SoftmaxAttention,
+    SimpleGatedLinearAttention, LinearAttention, SoftmaxAttention,
 )  # fmt: skip
 
 

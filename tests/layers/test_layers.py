@@ -21,14 +21,17 @@ from gdn_jax.layers import (
     KimiDeltaAttention,
     LinearAttention,
     NoWeightDecay,
+    SimpleGatedLinearAttention,
     SoftmaxAttention,
 )
 
-RECURRENT = [GatedDeltaNet, DeltaNet, GatedLinearAttention, LinearAttention]
-# Every mixer with a recurrent state; KimiDeltaAttention's, GatedDeltaNet2's and
-# GatedDeltaProduct's own tests are in test_kda_layer.py, test_gdn2_layer.py and
-# test_gated_deltaproduct_layer.py.
-STATEFUL = [*RECURRENT, KimiDeltaAttention, GatedDeltaNet2, GatedDeltaProduct]
+RECURRENT = [GatedDeltaNet, DeltaNet, SimpleGatedLinearAttention, LinearAttention]
+# Every mixer with a recurrent state; KimiDeltaAttention's, GatedDeltaNet2's,
+# GatedDeltaProduct's and GatedLinearAttention's own tests are in test_kda_layer.py,
+# test_gdn2_layer.py, test_gated_deltaproduct_layer.py and test_gla_layer.py.
+STATEFUL = [*RECURRENT, KimiDeltaAttention, GatedDeltaNet2, GatedDeltaProduct, GatedLinearAttention]
+# GLA's layer takes flash-linear-attention's arguments: grouped key/value heads, convolutions.
+GLA_OPTIONS = dict(expand_k=0.5, num_heads=2, num_kv_heads=1, use_short_conv=True)
 HIDDEN = 16
 
 
@@ -42,6 +45,9 @@ ATTENTION = [SoftmaxAttention, AttentionWithConv]
 def make(cls, **kw):
     if cls in ATTENTION:
         return cls(HIDDEN, 2, 8, rngs=nnx.Rngs(0))
+    if cls is GatedLinearAttention:
+        options = dict(GLA_OPTIONS, chunk_size=16, schedule=SCHEDULE, **kw)
+        return cls(HIDDEN, rngs=nnx.Rngs(0), **options)
     options = dict(
         num_heads=2, head_dim=4, expand_v=2.0, num_v_heads=4, chunk_size=16, schedule=SCHEDULE
     )

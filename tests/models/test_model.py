@@ -13,7 +13,7 @@ from support.tolerance import assert_close
 from gdn_jax.models import LanguageModel, ModelConfig, generate
 
 # One stack holding a mixer of each kind of layer and cache: each test below then covers all of
-# them in one compilation. "deltanet", "gated_linear" and "linear" are GatedDeltaNet's base class
+# them in one compilation. "deltanet", "simple_gla" and "linear" are GatedDeltaNet's base class
 # with its delta or decay switched off (the same cache and the same model code): test_layers.py
 # checks each one's decoding, padding and packing on its own.
 HYBRID = ModelConfig(

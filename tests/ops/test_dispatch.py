@@ -40,18 +40,18 @@ def test_auto_takes_no_kernel_until_a_gpu_has_timed_it():
 
 def test_a_rule_without_the_kernel_asked_for_is_refused_where_it_is_built():
     message = (
-        r"impl='mosaic_gpu' is a kernel gated_linear_attention does not have \(its kernels: "
+        r"impl='mosaic_gpu' is a kernel simple_gla does not have \(its kernels: "
         r"none\)"
     )
     q, k, v, la, b = random_inputs(0, 8, 4, 4, lead=(1,), heads=(1, 1))
-    with pytest.raises(ValueError, match="gated_linear_attention: " + message):
-        gdn_jax.gated_linear_attention(q, k, v, la, b, impl="mosaic_gpu")
-    with pytest.raises(ValueError, match="GatedLinearAttention: " + message):
-        gdn_jax.GatedLinearAttention(
+    with pytest.raises(ValueError, match="simple_gla: " + message):
+        gdn_jax.simple_gla(q, k, v, la, b, impl="mosaic_gpu")
+    with pytest.raises(ValueError, match="SimpleGatedLinearAttention: " + message):
+        gdn_jax.SimpleGatedLinearAttention(
             16, num_heads=2, head_dim=8, impl="mosaic_gpu", rngs=nnx.Rngs(0)
         )
     config = gdn_jax.ModelConfig(
-        vocab_size=32, d_model=16, mixers=("gated_linear",), impl="mosaic_gpu"
+        vocab_size=32, d_model=16, mixers=("simple_gla",), impl="mosaic_gpu"
     )
     with pytest.raises(ValueError, match=message):
         nnx.eval_shape(lambda: gdn_jax.LanguageModel(config, rngs=nnx.Rngs(0)))

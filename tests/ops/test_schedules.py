@@ -115,7 +115,7 @@ def test_single_head_schedules_match_recurrent(seq_len, key_dim, value_dim, chun
             assert_close(a, e, jnp.float32, f"{schedule} d{name}")
 
 
-@pytest.mark.parametrize("rule", ["gated_delta_rule", "gated_linear_attention"])
+@pytest.mark.parametrize("rule", ["gated_delta_rule", "simple_gla"])
 def test_batched_grouped_packed_schedules_agree(rule):
     # Grouped value heads, packed sequences with an empty one and a traced cu_seqlens that
     # ends before T (the tail is inert): everything the batched entry point does.

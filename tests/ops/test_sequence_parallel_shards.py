@@ -5,8 +5,8 @@ when JAX starts).
 ``gated_delta_rule_seq_parallel`` against ``gdn_jax.gated_delta_rule`` (chunked): outputs,
 final states and the gradient of every input, with the tolerance table, with and without an
 initial state, and with packed sequences across shard boundaries in float32 and float64, each
-in one schedule or the other. The same for the linear rule, KDA, GDN-2 (also packed) and
-Gated DeltaProduct (n = 2), with fewer cases. Also: a two-axis mesh, the sizes of the arrays
+in one schedule or the other. The same for simple_gla, KDA, GDN-2 and GLA (both also
+packed) and Gated DeltaProduct (n = 2), with fewer cases. Also: a two-axis mesh, the sizes of the arrays
 that cross devices (Gated DeltaNet and GDN-2), ``halo_from_previous`` and the divisibility
 error. The arguments' errors on one device are test_sequence_parallel.py's.
 """
@@ -135,7 +135,7 @@ def test_packed_sequences_across_shards_equal_one_device(shards, dtype, schedule
 
 
 def test_linear_rule_on_4_shards_with_qk_l2norm_hoisted():
-    rule = "gated_linear_attention"
+    rule = "simple_gla"
     inputs, state, weights = random_inputs(20, B, B, rule)
     compare(4, inputs, state, weights, "hoisted", rule=rule, use_qk_l2norm=True)
 
@@ -153,6 +153,13 @@ GDN2_PACKED = jnp.asarray(PACKED["crossing"], jnp.int32)
 def test_gdn2_on_4_shards_with_packed_sequences_in_scan():
     inputs, state, weights = random_inputs(31, 1, len(PACKED["crossing"]) - 1, "gdn2")
     compare(4, inputs, state, weights, "in_scan", GDN2_PACKED, rule="gdn2")
+
+
+def test_gla_on_4_shards_with_packed_sequences_associative():
+    # GLA's form of the channel engine (no erase gate), in the GPUs' schedule.
+    rule = "gated_linear_attention"
+    inputs, state, weights = random_inputs(35, 1, len(PACKED["crossing"]) - 1, rule)
+    compare(4, inputs, state, weights, "associative", GDN2_PACKED, rule=rule)
 
 
 def test_gated_delta_product_on_4_shards_with_an_initial_state_in_scan():

@@ -84,7 +84,7 @@ def test_backward_loops_hold_only_state_sized_work():
         assert not has_chunk_square(body)
 
 
-@pytest.mark.parametrize("impl_fn", ["gated_delta_rule", "gated_linear_attention"])
+@pytest.mark.parametrize("impl_fn", ["gated_delta_rule", "simple_gla"])
 def test_batched_grouped_heads_keep_the_structure(impl_fn):
     q, k, v, la, b = random_inputs(2, SEQ, KEY, VALUE, lead=(2,), heads=(2, 4))
 

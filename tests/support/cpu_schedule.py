@@ -17,6 +17,8 @@ gated_linear_attention = functools.partial(gdn_jax.gated_linear_attention, sched
 gated_linear_attention_chunked = functools.partial(
     gdn_jax.gated_linear_attention_chunked, schedule=SCHEDULE
 )
+simple_gla = functools.partial(gdn_jax.simple_gla, schedule=SCHEDULE)
+simple_gla_chunked = functools.partial(gdn_jax.simple_gla_chunked, schedule=SCHEDULE)
 kda = functools.partial(gdn_jax.kda, schedule=SCHEDULE)
 kda_chunked = functools.partial(gdn_jax.kda_chunked, schedule=SCHEDULE)
 gdn2 = functools.partial(gdn_jax.gdn2, schedule=SCHEDULE)

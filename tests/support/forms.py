@@ -5,7 +5,7 @@ and tests of one shape reuse one program: test_gradients.py, test_schedules.py, 
 test_gdn2.py), the same for the batched op on packed sequences (test_varlen.py and
 test_schedules.py), the batched ops jitted, the checks that the channel-gated rules'
 tests (test_kda.py, test_gdn2.py) share, and a rule's public step token by token against
-its recurrent form (test_linear_attention.py, test_gated_delta_product.py)."""
+its recurrent form (test_simple_gla.py, test_gated_delta_product.py)."""
 
 import functools
 

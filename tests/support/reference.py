@@ -125,3 +125,17 @@ def householder_reference(q, k, v, log_alpha, beta, n, *, scale, initial_state=N
             state = state + beta[j] * np.outer(v[j] - state @ k[j], k[j])
         ys.append(state @ (scale * q[t]))
     return np.stack(ys), state
+
+
+def gla_reference(q, k, v, log_alpha, *, scale, initial_state=None):
+    """Gated linear attention (GLA), straight from its recurrence: ``S_t = S_{t-1}
+    Diag(exp(g_t)) + v_t k_t^T``, ``y_t = S_t (scale q_t)``, gates ``log_alpha [T, K]``."""
+    q, k, v, log_alpha = (np.asarray(x, np.float64) for x in (q, k, v, log_alpha))
+    state = np.zeros((v.shape[1], q.shape[1]))
+    if initial_state is not None:
+        state = np.array(initial_state, np.float64)
+    ys = []
+    for t in range(q.shape[0]):
+        state = state * np.exp(log_alpha[t]) + np.outer(v[t], k[t])
+        ys.append(state @ (scale * q[t]))
+    return np.stack(ys), state

@@ -430,7 +430,7 @@ def test_ctrl_c_stops_the_sweep_records_nothing_it_stopped_and_a_rerun_resumes(t
     log = tmp_path / "trained.log"
     env = dict(os.environ, SWEEP_TRAINER_LOG=str(log), SWEEP_TRAINER_SLOW="60")
     code = "import sys; from gdn_jax.sweep import cli, runner; sys.exit(cli.main(sys.argv[2:], trainers=runner.Trainers(*eval(sys.argv[1]))))"
-    args = ["--mixers", "gdn", "kda", "deltanet", "gated_linear", *GRID[3:12], "--seeds", "0"]
+    args = ["--mixers", "gdn", "kda", "deltanet", "simple_gla", *GRID[3:12], "--seeds", "0"]
     args += ["--jobs", "2"]
     args += ["--out", "out", "--runs", "runs"]
     command = [sys.executable, "-c", code, repr((TRAINER, TRAINER)), *args]

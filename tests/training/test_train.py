@@ -43,7 +43,8 @@ def test_every_shipped_config_loads():
     assert {
         "mqar_gdn",
         "mqar_deltanet",
-        "mqar_gated_linear",
+        "mqar_simple_gla",
+        "mqar_gla",
         "mqar_linear",
         "mqar_attention",
     } <= set(names)

@@ -140,10 +140,23 @@ def map_groups(fn, xs, size):
         )
 
     shapes = jax.eval_shape(fn, *take(0, size))
-    whole = jax.tree.map(lambda s: jnp.zeros((total, *s.shape[1:]), s.dtype), shapes)
+    # Under shard_map the loop's carry must vary over the mesh axes that the groups' outputs
+    # vary over (those of the inputs): zeros made with a select that never takes the inputs
+    # do (``_varying_zero``), fresh ones would not; XLA folds the select away.
+    zero = _varying_zero(xs)
+    whole = jax.tree.map(
+        lambda s: jnp.zeros((total, *s.shape[1:]), s.dtype) + zero.astype(s.dtype), shapes
+    )
     whole = jax.lax.fori_loop(
         0, groups, lambda i, whole: put(whole, fn(*take(i * size, size)), i * size), whole
     )
     if rest:
         whole = put(whole, fn(*take(groups * size, rest)), groups * size)
     return whole
+
+
+def _varying_zero(xs):
+    """A float32 zero that varies over every mesh axis some leaf of ``xs`` varies over
+    inside a ``shard_map`` (outside one, a plain zero), whatever the leaves hold."""
+    picks = [jnp.where(False, x.ravel()[0], 0).astype(jnp.float32) for x in jax.tree.leaves(xs)]
+    return sum(picks, jnp.float32(0))

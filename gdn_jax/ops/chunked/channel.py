@@ -1,5 +1,5 @@
-"""The channel-gated delta rules chunk by chunk, in stages, with a hand-derived backward:
-Kimi Delta Attention (KDA) and Gated DeltaNet-2 (GDN-2).
+"""The channel-gated rules chunk by chunk, in stages, with a hand-derived backward: Kimi
+Delta Attention (KDA), Gated DeltaNet-2 (GDN-2) and gated linear attention (GLA).
 
 Per head and token, with per-channel log-decays ``g_t [K]``, an erase gate ``b_t`` (``[K]``,
 or one number) and a write gate ``w_t`` (``[V]``, or one number)::
@@ -7,7 +7,9 @@ or one number) and a write gate ``w_t`` (``[V]``, or one number)::
     S_t = S_{t-1} Diag(alpha_t) + U_t k_t^T,   U_t = w_t * v_t - S_{t-1} Diag(alpha_t) (b_t * k_t)
 
 GDN-2 has both gates per channel; KDA is ``b_t = w_t = beta_t``; with equal channels of
-``g`` it is the gated delta rule (whose scalar decays ``ops/chunked/scalar.py`` runs faster). With
+``g`` it is the gated delta rule (whose scalar decays ``ops/chunked/scalar.py`` runs faster). GLA is
+``b = 0``, ``w = 1`` (``erase=False``): ``U = V``, no WY system, no erase scores and their
+pullback, only the queries read the state (as ``wy.LINEAR`` on the scalar engine). With
 ``e_t = b_t * k_t`` (what a token erases along) and ``x_t = w_t * v_t`` (what it writes), a
 chunk of ``C`` tokens from state ``S``, ``G_t`` the decays summed from its start
 (``chunked/channel_decays.py``), is the same problem as the gated delta rule's (``chunked/wy.py``), the
@@ -67,6 +69,16 @@ from gdn_jax.ops.chunked.channel_decays import (
     channel_scores_bwd,
     level_sums,
 )
+from gdn_jax.ops.chunked.channel_gates import (
+    NO_ERASE,
+    WRITTEN,
+    EraseGate,
+    WriteGate,
+    erases,
+    gated,
+    gated_bwd,
+    writes,
+)
 from gdn_jax.ops.chunked.decays import LOG_ALPHA_FLOOR
 from gdn_jax.ops.chunked.scalar import (
     cast_back,
@@ -81,42 +93,16 @@ from gdn_jax.ops.chunked.state_scan import end_cotangents, state_pass_over
 from gdn_jax.ops.chunked.varlen import chunk_layout
 from gdn_jax.ops.chunked.wy import two_products, two_products_bwd
 
-Gate = Float[Array, " C"] | Float[Array, "C D"]  # one number per token, or one per channel
-EraseGate = Float[Array, " C"] | Float[Array, "C K"]
-WriteGate = Float[Array, " C"] | Float[Array, "C V"]
-
-
-def gated(x: Float[Array, "C D"], gate: Gate) -> Float[Array, "C D"]:
-    """``x`` times its gate, one number per row or one per entry."""
-    return x * (gate[:, None] if gate.ndim == 1 else gate)
-
-
-def gated_bwd(x, gate: Gate, d) -> tuple[Float[Array, "C D"], Gate]:
-    """The pullback of ``gated(x, gate)``: ``(dx, d gate)``."""
-    return gated(d, gate), (d * x).sum(1) if gate.ndim == 1 else d * x
-
-
-# In place of a write gate: the values are already what each token writes (``w * v``).
-WRITTEN = ()
-
-
-def writes(v, erase_gate: EraseGate, write_gate) -> Float[Array, "C V"]:
-    """What each token writes: ``w * v``, KDA's ``beta * v`` (``write_gate`` None: the erase
-    gate writes too), or ``v`` itself (``WRITTEN``)."""
-    if write_gate is None:
-        return gated(v, erase_gate)
-    return v if isinstance(write_gate, tuple) else gated(v, write_gate)
-
 
 class Factors(NamedTuple):
     """Stage 1 of one chunk: its decays, erase vectors ``e = b * k``, WY factors and the
     decayed query-key scores ``M`` of its outputs."""
 
     decays: ChannelDecays
-    erase: Float[Array, "C K"]
-    w: Float[Array, "C K"]
+    erase: Float[Array, "C K"] | None  # None, and no w and T, without an erase gate
+    w: Float[Array, "C K"] | None
     u: Float[Array, "C V"]
-    inverse: Float[Array, "C C"]  # T = (I + A)^{-1}
+    inverse: Float[Array, "C C"] | None  # T = (I + A)^{-1}
     scores: Float[Array, "C C"]  # M
 
 
@@ -132,8 +118,11 @@ def chunk_factors(
 ) -> Factors:
     """Stage 1 for one chunk (inputs in the compute dtype); ``write_gate=None`` writes with
     the erase gate (KDA's ``beta``), ``WRITTEN`` writes ``v`` as it is. Both scores come from
-    one pass over the levels."""
+    one pass over the levels; with ``NO_ERASE`` only the queries' (``U = V``)."""
     with jax.named_scope(stages.FACTORS):
+        if not erases(erase_gate):
+            (scores,), decays = channel_scores((q,), k, clamped(log_alpha))
+            return Factors(decays, None, None, writes(v, erase_gate, write_gate), None, scores)
         erase = gated(k, erase_gate)
         (scores, erase_scores), decays = channel_scores((q, erase), k, clamped(log_alpha))
         w, u, inverse = two_products(
@@ -157,7 +146,7 @@ def chunk_forward(state, q, k, v, log_alpha, erase_gate, write_gate):
     new_state, (corrections, y_start) = state_pass(
         state, f.w, f.u, k_to_end, q_from_start, f.decays.whole
     )
-    return new_state, outputs(y_start, f.scores, corrections)
+    return new_state, outputs(y_start, f.scores, f.u if f.w is None else corrections)
 
 
 def backward_inputs(q, k, v, log_alpha, erase_gate, write_gate, d_y):
@@ -172,20 +161,29 @@ def backward_inputs(q, k, v, log_alpha, erase_gate, write_gate, d_y):
 def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d):
     """Gradients of one chunk's q, k, v, log_alpha and gates from its inputs (compute
     dtype), ``T``, start state ``S`` and what the reverse state pass returned, ``d = (dY, U,
-    dU, d(K decayed to the end), d exp(G_C))``. The decays and the levels are formed again."""
+    dU, d(K decayed to the end), d exp(G_C))``. The decays and the levels are formed again.
+    Without an erase gate ``U = V``: ``dV = dU``, and only the queries' scores."""
     with jax.named_scope(stages.INPUT_GRADS):
         d_y, corrections, d_u, d_k_to_end, d_whole = d
         levels, decays = level_sums(clamped(log_alpha))
-        erase = gated(k, erase_gate)
-        d_write, d_erase_decayed, d_strict = two_products_bwd(inverse, start, corrections, d_u)
         d_q_from_start = d_y @ start
         d_scores = jnp.tril(d_y @ corrections.T)
-        d_decays = (d_q_from_start * q + d_erase_decayed * erase, d_k_to_end * k, d_whole)
-        (d_q, d_erase), d_k, d_log_alpha = channel_scores_bwd(
-            (q, erase), k, levels, decays, (d_scores, d_strict), d_decays
+        if erases(erase_gate):
+            erase = gated(k, erase_gate)
+            d_write, d_erase_decayed, d_strict = two_products_bwd(inverse, start, corrections, d_u)
+            rows, d_rows = (q, erase), (d_scores, d_strict)
+            d_from_start = d_q_from_start * q + d_erase_decayed * erase
+        else:
+            d_write, rows, d_rows, d_from_start = d_u, (q,), (d_scores,), d_q_from_start * q
+        d_decays = (d_from_start, d_k_to_end * k, d_whole)
+        (d_q, *d_erase), d_k, d_log_alpha = channel_scores_bwd(
+            rows, k, levels, decays, d_rows, d_decays
         )
-        d_erase = d_erase + d_erase_decayed * decays.from_start
-        d_k_erase, d_erase_gate = gated_bwd(k, erase_gate, d_erase)
+        d_erase_gate = NO_ERASE
+        if erases(erase_gate):
+            d_erase = d_erase[0] + d_erase_decayed * decays.from_start
+            d_k_erase, d_erase_gate = gated_bwd(k, erase_gate, d_erase)
+            d_k = d_k + d_k_erase
         if isinstance(write_gate, tuple):  # WRITTEN
             d_v, d_write_gate = d_write, WRITTEN
         else:
@@ -195,7 +193,7 @@ def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d):
         if write_gate is None:  # one gate erases and writes
             d_erase_gate, d_write_gate = d_erase_gate + d_write_gate, None
         d_q = d_q + d_q_from_start * decays.from_start
-        d_k = d_k + d_k_erase + d_k_to_end * decays.to_end
+        d_k = d_k + d_k_to_end * decays.to_end
         d_log_alpha = jnp.where(log_alpha > LOG_ALPHA_FLOOR, d_log_alpha, 0)
         return d_q, d_k, d_v, d_log_alpha, d_erase_gate, d_write_gate
 
@@ -229,7 +227,7 @@ def _hoisted_forward(inputs, initial_states, resets, *, keep_starts, associative
         state_pass, blocks, (f.w, f.u, k_to_end, f.decays.whole), initial_states, resets,
         keep_starts=keep_starts, associative=associative,
     )  # fmt: skip
-    return outputs(y_start, f.scores, corrections), finals, starts
+    return outputs(y_start, f.scores, f.u if f.w is None else corrections), finals, starts
 
 
 def _hoisted_backward(inputs, starts, resets, d_ys, d_finals):
@@ -298,7 +296,7 @@ def _writes_first(inputs, dtype, *, wider_too: bool):
     keeps the inputs as they are (``wider_too=False``): formed, it took more TPU temp than it
     saved. KDA's inputs are left as they are (figures in docs/benchmarks.md)."""
     q, k, v, log_alpha, erase_gate, write_gate = inputs
-    if write_gate is None or not (wider_too or v.dtype == dtype):
+    if write_gate is None or isinstance(write_gate, tuple) or not (wider_too or v.dtype == dtype):
         return inputs
     made = over_chunks(gated)(v.astype(dtype), write_gate.astype(dtype))
     return q, k, made, log_alpha, erase_gate, WRITTEN
@@ -387,17 +385,22 @@ def channel_chunked_rule(
     chunk_size: int,
     cu_seqlens: Int[Array, " N+1"] | None = None,
     schedule: checks.Schedule = "auto",
+    erase: bool = True,
 ) -> tuple[Float[Array, "T V"], Float[Array, "N V K"]]:
     """Lay the tokens out in chunks, run ``channel_core`` in ``schedule``, and back: the
     chunked form of one head (``rule.Rule.chunked``) with ``gates = (log_alpha [T, K], b
-    [T, K], w [T, V])`` (GDN-2) or ``(log_alpha [T, K], beta [T])`` (KDA: one gate erases
-    and writes) in the compute dtype, q, k and v in it or narrower (``q`` unscaled),
-    ``initial_states [N, V, K]``. The layout is ``varlen.chunk_layout``'s. Returns ``(y [T,
-    V], finals [N, V, K])``."""
-    log_alpha, erase_gate, *write_gate = gates
+    [T, K], w [T, V])`` (GDN-2), ``(log_alpha [T, K], beta [T])`` (KDA: one gate erases
+    and writes) or ``(log_alpha [T, K],)`` with ``erase=False`` (GLA) in the compute dtype,
+    q, k and v in it or narrower (``q`` unscaled), ``initial_states [N, V, K]``. The layout
+    is ``varlen.chunk_layout``'s. Returns ``(y [T, V], finals [N, V, K])``."""
     layout = chunk_layout(q.shape[0], chunk_size, cu_seqlens)
-    write = layout.to_chunks(write_gate[0]) if write_gate else None
-    chunks = [layout.to_chunks(x) for x in (q, k, v, log_alpha, erase_gate)] + [write]
+    if erase:
+        log_alpha, erase_gate, *write_gate = gates
+        erase_chunks = layout.to_chunks(erase_gate)
+        write = layout.to_chunks(write_gate[0]) if write_gate else None
+    else:
+        (log_alpha,), erase_chunks, write = gates, NO_ERASE, WRITTEN
+    chunks = [layout.to_chunks(x) for x in (q, k, v, log_alpha)] + [erase_chunks, write]
     cores = {name: functools.partial(channel_core, name) for name in SCHEDULES}
     ys, finals = run_schedule(cores, schedule, *chunks, initial_states, layout.resets)
     return layout.from_chunks(ys), finals

@@ -8,10 +8,11 @@ that iterate over ``RULES``) read this table; docs/architecture.md says how to a
 from gdn_jax.ops.rule import Rule
 from gdn_jax.ops.rules.gated_delta import GATED_DELTA
 from gdn_jax.ops.rules.gated_delta_product import GATED_DELTA_PRODUCT
-from gdn_jax.ops.rules.gated_linear import GATED_LINEAR
 from gdn_jax.ops.rules.gdn2 import GDN2
+from gdn_jax.ops.rules.gla import GLA
 from gdn_jax.ops.rules.kda import KDA
+from gdn_jax.ops.rules.simple_gla import SIMPLE_GLA
 
 RULES: dict[str, Rule] = {
-    rule.name: rule for rule in (GATED_DELTA, GATED_LINEAR, KDA, GDN2, GATED_DELTA_PRODUCT)
+    rule.name: rule for rule in (GATED_DELTA, SIMPLE_GLA, GLA, KDA, GDN2, GATED_DELTA_PRODUCT)
 }

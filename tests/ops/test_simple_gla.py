@@ -1,5 +1,5 @@
-"""gated_linear_attention: the recurrence without the delta correction; its one-head forms
-against the float64 loop and each other, and its step against its recurrent form."""
+"""simple_gla (one decay a head, no delta correction): its batched and one-head forms against
+the float64 loop and each other, and its step against its recurrent form."""
 
 import functools
 
@@ -17,7 +17,7 @@ from support.tolerance import assert_close
 
 import gdn_jax
 
-rule = jax.jit(on_cpu.gated_linear_attention, static_argnames=("impl", "chunk_size"))
+rule = jax.jit(on_cpu.simple_gla, static_argnames=("impl", "chunk_size"))
 
 
 @pytest.mark.parametrize("impl", ["chunked", "recurrent"])
@@ -55,9 +55,7 @@ def test_chunked_gradients_match_recurrent():
     state = random_state(4, 2, 2, 8, 8)
 
     def loss(impl, *a):
-        out, final = on_cpu.gated_linear_attention(
-            *a[:5], initial_state=a[5], impl=impl, chunk_size=16
-        )
+        out, final = on_cpu.simple_gla(*a[:5], initial_state=a[5], impl=impl, chunk_size=16)
         return jnp.sum(out**2) + jnp.sum(final**2)
 
     grad = functools.partial(jax.grad, argnums=range(6))
@@ -84,7 +82,7 @@ def test_one_head_forms_match_the_float64_loop():
     y_ref, s_ref = gated_delta_reference(
         q, k, v, la, b, scale=0.3, initial_state=state, delta=False
     )
-    for fn in (gdn_jax.gated_linear_attention_recurrent, on_cpu.gated_linear_attention_chunked):
+    for fn in (gdn_jax.simple_gla_recurrent, on_cpu.simple_gla_chunked):
         y, s = jax.jit(functools.partial(fn, scale=0.3))(q, k, v, la, b, initial_state=state)
         assert y.dtype == jnp.float32 and y.shape == (45, 10)
         assert_close(y, y_ref, jnp.float32, "y")
@@ -96,10 +94,10 @@ def test_one_head_chunked_equals_recurrent_values_and_gradients(schedule):
     # 45 tokens, off the chunk grid of 16.
     args = with_state_and_cotangents(random_inputs(5, 45, 12, 10), 5, 45, 12, 10, jnp.float32)
     options = dict(chunk_size=16, schedule=schedule)
-    assert_forms_agree("gated_linear_attention", args, jnp.float32, options, schedule)
+    assert_forms_agree("simple_gla", args, jnp.float32, options, schedule)
 
 
 def test_step_token_by_token_equals_the_recurrent_form():
     q, k, v, la, b = random_inputs(6, 7, 12, 10)
     state = random_state(7, 10, 12)
-    assert_steps_equal_recurrent("gated_linear_attention", (q, k, v, la, b), state, jnp.float32)
+    assert_steps_equal_recurrent("simple_gla", (q, k, v, la, b), state, jnp.float32)

@@ -1,10 +1,13 @@
-"""Gated linear attention, the gated delta rule without its delta correction:
+"""Simple gated linear attention (flash-linear-attention's ``simple_gla``), the gated delta
+rule without its delta correction:
 
     S_t = alpha_t S_{t-1} + beta_t v_t k_t^T,    y_t = S_t (scale q_t)
 
-With ``log_alpha`` it is gated linear attention with a scalar gate per head (Mamba-2's form);
-with ``log_alpha = 0`` and ``beta = 1`` plain causal linear attention. Its chunked form is
-``ops/chunked/scalar.py``'s with the ``wy.LINEAR`` write rule.
+With ``log_alpha`` it is gated linear attention with a scalar gate per head (Mamba-2's form;
+GLA's per-channel gate is ``gla.py``'s); with ``log_alpha = 0`` and ``beta = 1`` plain causal
+linear attention. Its chunked form is ``ops/chunked/scalar.py``'s with the ``wy.LINEAR`` write rule.
+Until 0.1 this rule was ``gated_linear_attention``; that name's old call, with ``beta``, still
+reaches it (``gla.py``).
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from gdn_jax.ops.sequence_parallel import seq_parallel
 from gdn_jax.ops.single_head import chunked_single_head, recurrent_single_head
 from gdn_jax.ops.step import checked_step, linear_step
 
-GATED_LINEAR = Rule(
-    name="gated_linear_attention",
+SIMPLE_GLA = Rule(
+    name="simple_gla",
     gates=(
         GateSpec("log_alpha", doc="decay gates in log space (``<= 0``; ``-inf`` is a full reset)"),
         GateSpec("beta", doc="writing strengths, already activated"),
@@ -36,8 +39,8 @@ GATED_LINEAR = Rule(
 )
 
 
-@public_form(GATED_LINEAR, "step")
-def gated_linear_attention_step(
+@public_form(SIMPLE_GLA, "step")
+def simple_gla_step(
     state: Float[Array, "V K"],
     q: ArrayLike,
     k: ArrayLike,
@@ -47,15 +50,15 @@ def gated_linear_attention_step(
     *,
     scale: float | None = None,
 ) -> tuple[Float[Array, "V K"], Float[Array, " V"]]:
-    """Advance one head's gated linear attention memory by one token and read it: what a
+    """Advance one head's simple GLA memory by one token and read it: what a
     decoder calls per token. Arguments and results are those of ``gated_delta_step``."""
     gates = (log_alpha, beta)
-    fn = "gated_linear_attention_step"
-    return checked_step(fn, GATED_LINEAR, state, q, k, v, gates, scale=scale)
+    fn = "simple_gla_step"
+    return checked_step(fn, SIMPLE_GLA, state, q, k, v, gates, scale=scale)
 
 
-@public_form(GATED_LINEAR, "one_head")
-def gated_linear_attention_recurrent(
+@public_form(SIMPLE_GLA, "one_head")
+def simple_gla_recurrent(
     q: ArrayLike,
     k: ArrayLike,
     v: ArrayLike,
@@ -65,15 +68,15 @@ def gated_linear_attention_recurrent(
     scale: float | None = None,
     initial_state: Float[Array, "V K"] | None = None,
 ) -> tuple[Float[Array, "T V"], Float[Array, "V K"]]:
-    """Gated linear attention for one head and one sequence, one token at a time: the
+    """Simple gated linear attention for one head and one sequence, one token at a time: the
     reference form. Arguments and results are those of ``gated_delta_rule_recurrent``."""
-    fn = "gated_linear_attention_recurrent"
+    fn = "simple_gla_recurrent"
     gates = (log_alpha, beta)
-    return recurrent_single_head(fn, GATED_LINEAR, q, k, v, gates, initial_state, scale=scale)
+    return recurrent_single_head(fn, SIMPLE_GLA, q, k, v, gates, initial_state, scale=scale)
 
 
-@public_form(GATED_LINEAR, "one_head")
-def gated_linear_attention_chunked(
+@public_form(SIMPLE_GLA, "one_head")
+def simple_gla_chunked(
     q: ArrayLike,
     k: ArrayLike,
     v: ArrayLike,
@@ -85,18 +88,18 @@ def gated_linear_attention_chunked(
     chunk_size: int = 64,
     schedule: checks.Schedule = "auto",
 ) -> tuple[Float[Array, "T V"], Float[Array, "V K"]]:
-    """Gated linear attention for one head and one sequence, chunkwise (``ops/chunked/scalar.py`` with
-    no delta correction); the contract of ``gated_linear_attention_recurrent``, with
+    """Simple gated linear attention for one head and one sequence, chunkwise (``ops/chunked/scalar.py`` with
+    no delta correction); the contract of ``simple_gla_recurrent``, with
     ``chunk_size`` and ``schedule`` as in ``gated_delta_rule_chunked``."""
     return chunked_single_head(
-        "gated_linear_attention_chunked", GATED_LINEAR, q, k, v, (log_alpha, beta),
+        "simple_gla_chunked", SIMPLE_GLA, q, k, v, (log_alpha, beta),
         initial_state, scale=scale, chunk_size=chunk_size, schedule=schedule,
-        recurrent="gated_linear_attention_recurrent",
+        recurrent="simple_gla_recurrent",
     )  # fmt: skip
 
 
-@public_form(GATED_LINEAR, "batched")
-def gated_linear_attention(
+@public_form(SIMPLE_GLA, "batched")
+def simple_gla(
     q: ArrayLike,
     k: ArrayLike,
     v: ArrayLike,
@@ -111,17 +114,17 @@ def gated_linear_attention(
     cu_seqlens: Int[Array, " N+1"] | None = None,
     use_qk_l2norm: bool = False,
 ) -> tuple[Float[Array, "B T HV V"], Float[Array, "B HV V K"]]:
-    """Gated linear attention over a batch of sequences and heads. Arguments, layouts and
+    """Simple gated linear attention over a batch of sequences and heads. Arguments, layouts and
     results are those of ``gated_delta_rule``."""
     return batched(
-        GATED_LINEAR, q, k, v, (log_alpha, beta),
+        SIMPLE_GLA, q, k, v, (log_alpha, beta),
         scale=scale, initial_state=initial_state, impl=impl, chunk_size=chunk_size,
         schedule=schedule, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
     )  # fmt: skip
 
 
-@public_form(GATED_LINEAR, "batched")
-def gated_linear_attention_seq_parallel(
+@public_form(SIMPLE_GLA, "batched")
+def simple_gla_seq_parallel(
     q: ArrayLike,
     k: ArrayLike,
     v: ArrayLike,
@@ -137,11 +140,11 @@ def gated_linear_attention_seq_parallel(
     cu_seqlens: Int[Array, " _"] | None = None,
     use_qk_l2norm: bool = False,
 ) -> tuple[Float[Array, "B T HV V"], Float[Array, "_ HV V K"]]:
-    """``gated_linear_attention`` with ``T`` split over the mesh axis ``axis_name``;
+    """``simple_gla`` with ``T`` split over the mesh axis ``axis_name``;
     arguments and results as in ``gated_delta_rule_seq_parallel``."""
     return seq_parallel(
-        GATED_LINEAR, q, k, v, (log_alpha, beta,),
-        fn="gated_linear_attention_seq_parallel", mesh=mesh, axis_name=axis_name, scale=scale,
+        SIMPLE_GLA, q, k, v, (log_alpha, beta,),
+        fn="simple_gla_seq_parallel", mesh=mesh, axis_name=axis_name, scale=scale,
         initial_state=initial_state, chunk_size=chunk_size, schedule=schedule,
         cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
     )  # fmt: skip
