@@ -161,6 +161,24 @@ def test_no_import_circle():
     assert circle(import_graph(REPO, "gdn_jax", scripts)) is None
 
 
+def test_no_gate_kinds_kernels_import_the_others():
+    """The Mosaic GPU kernels of one gate kind (``ops/mosaic/scalar/``, ``ops/mosaic/channel/``)
+    share only the common rooms (limits, tiles, layout, the state pass), never each other's."""
+    graph = import_graph(REPO, "gdn_jax", [])
+    kinds = ("gdn_jax.ops.mosaic.scalar", "gdn_jax.ops.mosaic.channel")
+    for kind in kinds:
+        (other,) = (k for k in kinds if k != kind)
+        crossing = {
+            (module, target)
+            for module, targets in graph.items()
+            if module.startswith(kind)
+            for target in targets
+            if target.startswith(other)
+        }
+        assert not crossing, crossing
+    assert any(m.startswith(kinds[0]) for m in graph) and any(m.startswith(kinds[1]) for m in graph)
+
+
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 450, 80
 
 
