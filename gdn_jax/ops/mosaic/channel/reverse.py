@@ -38,10 +38,11 @@ _TILES = ("q_start", "k_end", "w", "scores", "d_y")
 
 
 def _reverse_scratch(count: int, key_dim: int) -> tuple[int, dict]:
-    """``(slots, scratch)``: a chunk's tiles in ``slots`` (two, streamed, where one bf16
-    piece an operand leaves room), its decay ``[slots, K]``, the state's cotangent as the
+    """``(slots, scratch)``: a chunk's tiles in two slots (the next chunk's stream in while
+    this one computes; two bf16 pieces an operand fit too, at the K <= 64 that
+    ``limits.refusals`` leaves them), its decay ``[slots, K]``, the state's cotangent as the
     pieces the products read, ``-dU`` and a barrier a slot."""
-    slots = 2 if count == 1 else 1
+    slots = 2
     tile = (slots, CHUNK, key_dim)
     return slots, dict(
         q_start=tiles.pieces(count, tile),

@@ -88,9 +88,11 @@ def _states_kernel(table, *refs, slots: int, **s):
 
 
 def _states_scratch(count: int, key_dim: int) -> tuple[int, dict]:
-    """``(slots, scratch)`` of the state pass: two slots of a chunk's tiles where one piece
-    an operand leaves room, and the float32 state in shared memory through a chunk."""
-    slots = 2 if count == 1 else 1
+    """``(slots, scratch)`` of the state pass: two slots of a chunk's tiles (the next chunk's
+    stream in while this one computes; two bf16 pieces an operand fit too, at the K <= 64
+    that ``limits.refusals`` leaves them), and the float32 state in shared memory through a
+    chunk where one piece an operand leaves room for it."""
+    slots = 2
     square = (slots, CHUNK, CHUNK)
     tile = (slots, CHUNK, key_dim)
     scratch = dict(
