@@ -55,12 +55,7 @@ from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks, stages
 from gdn_jax.ops.blocks import barrier_off_cpu, map_groups, scan_blocks, scan_blocks_backward
-from gdn_jax.ops.channel_decays import (
-    ChannelDecays,
-    channel_scores,
-    channel_scores_bwd,
-    level_sums,
-)
+from gdn_jax.ops.channel_decays import ChannelDecays, channel_scores, scores, scores_bwd
 from gdn_jax.ops.chunked import (
     cast_back,
     cast_to,
@@ -122,18 +117,28 @@ def clamped(log_alpha):
 
 
 def chunk_factors(
-    q, k, v, log_alpha, erase_gate: EraseGate, write_gate: WriteGate | tuple[()] | None
+    q,
+    k,
+    v,
+    log_alpha,
+    erase_gate: EraseGate,
+    write_gate: WriteGate | tuple[()] | None,
+    *,
+    halving: bool = False,
 ) -> Factors:
     """Stage 1 for one chunk (inputs in the compute dtype); ``write_gate=None`` writes with
     the erase gate (KDA's ``beta``), ``WRITTEN`` writes ``v`` as it is. Both scores come from
-    one pass over the levels."""
+    one pass over the levels: ``channel_decays.scores``, or with ``halving`` the halving on
+    every platform (for the passes over every chunk at once, where a GPU's every level at
+    once would hold the most memory)."""
     with jax.named_scope(stages.FACTORS):
         erase = gated(k, erase_gate)
-        (scores, erase_scores), decays = channel_scores((q, erase), k, clamped(log_alpha))
+        made = channel_scores if halving else scores
+        (q_scores, erase_scores), decays = made((q, erase), k, clamped(log_alpha))
         w, u, inverse = two_products(
             jnp.tril(erase_scores, -1), erase * decays.from_start, writes(v, erase_gate, write_gate)
         )
-        return Factors(decays, erase, w, u, inverse, scores)
+        return Factors(decays, erase, w, u, inverse, q_scores)
 
 
 def outputs(y_start, scores, corrections):
@@ -154,11 +159,12 @@ def chunk_forward(state, q, k, v, log_alpha, erase_gate, write_gate):
     return new_state, outputs(y_start, f.scores, corrections)
 
 
-def backward_inputs(q, k, v, log_alpha, erase_gate, write_gate, d_y):
-    """What the reverse state pass needs of one chunk: stage 1 again, the decayed keys and
-    queries, and the cotangent of ``U`` from the chunk's own outputs, ``M^T dY``."""
+def backward_inputs(q, k, v, log_alpha, erase_gate, write_gate, d_y, *, halving=False):
+    """What the reverse state pass needs of one chunk: stage 1 again (``chunk_factors``),
+    the decayed keys and queries, and the cotangent of ``U`` from the chunk's own outputs,
+    ``M^T dY``."""
     with jax.named_scope(stages.FACTORS_AGAIN):
-        f = chunk_factors(q, k, v, log_alpha, erase_gate, write_gate)
+        f = chunk_factors(q, k, v, log_alpha, erase_gate, write_gate, halving=halving)
         k_to_end, q_from_start = k * f.decays.to_end, q * f.decays.from_start
         return f, k_to_end, q_from_start, f.scores.T @ d_y
 
@@ -169,14 +175,13 @@ def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d):
     dU, d(K decayed to the end), d exp(G_C))``. The decays and the levels are formed again."""
     with jax.named_scope(stages.INPUT_GRADS):
         d_y, corrections, d_u, d_k_to_end, d_whole = d
-        levels, decays = level_sums(clamped(log_alpha))
         erase = gated(k, erase_gate)
         d_write, d_erase_decayed, d_strict = two_products_bwd(inverse, start, corrections, d_u)
         d_q_from_start = d_y @ start
         d_scores = jnp.tril(d_y @ corrections.T)
         d_decays = (d_q_from_start * q + d_erase_decayed * erase, d_k_to_end * k, d_whole)
-        (d_q, d_erase), d_k, d_log_alpha = channel_scores_bwd(
-            (q, erase), k, levels, decays, (d_scores, d_strict), d_decays
+        (d_q, d_erase), d_k, d_log_alpha, decays = scores_bwd(
+            (q, erase), k, clamped(log_alpha), (d_scores, d_strict), d_decays
         )
         d_erase = d_erase + d_erase_decayed * decays.from_start
         d_k_erase, d_erase_gate = gated_bwd(k, erase_gate, d_erase)
@@ -216,7 +221,7 @@ CPU_GRADS_GROUP = 4
 
 def _hoisted_forward(inputs, initial_states, resets, *, keep_starts, associative=False):
     q, k, v, *gates = cast_to(initial_states.dtype, *inputs)
-    f = over_chunks(chunk_factors)(q, k, v, *gates)
+    f = over_chunks(functools.partial(chunk_factors, halving=True))(q, k, v, *gates)
     k_to_end, q_from_start = k * f.decays.to_end, q * f.decays.from_start
     blocks = (f.w, f.u, k_to_end, q_from_start, f.decays.whole)
     (corrections, y_start), *starts, finals = state_pass_over(
@@ -228,7 +233,9 @@ def _hoisted_forward(inputs, initial_states, resets, *, keep_starts, associative
 
 def _hoisted_backward(inputs, starts, resets, d_ys, d_finals):
     q, k, v, *gates = cast_to(starts.dtype, *inputs)
-    f, k_to_end, q_from_start, d_u_intra = over_chunks(backward_inputs)(q, k, v, *gates, d_ys)
+    f, k_to_end, q_from_start, d_u_intra = over_chunks(
+        functools.partial(backward_inputs, halving=True)
+    )(q, k, v, *gates, d_ys)
     xs = (starts, f.w, f.u, k_to_end, q_from_start, f.decays.whole, d_u_intra, d_ys)
     (corrections, d_u, d_k_to_end, d_whole), d_initial = scan_blocks_backward(
         state_pass_bwd, xs, d_finals, resets
@@ -252,7 +259,9 @@ def _associative_backward(inputs, starts, resets, d_ys, d_finals):
     # The barriers as in chunked._associative_backward, for the same memory.
     inputs, starts = barrier_off_cpu(inputs, starts)
     q, k, v, *gates = cast_to(starts.dtype, *inputs)
-    f, k_to_end, q_from_start, d_u_intra = over_chunks(backward_inputs)(q, k, v, *gates, d_ys)
+    f, k_to_end, q_from_start, d_u_intra = over_chunks(
+        functools.partial(backward_inputs, halving=True)
+    )(q, k, v, *gates, d_ys)
     xs = (starts, f.w, f.u, k_to_end, q_from_start, f.decays.whole, d_u_intra, d_ys)
     factors = (f.w, f.u, k_to_end, f.decays.whole)
     d_ends, d_initial = end_cotangents(state_pass_bwd, xs, factors, d_finals, resets)

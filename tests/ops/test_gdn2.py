@@ -16,7 +16,9 @@ from support.reference import erase_write_reference, random_inputs, random_state
 from support.tolerance import assert_close
 
 import gdn_jax
+from gdn_jax.ops import channel_chunked
 from gdn_jax.ops.channel_chunked import CPU_GRADS_GROUP, GRADS_GROUP
+from gdn_jax.ops.channel_decays import all_levels, all_levels_bwd
 
 HEADS, V_HEADS, KEY, VALUE = 2, 4, 12, 10
 
@@ -58,8 +60,8 @@ def single_head_args(seed, seq_len, key_dim, value_dim, dtype=jnp.float32, **kw)
     return with_state_and_cotangents(inputs, seed, seq_len, key_dim, value_dim, dtype)
 
 
-def assert_forms_agree(args, dtype, chunked_options, label=""):
-    forms.assert_forms_agree("gdn2", args, dtype, chunked_options, label)
+def assert_forms_agree(args, dtype, chunked_options, label="", **kw):
+    forms.assert_forms_agree("gdn2", args, dtype, chunked_options, label, **kw)
 
 
 def outputs_and_grads(form, **options):
@@ -112,6 +114,16 @@ def test_chunked_equals_recurrent_values_and_gradients(schedule):
     args = single_head_args(130, 130, 16, 24)
     options = dict(chunk_size=64, schedule=schedule)
     assert_forms_agree(args, jnp.float32, options, schedule)
+
+
+def test_chunked_with_the_gpu_scores_equals_recurrent(monkeypatch):
+    """The whole op with the scores a GPU makes (``channel_decays.all_levels``), on this
+    CPU: values and every gradient against the recurrent form."""
+    monkeypatch.setattr(channel_chunked, "scores", all_levels)
+    monkeypatch.setattr(channel_chunked, "scores_bwd", all_levels_bwd)
+    args = single_head_args(132, 130, 16, 24)
+    options = dict(chunk_size=64, schedule="associative")
+    assert_forms_agree(args, jnp.float32, options, "GPU scores", shared=False)
 
 
 def test_hoisted_gradients_in_groups_of_chunks_equal_recurrent():
