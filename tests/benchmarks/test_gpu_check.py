@@ -122,13 +122,15 @@ def test_the_dry_run_traces_every_program_each_in_its_own_child(tmp_path):
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert data["ops"] == []  # nothing ran
     traced = {row["impl"]: row for row in data["dry_run"]}
-    assert list(traced) == ["gdn_jax associative", "gdn_jax mosaic_gpu"][: 1 + INTERPRETS]
+    ours = ["gdn_jax associative", "gdn_jax mosaic_gpu"][: 1 + INTERPRETS]
+    assert [impl for impl in traced if impl != "jla"] == ours  # in the order named
     for row in traced.values():
         assert row["shape"] == "4×4096"
         assert row["fwd+bwd"]["equations"] > row["fwd"]["equations"] > 0, row
     why = skipped(data)
     assert why["fla"] == "a dry run traces JAX programs only"
-    assert why["jla"] in ("jax-linear-attention is not installed", None) or "jla" in traced
+    # jla where it is installed (its kernels traced as if on a Hopper GPU), else why not.
+    assert "jla" in traced or any(what.startswith("jla") for what in why)
     if not INTERPRETS:
         assert why["gdn_jax mosaic_gpu KDA 4×4096"].startswith(
             "RuntimeError: ValueError: kda: impl='mosaic_gpu' needs jax >= 0.11"
