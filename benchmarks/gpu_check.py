@@ -516,7 +516,8 @@ class Stages:
     def run(self, impl, op, shape, repeats, profile):
         part = None
         if self.autotune is not None:
-            part = self.autotune.with_name(f".{self.autotune.stem}.{len(self.parts)}.textproto")
+            name = f".{self.autotune.stem}.{len(self.parts)}{self.autotune.suffix}"
+            part = self.autotune.with_name(name)
             self.parts.append(part)
         try:
             return in_child(
@@ -532,13 +533,20 @@ def merge_autotune(parts: list[Path], out: Path):
     """The autotune results of every child in one file, ``out``: each child's XLA writes
     its own process's results, so the children's files (``parts``, removed once read) are
     joined, each result once. A text file holds a header (``version``) and one
-    ``results { ... }`` block a result."""
-    header, blocks = None, []
+    ``results { ... }`` block a result; a binary one (any other suffix than ``.textproto``)
+    is not read, and the last child's file is kept whole."""
     found = [p for p in [out, *parts] if p.is_file() and p.stat().st_size]
+    if found and out.suffix != ".textproto":
+        found[-1].replace(out)
+        found = []
+    header, blocks = None, []
     for path in found:
         head, *results = re.split(r"(?m)^(?=results \{)", path.read_text())
         header = header or head
-        blocks += [b if b.endswith("\n") else b + "\n" for b in results if b not in blocks]
+        for block in results:
+            block = block if block.endswith("\n") else block + "\n"
+            if block not in blocks:
+                blocks.append(block)
     for part in parts:
         part.unlink(missing_ok=True)
     if found:
