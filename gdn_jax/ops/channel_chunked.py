@@ -55,7 +55,13 @@ from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks, stages
 from gdn_jax.ops.blocks import barrier_off_cpu, map_groups, scan_blocks, scan_blocks_backward
-from gdn_jax.ops.channel_decays import ChannelDecays, channel_scores, scores, scores_bwd
+from gdn_jax.ops.channel_decays import (
+    ChannelDecays,
+    channel_scores,
+    halving_bwd,
+    scores,
+    scores_bwd,
+)
 from gdn_jax.ops.chunked import (
     cast_back,
     cast_to,
@@ -169,10 +175,12 @@ def backward_inputs(q, k, v, log_alpha, erase_gate, write_gate, d_y, *, halving=
         return f, k_to_end, q_from_start, f.scores.T @ d_y
 
 
-def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d):
+def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d, *, halving=False):
     """Gradients of one chunk's q, k, v, log_alpha and gates from its inputs (compute
     dtype), ``T``, start state ``S`` and what the reverse state pass returned, ``d = (dY, U,
-    dU, d(K decayed to the end), d exp(G_C))``. The decays and the levels are formed again."""
+    dU, d(K decayed to the end), d exp(G_C))``. The decays and the levels are formed again:
+    the pullback of ``channel_decays.scores``, or with ``halving`` the halving's on every
+    platform."""
     with jax.named_scope(stages.INPUT_GRADS):
         d_y, corrections, d_u, d_k_to_end, d_whole = d
         erase = gated(k, erase_gate)
@@ -180,7 +188,8 @@ def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d):
         d_q_from_start = d_y @ start
         d_scores = jnp.tril(d_y @ corrections.T)
         d_decays = (d_q_from_start * q + d_erase_decayed * erase, d_k_to_end * k, d_whole)
-        (d_q, d_erase), d_k, d_log_alpha, decays = scores_bwd(
+        pullback = halving_bwd if halving else scores_bwd
+        (d_q, d_erase), d_k, d_log_alpha, decays = pullback(
             (q, erase), k, clamped(log_alpha), (d_scores, d_strict), d_decays
         )
         d_erase = d_erase + d_erase_decayed * decays.from_start
@@ -249,7 +258,8 @@ def _hoisted_backward(inputs, starts, resets, d_ys, d_finals):
     def grads_of(*xs):
         *chunk_inputs, inverse, start, d = xs
         q, k, v, *gates = cast_to(starts.dtype, *chunk_inputs)
-        return cast_back(chunk_grads(q, k, v, *gates, inverse, start, d), dtypes)
+        grads = chunk_grads(q, k, v, *gates, inverse, start, d, halving=True)
+        return cast_back(grads, dtypes)
 
     grads = _grads_in_groups(grads_of, (*kept, f.inverse, starts, d))
     return grads, d_initial

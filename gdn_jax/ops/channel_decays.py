@@ -69,8 +69,10 @@ columns, decayed to its boundaries as above, stacked over the levels as ``[L, C/
 (``L = log2(C)``), one batched product ``[L, C/2, C/2]`` whose diagonal blocks are the
 levels' scores, and a static gather that puts them in place (``level_map``); the pullback
 is the same two products and the gather's inverse. The stacked rows are ``L/2`` times the
-keys, so it is taken where chunks are taken a group at a time (the gradients), and the
-halving where every chunk is batched at once (``channel_chunked.chunk_factors``).
+keys, so it is taken where chunks are taken a group at a time or one by one (the
+``associative`` schedule's gradients, ``in_scan``), and the halving where every chunk is
+batched at once, and throughout the ``hoisted`` schedule, the one for when memory binds
+(``channel_chunked``'s ``halving``; the figures that chose this in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -342,17 +344,19 @@ def scores(xs, k, log_alpha):
     )
 
 
+def halving_bwd(xs, k, log_alpha, d_scores, d_decays):
+    """``channel_scores_bwd`` from the gates, as ``all_levels_bwd`` takes them: ``(d_xs, d_k,
+    d_log_alpha, decays)``."""
+    levels, decays = level_sums(log_alpha)
+    return (*channel_scores_bwd(xs, k, levels, decays, d_scores, d_decays), decays)
+
+
 def scores_bwd(xs, k, log_alpha, d_scores, d_decays):
     """The pullback of ``scores(xs, k, log_alpha)`` on the same platforms: ``(d_xs, d_k,
     d_log_alpha, decays)``."""
-
-    def halving(xs, k, log_alpha, d_scores, d_decays):
-        levels, decays = level_sums(log_alpha)
-        return (*channel_scores_bwd(xs, k, levels, decays, d_scores, d_decays), decays)
-
     return jax.lax.platform_dependent(
         xs, k, log_alpha, d_scores, d_decays,
-        cuda=all_levels_bwd, rocm=all_levels_bwd, default=halving,
+        cuda=all_levels_bwd, rocm=all_levels_bwd, default=halving_bwd,
     )  # fmt: skip
 
 
