@@ -55,13 +55,7 @@ from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks, stages
 from gdn_jax.ops.blocks import barrier_off_cpu, map_groups, scan_blocks, scan_blocks_backward
-from gdn_jax.ops.channel_decays import (
-    ChannelDecays,
-    channel_scores,
-    halving_bwd,
-    scores,
-    scores_bwd,
-)
+from gdn_jax.ops.channel_decays import ChannelDecays, scores, scores_bwd
 from gdn_jax.ops.chunked import (
     cast_back,
     cast_to,
@@ -122,25 +116,14 @@ def clamped(log_alpha):
     return jnp.maximum(log_alpha, LOG_ALPHA_FLOOR)
 
 
-def chunk_factors(
-    q,
-    k,
-    v,
-    log_alpha,
-    erase_gate: EraseGate,
-    write_gate: WriteGate | tuple[()] | None,
-    *,
-    halving: bool = False,
-) -> Factors:
-    """Stage 1 for one chunk (inputs in the compute dtype); ``write_gate=None`` writes with
-    the erase gate (KDA's ``beta``), ``WRITTEN`` writes ``v`` as it is. Both scores come from
-    one pass over the levels: ``channel_decays.scores``, or with ``halving`` the halving on
-    every platform (for the passes over every chunk at once, where a GPU's every level at
-    once would hold the most memory)."""
+def chunk_factors(q, k, v, log_alpha, erase_gate: EraseGate, write_gate, *, halving=False):
+    """Stage 1 for one chunk (inputs in the compute dtype): ``Factors``. ``write_gate`` is a
+    ``WriteGate``, ``None`` (the erase gate writes: KDA's ``beta``) or ``WRITTEN`` (``v`` is
+    what is written). Both scores come from one pass over the levels (``channel_decays.scores``,
+    the halving on every platform with ``halving``: the passes over every chunk at once)."""
     with jax.named_scope(stages.FACTORS):
         erase = gated(k, erase_gate)
-        made = channel_scores if halving else scores
-        (q_scores, erase_scores), decays = made((q, erase), k, clamped(log_alpha))
+        (q_scores, erase_scores), decays = scores((q, erase), k, clamped(log_alpha), halving)
         w, u, inverse = two_products(
             jnp.tril(erase_scores, -1), erase * decays.from_start, writes(v, erase_gate, write_gate)
         )
@@ -178,9 +161,8 @@ def backward_inputs(q, k, v, log_alpha, erase_gate, write_gate, d_y, *, halving=
 def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d, *, halving=False):
     """Gradients of one chunk's q, k, v, log_alpha and gates from its inputs (compute
     dtype), ``T``, start state ``S`` and what the reverse state pass returned, ``d = (dY, U,
-    dU, d(K decayed to the end), d exp(G_C))``. The decays and the levels are formed again:
-    the pullback of ``channel_decays.scores``, or with ``halving`` the halving's on every
-    platform."""
+    dU, d(K decayed to the end), d exp(G_C))``. The decays and the levels are formed again
+    (``channel_decays.scores_bwd``, with ``halving`` as ``chunk_factors``)."""
     with jax.named_scope(stages.INPUT_GRADS):
         d_y, corrections, d_u, d_k_to_end, d_whole = d
         erase = gated(k, erase_gate)
@@ -188,9 +170,8 @@ def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d, *
         d_q_from_start = d_y @ start
         d_scores = jnp.tril(d_y @ corrections.T)
         d_decays = (d_q_from_start * q + d_erase_decayed * erase, d_k_to_end * k, d_whole)
-        pullback = halving_bwd if halving else scores_bwd
-        (d_q, d_erase), d_k, d_log_alpha, decays = pullback(
-            (q, erase), k, clamped(log_alpha), (d_scores, d_strict), d_decays
+        (d_q, d_erase), d_k, d_log_alpha, decays = scores_bwd(
+            (q, erase), k, clamped(log_alpha), (d_scores, d_strict), d_decays, halving
         )
         d_erase = d_erase + d_erase_decayed * decays.from_start
         d_k_erase, d_erase_gate = gated_bwd(k, erase_gate, d_erase)

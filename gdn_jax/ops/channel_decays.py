@@ -335,10 +335,12 @@ def _placed(x: Float[Array, "L rows K"], chunk: int, *, second: bool, summed: bo
     return sum(levels) if summed else levels
 
 
-def scores(xs, k, log_alpha):
+def scores(xs, k, log_alpha, halving=False):
     """``channel_scores`` for the platform compiled for: ``all_levels`` on a GPU, where each
-    of the halving's kernels is a launch of its own, else the halving (faster on XLA:CPU,
-    less temp on a TPU: docs/benchmarks.md)."""
+    of the halving's kernels is a launch of its own, else (and with ``halving``) the halving
+    (faster on XLA:CPU, less temp on a TPU: docs/benchmarks.md)."""
+    if halving:
+        return channel_scores(xs, k, log_alpha)
     return jax.lax.platform_dependent(
         xs, k, log_alpha, cuda=all_levels, rocm=all_levels, default=channel_scores
     )
@@ -351,9 +353,11 @@ def halving_bwd(xs, k, log_alpha, d_scores, d_decays):
     return (*channel_scores_bwd(xs, k, levels, decays, d_scores, d_decays), decays)
 
 
-def scores_bwd(xs, k, log_alpha, d_scores, d_decays):
-    """The pullback of ``scores(xs, k, log_alpha)`` on the same platforms: ``(d_xs, d_k,
-    d_log_alpha, decays)``."""
+def scores_bwd(xs, k, log_alpha, d_scores, d_decays, halving=False):
+    """The pullback of ``scores(xs, k, log_alpha, halving)``: ``(d_xs, d_k, d_log_alpha,
+    decays)``."""
+    if halving:
+        return halving_bwd(xs, k, log_alpha, d_scores, d_decays)
     return jax.lax.platform_dependent(
         xs, k, log_alpha, d_scores, d_decays,
         cuda=all_levels_bwd, rocm=all_levels_bwd, default=halving_bwd,

@@ -16,9 +16,7 @@ from support.reference import erase_write_reference, random_inputs, random_state
 from support.tolerance import assert_close
 
 import gdn_jax
-from gdn_jax.ops import channel_chunked
 from gdn_jax.ops.channel_chunked import CPU_GRADS_GROUP, GRADS_GROUP
-from gdn_jax.ops.channel_decays import all_levels, all_levels_bwd
 
 HEADS, V_HEADS, KEY, VALUE = 2, 4, 12, 10
 
@@ -117,13 +115,13 @@ def test_chunked_equals_recurrent_values_and_gradients(schedule):
 
 
 def test_chunked_with_the_gpu_scores_equals_recurrent(monkeypatch):
-    """The whole op with the scores a GPU makes (``channel_decays.all_levels``), on this
-    CPU: values and every gradient against the recurrent form."""
-    monkeypatch.setattr(channel_chunked, "scores", all_levels)
-    monkeypatch.setattr(channel_chunked, "scores_bwd", all_levels_bwd)
+    """The whole op as it runs on a GPU (every platform choice takes its GPU branch: the
+    scores of every level at once, ``channel_decays.all_levels``), on this CPU: values and
+    every gradient against the recurrent form."""
+    monkeypatch.setattr(jax.lax, "platform_dependent", forms.as_on_an_nvidia_gpu)
     args = single_head_args(132, 130, 16, 24)
     options = dict(chunk_size=64, schedule="associative")
-    assert_forms_agree(args, jnp.float32, options, "GPU scores", shared=False)
+    assert_forms_agree(args, jnp.float32, options, "GPU branches", shared=False)
 
 
 def test_hoisted_gradients_in_groups_of_chunks_equal_recurrent():

@@ -16,7 +16,6 @@ from support.reference import gated_delta_reference, random_inputs, random_state
 from support.tolerance import assert_close
 
 import gdn_jax
-from gdn_jax.ops import channel_chunked
 from gdn_jax.ops.blocks import map_groups
 from gdn_jax.ops.channel_chunked import CPU_GRADS_GROUP, GRADS_GROUP
 from gdn_jax.ops.channel_decays import (
@@ -187,14 +186,14 @@ def test_every_level_at_once_is_one_product_a_direction():
 
 
 def test_chunked_with_the_gpu_scores_equals_recurrent(monkeypatch):
-    """The whole op with the scores a GPU makes, on this CPU (which makes the halving's):
-    values and every gradient against the recurrent form, over several chunks, off the
-    chunk grid."""
-    monkeypatch.setattr(channel_chunked, "scores", all_levels)
-    monkeypatch.setattr(channel_chunked, "scores_bwd", all_levels_bwd)
-    args = single_head_args(60, 150, 20, 12)
-    options = dict(chunk_size=32, schedule="associative")
-    assert_forms_agree(args, jnp.float32, options, "GPU scores", shared=False)
+    """The whole op as it runs on a GPU (every platform choice takes its GPU branch: the
+    scores of every level at once, the barriers, ``GRADS_GROUP`` chunks a group), on this
+    CPU: values and every gradient against the recurrent form, with more chunks than a
+    group, the last group shorter, off the chunk grid."""
+    monkeypatch.setattr(jax.lax, "platform_dependent", forms.as_on_an_nvidia_gpu)
+    args = single_head_args(60, 16 * (GRADS_GROUP + 3) - 5, 8, 6)
+    options = dict(chunk_size=16, schedule="associative")
+    assert_forms_agree(args, jnp.float32, options, "GPU branches", shared=False)
 
 
 CHUNKED_CASES = [

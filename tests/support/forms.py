@@ -114,6 +114,13 @@ def assert_forms_agree(rule, args, dtype, chunked_options, label="", *, shared=T
         assert_close(a, e, dtype, f"{label} d{name}")
 
 
+def as_on_an_nvidia_gpu(*args, **branches):
+    """``jax.lax.platform_dependent`` choosing as it does where it lowers for an NVIDIA GPU
+    (its ``cuda`` branch, else its ``default``): patched in, a test runs a GPU's branches of
+    an op on this CPU."""
+    return (branches.get("cuda") or branches["default"])(*args)
+
+
 def assert_residuals_are_inputs_and_one_state_per_chunk(rule, args_of_length, chunk):
     """What the backward of ``rule``'s chunked form keeps grows with ``T`` by the inputs and
     one ``[V, K]`` state per chunk, in both schedules: measured at two lengths (256 and
