@@ -4,6 +4,7 @@ inputs, then the MQAR training step and ``python train.py`` to its stop.
 
     python benchmarks/gpu_check.py --out DIR            # on a GPU host (benchmarks/gpu_run.sh)
     python benchmarks/gpu_check.py --out DIR --smoke    # tiny shapes, anywhere: a check that it runs
+    python benchmarks/gpu_check.py --out DIR --dry-run  # every program built and traced, no GPU
 
 For Gated DeltaNet, KDA and GDN-2 at each shape (B=4, T=4096 and B=1, T=32768; H=16, K=V=128;
 bf16 q, k, v; float32 gates and state; the L2 norm of q and k inside the op):
@@ -11,11 +12,16 @@ bf16 q, k, v; float32 gates and state; the L2 norm of q and k inside the op):
 - **agreement**: each implementation's output, final state and the gradient of every input
   against those of each one measured before it on the item, with the bf16 row of the tests'
   tolerance table (``tests/support/tolerance.py``);
-- **time**: forward, and forward+backward (the gradient of ``sum(o * do)`` with respect to
-  every input, ``do`` fixed), median of ``--repeats`` synchronised runs after two warm-ups,
-  for gdn_jax's Mosaic GPU kernels (``impl="mosaic_gpu"``) and its
-  chunked form in each schedule (``associative``, ``hoisted``, ``in_scan``), fla (torch
-  autograd) and jax-linear-attention, in the order ``--item`` names them;
+- **time**: forward, and forward+backward as a training step (``value_and_grad`` of the loss
+  ``sum(o * do)`` with respect to every input, ``do`` a fixed random array: the loss reads
+  the outputs, so no side's forward kernel is dropped from the compiled program, as it is
+  from a gradient alone), median of ``--repeats`` synchronised runs after two warm-ups (wall
+  time), and beside it the device time from JAX's profiler over three more runs (every
+  kernel, copy and memset on the GPU's streams, summed; the costliest kernels by name:
+  ``stage_profile.kernel_times``), for gdn_jax's Mosaic GPU kernels (``impl="mosaic_gpu"``)
+  and its chunked form in each schedule (``associative``, ``hoisted``, ``in_scan``), fla
+  (torch autograd; wall time only) and jax-linear-attention, in the order ``--item`` names
+  them;
 - **memory**: the peak device memory of each program: for JAX its compiled arguments, outputs
   and temporaries (``memory_analysis``), for torch ``max_memory_allocated`` over the call with
   the inputs resident.
@@ -24,7 +30,13 @@ A peer that is not installed, or an implementation that refuses the call (the ke
 rule without one, or on a JAX without Mosaic GPU's interpret mode off a GPU), is recorded as
 skipped with the reason. Results go to ``DIR/gpu_check.json`` and ``DIR/gpu_check.md`` after
 every item, so a run cut short keeps what it measured. ``--budget`` seconds bound the op
-measurements: an item that would start after it is recorded as skipped.
+measurements: an item that would start after it is recorded as skipped. At full shapes each
+implementation of an item runs in a child process of its own with a time limit
+(``--stage-timeout``, fla's ``IN_CHILD``), so that a hang or a crash costs that stage only.
+
+``--dry-run`` does all of that but the GPU's part: each stage's child builds the forward and
+the training step at the check's shapes and traces them on abstract arrays (no memory, no
+compile), then stops; what refuses to trace here is recorded as skipped, as on the GPU.
 
 ``--autotune-to FILE`` has XLA write its autotune results (the gemm and fusion tilings it
 measured on the GPU) to FILE at every timed program's compile. XLA keeps one cache a process
@@ -41,6 +53,7 @@ import dataclasses
 import functools
 import importlib.util
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -72,6 +85,8 @@ IMPLS = (KERNEL, "associative", "jla", "hoisted", "in_scan", "fla")
 WARMUPS = 2
 # XLA options for every timed program's compile (main sets the autotune dump here).
 COMPILE_OPTIONS: dict[str, str] = {}
+# Runs under the profiler after the timed ones, for the device time per kernel.
+PROFILED_CALLS = 3
 # jax-linear-attention's implementation measured: its Hopper kernels ("chunked" is its XLA form).
 JLA_IMPL = "mosaic_gpu"
 SMOKE_RUN = [
@@ -147,8 +162,9 @@ def median_ms(call: Callable[[], object], sync: Callable[[object], object], repe
 
 
 def jax_program(fn, args, repeats, profile=False):
-    """``(result, median ms, compile s, peak bytes, stages)`` of ``jax.jit(fn)`` on ``args``;
-    ``stages`` is ``stage_profile.measure``'s reading of it with ``profile``, else None."""
+    """``(result, median ms, compile s, peak bytes, reading)`` of ``jax.jit(fn)`` on
+    ``args``; ``reading`` is the profiler's, ``{"kernels": stage_profile.kernel_times}`` and
+    with ``profile`` the time by stage too (``"stages"``), or ``{"error": ...}``."""
     import jax
 
     start = time.perf_counter()
@@ -164,81 +180,135 @@ def jax_program(fn, args, repeats, profile=False):
             - memory.alias_size_in_bytes
         )
     ms = median_ms(lambda: compiled(*args), jax.block_until_ready, repeats)
-    stages = None
-    if profile:
-        import stage_profile
+    import stage_profile
 
-        try:
-            stages = stage_profile.measure(compiled, args)
-        except Exception as error:  # a profiler that fails costs the reading, not the run
-            stages = dict(error=f"{type(error).__name__}: {error}"[:400])
-    return compiled(*args), ms, compile_s, peak, stages
+    try:
+        events = stage_profile.trace(compiled, args, PROFILED_CALLS)
+        reading = dict(kernels=stage_profile.kernel_times(events, PROFILED_CALLS))
+        if profile:
+            stages = stage_profile.op_stages(compiled.as_text())
+            reading["stages"] = stage_profile.attribute(events, stages, PROFILED_CALLS)
+    except Exception as error:  # a profiler that fails costs the reading, not the run
+        reading = dict(error=f"{type(error).__name__}: {error}"[:400])
+    return compiled(*args), ms, compile_s, peak, reading
 
 
 # --- the three implementations -------------------------------------------------------------
 
 
-def gdn_jax_runs(op: Op, arrays, form, chunk, repeats, profile=False):
-    """gdn_jax's forward and forward+backward in ``form`` (its kernel or a schedule of the
-    chunked form): ``{"fwd": ..., "fwd+bwd": ...}`` with each program's time and memory, and
-    the values to compare (state as ``[B, H, K, V]``)."""
-    import jax
+def jax_forward(impl, op: Op, chunk):
+    """``(forward, names)``: ``impl``'s forward of ``op`` (gdn_jax's kernel or a schedule of
+    its chunked form, or jla), ``(o, final state as [B, H, K, V])``, and its inputs' names."""
+    names = ["q", "k", "v", *op.gates]
+    if impl == "jla":
+        import jax.numpy as jnp  # noqa: F401 (jla needs JAX started first)
+        from jla import ops as jla_ops
+
+        def forward(q, k, v, *gates):
+            kwargs = dict(zip(op.jla_gates, gates, strict=True))
+            return jla_ops.linear_attention(
+                op.jla, q, k, v, impl=JLA_IMPL, use_qk_l2norm=True, output_final_state=True,
+                **kwargs,
+            )  # fmt: skip
+
+        return forward, names
     import jax.numpy as jnp
 
     import gdn_jax
 
     fn = getattr(gdn_jax, op.gdn_jax)
-    names = ["q", "k", "v", *op.gates]
-    args = [jnp.asarray(arrays[n], jnp.bfloat16 if n in "qkv" else jnp.float32) for n in names]
-    do = jnp.asarray(arrays["do"])
-
-    options = dict(impl=KERNEL) if form == KERNEL else dict(impl="chunked", schedule=form)
+    options = dict(impl=KERNEL) if impl == KERNEL else dict(impl="chunked", schedule=impl)
 
     def forward(*args):
-        return fn(*args, chunk_size=chunk, use_qk_l2norm=True, **options)
+        y, state = fn(*args, chunk_size=chunk, use_qk_l2norm=True, **options)
+        return y, jnp.swapaxes(state, -1, -2)
+
+    return forward, names
+
+
+def training_step(forward, num_inputs):
+    """``step(*inputs, do) -> (loss, grads)``: ``value_and_grad`` of ``sum(o * do)`` with
+    respect to every input. The loss is returned, so the compiled program keeps the
+    forward's outputs, not only what the backward reads of it."""
+    import jax
+    import jax.numpy as jnp
 
     def loss(*args_and_do):
         *args, do = args_and_do
         return jnp.sum(forward(*args)[0].astype(jnp.float32) * do)
 
-    grad = jax.grad(loss, argnums=tuple(range(len(names))))
-    (y, state), fwd_ms, fwd_compile, fwd_peak, _ = jax_program(forward, args, repeats)
-    grads, bwd_ms, bwd_compile, bwd_peak, stages = jax_program(
-        grad, [*args, do], repeats, profile=profile
+    return jax.value_and_grad(loss, argnums=tuple(range(num_inputs)))
+
+
+def input_specs(op: Op, names, batch, seq_len, heads, dim):
+    """The abstract inputs of ``make_inputs``, in ``names``' order, then ``do``."""
+    import jax
+    import jax.numpy as jnp
+
+    token = (batch, seq_len, heads)
+    shapes = {n: (*token, dim) for n in ("q", "k", "v", "do")}
+    shapes.update({n: token + (dim,) * len(letters) for n, (letters, _) in op.gates.items()})
+    return [
+        jax.ShapeDtypeStruct(shapes[n], jnp.bfloat16 if n in "qkv" else jnp.float32)
+        for n in [*names, "do"]
+    ]
+
+
+def jax_runs(impl, op: Op, arrays, chunk, repeats, profile=False):
+    """``impl``'s forward and training step (``jax_forward``, ``training_step``):
+    ``{"fwd": ..., "fwd+bwd": ...}`` with each program's time, memory and the profiler's
+    reading, and the values to compare: o, the final state, the loss and every gradient."""
+    import jax.numpy as jnp
+
+    forward, names = jax_forward(impl, op, chunk)
+    args = [jnp.asarray(arrays[n], jnp.bfloat16 if n in "qkv" else jnp.float32) for n in names]
+    do = jnp.asarray(arrays["do"])
+    step = training_step(forward, len(names))
+    (y, state), fwd_ms, fwd_compile, fwd_peak, fwd_reading = jax_program(forward, args, repeats)
+    (loss, grads), bwd_ms, bwd_compile, bwd_peak, bwd_reading = jax_program(
+        step, [*args, do], repeats, profile=profile
     )
-    values = {"o": y, "final_state": jnp.swapaxes(state, -1, -2)}
+    values = {"o": y, "final_state": state, "loss": loss}
     values.update({f"d{n}": g for n, g in zip(names, grads, strict=True)})
-    return _timings(fwd_ms, bwd_ms, fwd_peak, bwd_peak, fwd_compile, bwd_compile, stages), values
+    timings = _timings(fwd_ms, bwd_ms, fwd_peak, bwd_peak, fwd_compile, bwd_compile)
+    for part, reading in (("fwd", fwd_reading), ("fwd+bwd", bwd_reading)):
+        timings[part]["kernels"] = reading.get("kernels", reading)
+        if "stages" in reading:
+            timings[part]["stages"] = reading["stages"]
+    return timings, values
+
+
+def gdn_jax_runs(op: Op, arrays, form, chunk, repeats, profile=False):
+    """gdn_jax in ``form`` (its kernel or a schedule of the chunked form): ``jax_runs``."""
+    return jax_runs(form, op, arrays, chunk, repeats, profile)
 
 
 def jla_runs(op: Op, arrays, repeats, profile=False):
+    return jax_runs("jla", op, arrays, 64, repeats, profile)
+
+
+def dry_run_of(impl, op: Op, sizes, shape) -> dict:
+    """``impl``'s forward and training step of ``op`` built at ``shape`` and traced on
+    abstract arrays (nothing compiled, nothing allocated): per program, the equations of its
+    jaxpr and the seconds it took."""
     import jax
-    import jax.numpy as jnp
-    from jla import ops as jla_ops
 
-    names = ["q", "k", "v", *op.gates]
-    args = [jnp.asarray(arrays[n], jnp.bfloat16 if n in "qkv" else jnp.float32) for n in names]
-    do = jnp.asarray(arrays["do"])
+    if impl == "jla":
+        # Its kernels' dispatch asks the device for Hopper; traced here, it is told so.
+        from gpu_compile_report import as_if_on_hopper
 
-    def forward(q, k, v, *gates):
-        kwargs = dict(zip(op.jla_gates, gates, strict=True))
-        return jla_ops.linear_attention(
-            op.jla, q, k, v, impl=JLA_IMPL, use_qk_l2norm=True, output_final_state=True,
-            **kwargs,
-        )  # fmt: skip
-
-    def loss(*args_and_do):
-        *args, do = args_and_do
-        return jnp.sum(forward(*args)[0].astype(jnp.float32) * do)
-
-    grad = jax.grad(loss, argnums=tuple(range(len(names))))
-    (y, state), fwd_ms, fwd_compile, fwd_peak, _ = jax_program(forward, args, repeats)
-    grads, bwd_ms, bwd_compile, bwd_peak, stages = jax_program(
-        grad, [*args, do], repeats, profile=profile
-    )
-    values = {"o": y, "final_state": state}
-    values.update({f"d{n}": g for n, g in zip(names, grads, strict=True)})
-    return _timings(fwd_ms, bwd_ms, fwd_peak, bwd_peak, fwd_compile, bwd_compile, stages), values
+        as_if_on_hopper()
+    forward, names = jax_forward(impl, op, sizes["chunk"])
+    specs = input_specs(op, names, *shape, sizes["heads"], sizes["dim"])
+    done = {}
+    for part, fn, args in (("fwd", forward, specs[:-1]),
+                           ("fwd+bwd", training_step(forward, len(names)), specs)):  # fmt: skip
+        start = time.perf_counter()
+        traced = jax.jit(fn).trace(*args)
+        done[part] = dict(
+            equations=len(traced.jaxpr.eqns), trace_s=round(time.perf_counter() - start, 2)
+        )
+    return done
 
 
 def fla_runs(op: Op, arrays, repeats):
@@ -294,15 +364,12 @@ def fla_runs(op: Op, arrays, repeats):
     return _timings(fwd_ms, bwd_ms, fwd_peak, bwd_peak, None, None), values
 
 
-def _timings(fwd_ms, bwd_ms, fwd_peak, bwd_peak, fwd_compile, bwd_compile, stages=None):
-    """Both programs' figures; the forward+backward's ``stages`` where it was profiled."""
-    both = {
+def _timings(fwd_ms, bwd_ms, fwd_peak, bwd_peak, fwd_compile, bwd_compile):
+    """Both programs' figures."""
+    return {
         "fwd": dict(ms=fwd_ms, peak_bytes=fwd_peak, compile_s=fwd_compile),
         "fwd+bwd": dict(ms=bwd_ms, peak_bytes=bwd_peak, compile_s=bwd_compile),
     }
-    if stages is not None:
-        both["fwd+bwd"]["stages"] = stages
-    return both
 
 
 def agreement(actual: dict, expected: dict) -> dict[str, float]:
@@ -327,10 +394,15 @@ def agreement(actual: dict, expected: dict) -> dict[str, float]:
 # --- the whole check ----------------------------------------------------------------------
 
 
-def peers_available() -> dict[str, str | None]:
-    """Each peer: ``None`` if it can run here, else why not."""
+def peers_available(dry_run=False) -> dict[str, str | None]:
+    """Each peer: ``None`` if it can run here, else why not. A dry run traces JAX programs
+    only: jla wherever it is installed, never fla."""
     import jax
 
+    installed = importlib.util.find_spec("jla") is not None
+    if dry_run:
+        jla = None if installed else "jax-linear-attention is not installed"
+        return {"fla": "a dry run traces JAX programs only", "jla": jla}
     gpu = jax.default_backend() == "gpu"
     reasons = {}
     torch_cuda = False
@@ -344,7 +416,7 @@ def peers_available() -> dict[str, str | None]:
         reasons["fla"] = "torch sees no CUDA device"
     else:
         reasons["fla"] = None
-    if importlib.util.find_spec("jla") is None:
+    if not installed:
         reasons["jla"] = "jax-linear-attention is not installed"
     elif not gpu:
         reasons["jla"] = "its kernels need a GPU backend"
@@ -379,12 +451,13 @@ def parse_items(specs: list[str], sizes) -> list[tuple]:
     return items
 
 
-def check_ops(report: Report, sizes, items, repeats, deadline, profile=False):
+def check_ops(report: Report, sizes, items, repeats, deadline, profile=False, stages=None):
     """Each item measured, its implementations in the order it names them, each one's values
     checked against those of every one measured before it; with ``profile``, each JAX
-    forward+backward program is also profiled after it is timed."""
+    forward+backward program is also timed by stage. ``stages`` (a ``Stages``) runs each
+    implementation in a child process of its own, else they run in this one."""
     heads, dim = sizes["heads"], sizes["dim"]
-    peers = peers_available()
+    peers = peers_available(dry_run=stages is not None and stages.dry_run)
     for peer, why in peers.items():
         if why is not None:
             report.skip(peer, why)
@@ -394,18 +467,23 @@ def check_ops(report: Report, sizes, items, repeats, deadline, profile=False):
         if time.perf_counter() > deadline:
             report.skip(label, "the --budget ran out")
             continue
-        arrays = make_inputs(op, batch, seq_len, heads, dim)
+        arrays = None if stages is not None else make_inputs(op, batch, seq_len, heads, dim)
         measured = {}  # the values (on the host) each implementation computed, by its row
         for impl in impls:
             if peers.get(impl) is not None:
                 continue
             row_name = impl if impl in peers else f"gdn_jax {impl}"
             try:
-                timings, values = measure(
-                    impl, op, arrays, sizes, (batch, seq_len), repeats, profile
-                )
+                if stages is not None:
+                    timings, values = stages.run(impl, op, (batch, seq_len), repeats, profile)
+                else:
+                    timings, values = RUNNERS[impl](op, arrays, repeats, sizes["chunk"], profile)
             except Exception as error:  # a refusal or a failed compile is recorded, not fatal
                 report.skip(f"{row_name} {label}", f"{type(error).__name__}: {error}"[:400])
+                continue
+            if stages is not None and stages.dry_run:
+                report.add_dry_run(dict(op=op.name, shape=shape, impl=row_name, **timings))
+                print(f"{label} {row_name}: traced {timings}", flush=True)
                 continue
             values = {n: np.asarray(x, np.float32) for n, x in values.items()}
             fractions = {other: agreement(values, seen) for other, seen in measured.items()}
@@ -416,18 +494,63 @@ def check_ops(report: Report, sizes, items, repeats, deadline, profile=False):
             measured[row_name] = values
 
 
-def measure(impl, op, arrays, sizes, shape, repeats, profile):
-    """``(timings, values)`` of ``impl`` on one item, in a child process where ``IN_CHILD``
-    says so."""
-    if impl in IN_CHILD:
-        return in_child(impl, op, sizes, shape, repeats, profile)
-    return RUNNERS[impl](op, arrays, repeats, sizes["chunk"], profile)
-
-
-# fla runs in a child process with a time limit: its first call autotunes its Triton kernels,
-# which on the H200 took over five minutes for KDA (docs/benchmarks.md), and a process
-# killed mid-call is the one way to stop that.
+# fla's time limit as a child: its first call autotunes its Triton kernels, which on the H200
+# took over five minutes for KDA (docs/benchmarks.md), and a process killed mid-call is the
+# one way to stop that. Every other implementation has --stage-timeout.
 IN_CHILD = {"fla": 150.0}
+
+
+@dataclasses.dataclass
+class Stages:
+    """Each implementation of an item in a child process of its own (``in_child``), with
+    its time limit: a hang or a crash costs that stage, not the run. ``autotune`` (a
+    file, or None): each child writes XLA's autotune results of its programs beside it, and
+    they are merged into it after every stage (``merge_autotune``)."""
+
+    sizes: dict
+    timeout: float
+    dry_run: bool = False
+    autotune: Path | None = None
+    parts: list = dataclasses.field(default_factory=list)
+
+    def run(self, impl, op, shape, repeats, profile):
+        part = None
+        if self.autotune is not None:
+            name = f".{self.autotune.stem}.{len(self.parts)}{self.autotune.suffix}"
+            part = self.autotune.with_name(name)
+            self.parts.append(part)
+        try:
+            return in_child(
+                impl, op, self.sizes, shape, repeats, profile,
+                timeout=IN_CHILD.get(impl, self.timeout), dry_run=self.dry_run, autotune=part,
+            )  # fmt: skip
+        finally:
+            if part is not None:
+                merge_autotune(self.parts, self.autotune)
+
+
+def merge_autotune(parts: list[Path], out: Path):
+    """The autotune results of every child in one file, ``out``: each child's XLA writes
+    its own process's results, so the children's files (``parts``, removed once read) are
+    joined, each result once. A text file holds a header (``version``) and one
+    ``results { ... }`` block a result; a binary one (any other suffix than ``.textproto``)
+    is not read, and the last child's file is kept whole."""
+    found = [p for p in [out, *parts] if p.is_file() and p.stat().st_size]
+    if found and out.suffix != ".textproto":
+        found[-1].replace(out)
+        found = []
+    header, blocks = None, []
+    for path in found:
+        head, *results = re.split(r"(?m)^(?=results \{)", path.read_text())
+        header = header or head
+        for block in results:
+            block = block if block.endswith("\n") else block + "\n"
+            if block not in blocks:
+                blocks.append(block)
+    for part in parts:
+        part.unlink(missing_ok=True)
+    if found:
+        out.write_text((header or "") + "".join(blocks))
 
 
 def _runners():
@@ -447,12 +570,16 @@ def _gdn_jax_runner(op, arrays, repeats, chunk, profile, *, form):
 RUNNERS = _runners()
 
 
-def in_child(impl, op, sizes, shape, repeats, profile=False, timeout=None):
+def in_child(
+    impl, op, sizes, shape, repeats, profile=False, timeout=None, dry_run=False, autotune=None
+):
     """``RUNNERS[impl]`` on ``op`` at ``shape`` in a child process (``--child``), which makes
     the same inputs: ``(timings, values)``, or ``TimeoutError`` after ``timeout`` seconds
-    (``IN_CHILD[impl]``) with the child killed."""
+    (``IN_CHILD[impl]``) with the child killed. With ``dry_run``, ``dry_run_of``'s reading
+    and no values; with ``autotune``, the child writes XLA's autotune results there."""
     timeout = IN_CHILD.get(impl, 600.0) if timeout is None else timeout
     flags = (["--smoke"] if sizes is SMOKE else []) + (["--profile"] if profile else [])
+    flags += ["--dry-run"] * dry_run + (["--autotune-to", str(autotune)] if autotune else [])
     with tempfile.TemporaryDirectory() as folder:
         spec = f"{impl}:{op.key}:{shape[0]}x{shape[1]}"
         command = [sys.executable, __file__, "--child", spec, "--out", folder, *flags]
@@ -465,17 +592,26 @@ def in_child(impl, op, sizes, shape, repeats, profile=False, timeout=None):
             raise TimeoutError(f"{impl} did not finish within {timeout:.0f} s") from None
         if done.returncode != 0:
             lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
-            raise RuntimeError(lines[-1])
+            # The exception's own line, not JAX's note on its filtered traceback after it.
+            raised = [line for line in lines if re.match(r"[\w.]+(Error|Exception)\b", line)]
+            raise RuntimeError((raised or lines)[-1])
         timings = json.loads((Path(folder) / "timings.json").read_text())
+        if dry_run:
+            return timings, {}
         with np.load(Path(folder) / "values.npz") as values:
             return timings, dict(values)
 
 
-def run_child(spec: str, sizes, out: Path, repeats: int, profile: bool = False):
-    """The child's side of ``in_child``: ``IMPL:OP:BxT`` measured, written to ``out``."""
+def run_child(spec: str, sizes, out: Path, repeats: int, profile=False, dry_run=False):
+    """The child's side of ``in_child``: ``IMPL:OP:BxT`` measured (or traced, with
+    ``dry_run``), written to ``out``."""
     impl, key, shape = spec.split(":")
     batch, seq_len = (int(n) for n in shape.split("x"))
     op = next(o for o in OPS if o.key == key)
+    if dry_run:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "timings.json").write_text(json.dumps(dry_run_of(impl, op, sizes, (batch, seq_len))))
+        return
     arrays = make_inputs(op, batch, seq_len, sizes["heads"], sizes["dim"])
     timings, values = RUNNERS[impl](op, arrays, repeats, sizes["chunk"], profile)
     out.mkdir(parents=True, exist_ok=True)
@@ -565,6 +701,14 @@ def main(argv=None):
     parser.add_argument("--budget", type=float, default=330.0, help="seconds for the op items")
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument(
+        "--dry-run", action="store_true",
+        help="build and trace every program at the check's shapes, each in its child, then stop",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stage-timeout", type=float, default=120.0,
+        help="seconds each implementation's child may run (fla: its own limit; default 120)",
+    )  # fmt: skip
+    parser.add_argument(
         "--profile", action="store_true",
         help="profile each JAX forward+backward: time per stage (stage_profile.py)",
     )  # fmt: skip
@@ -583,7 +727,8 @@ def main(argv=None):
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     sizes = SMOKE if args.smoke else FULL
     if args.child:
-        run_child(args.child, sizes, args.out, args.repeats, args.profile)
+        with dumping_autotune(args.autotune_to):
+            run_child(args.child, sizes, args.out, args.repeats, args.profile, args.dry_run)
         return
     try:
         items = parse_items(args.item, sizes)
@@ -592,8 +737,16 @@ def main(argv=None):
     began = time.perf_counter()
     report = Report(args.out, environment())
     print(report.data["environment"], flush=True)
-    with dumping_autotune(args.autotune_to):
-        check_ops(report, sizes, items, args.repeats, began + args.budget, args.profile)
+    # At the check's shapes every stage runs in its own child; --smoke runs them here.
+    stages = None
+    if args.dry_run or not args.smoke:
+        autotune = None if args.dry_run or args.autotune_to is None else args.autotune_to.resolve()
+        stages = Stages(sizes, args.stage_timeout, dry_run=args.dry_run, autotune=autotune)
+    with dumping_autotune(None if stages is not None else args.autotune_to):
+        check_ops(report, sizes, items, args.repeats, began + args.budget, args.profile, stages)
+    if args.dry_run:
+        print(f"dry run done in {time.perf_counter() - began:.0f} s; {args.out / 'gpu_check.md'}")
+        return
     if args.autotune_to is not None:
         report.data["autotune"] = autotune_record(args.autotune_to)
         report.write()

@@ -87,7 +87,7 @@ def program(rule_key: str, impl: str, schedule: str, batch: int, seq_len: int, b
     if impl == "jla":
         from jla import ops as jla_ops
 
-        _as_if_on_hopper()
+        as_if_on_hopper()
         name, keywords = jla_op
 
         def forward(q, k, v, *gates):
@@ -117,7 +117,7 @@ def program(rule_key: str, impl: str, schedule: str, batch: int, seq_len: int, b
     return grad, [*args, do]
 
 
-def _as_if_on_hopper():
+def as_if_on_hopper():
     """jax-linear-attention takes its kernels only when this process's first device is an
     sm_90 GPU; compiled for an H200 from a CPU host, it is told so."""
     import importlib

@@ -24,6 +24,10 @@ class Report:
         self.data["ops"].append(row)
         self.write()
 
+    def add_dry_run(self, row):
+        self.data.setdefault("dry_run", []).append(row)
+        self.write()
+
     def skip(self, what, why):
         print(f"skipped {what}: {why}", flush=True)
         self.data["skipped"].append(dict(what=what, why=why))
@@ -41,23 +45,23 @@ def markdown(data) -> str:
         "| " + " · ".join(f"{k} {v}" for k, v in env.items()) + " |",
         "|---|",
         "",
-        "| op | B×T | implementation | fwd ms | fwd+bwd ms | fwd / fla | fwd+bwd / fla "
-        "| fwd / jla | fwd+bwd / jla | peak fwd MiB | peak fwd+bwd MiB "
-        "| worst error / bf16 tolerance |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| op | B×T | implementation | fwd ms | fwd+bwd ms | fwd+bwd kernel ms "
+        "| fwd / fla | fwd+bwd / fla | fwd / jla | fwd+bwd / jla | fwd+bwd kernels / jla "
+        "| peak fwd MiB | peak fwd+bwd MiB | worst error / bf16 tolerance |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
 
     def number(value, form):
         return "-" if value is None else format(value, form)
 
-    def ratio(row, peer, part):
+    def ratio(row, peer, part, of=lambda part: part["ms"]):
         other = next(
             (r for r in data["ops"]
              if (r["op"], r["shape"], r["impl"]) == (row["op"], row["shape"], peer)), None,
         )  # fmt: skip
-        if other is None or row is other or None in (row[part]["ms"], other[part]["ms"]):
+        if other is None or row is other or None in (of(row[part]), of(other[part])):
             return "-"
-        return f"{row[part]['ms'] / other[part]['ms']:.2f}"
+        return f"{of(row[part]) / of(other[part]):.2f}"
 
     for row in data["ops"]:
         errors = row.get("agreement", {})
@@ -67,14 +71,26 @@ def markdown(data) -> str:
         cells = [
             row["op"], row["shape"], row["impl"],
             number(row["fwd"]["ms"], ".2f"), number(row["fwd+bwd"]["ms"], ".2f"),
+            number(kernel_ms(row["fwd+bwd"]), ".2f"),
             ratio(row, "fla", "fwd"), ratio(row, "fla", "fwd+bwd"),
             ratio(row, "jla", "fwd"), ratio(row, "jla", "fwd+bwd"),
+            ratio(row, "jla", "fwd+bwd", kernel_ms),
             *(number(row[p]["peak_bytes"] and row[p]["peak_bytes"] / 2**20, ".1f")
               for p in ("fwd", "fwd+bwd")),
             worst or "-",
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    lines += _stage_table(data["ops"])
+    lines += _kernel_lines(data["ops"]) + _stage_table(data["ops"])
+    if data.get("dry_run"):
+        lines += ["", "Dry run (each program built and traced at these shapes, nothing run):", ""]
+        lines += [
+            f"- {r['op']} {r['shape']} {r['impl']}: "
+            + ", ".join(
+                f"{p} {r[p]['equations']} equations in {r[p]['trace_s']} s"
+                for p in ("fwd", "fwd+bwd")
+            )  # fmt: skip
+            for r in data["dry_run"]
+        ]
     training = data["training"]
     if "step_ms" in training:
         lines += ["", f"MQAR training step ({training['step_shape']}): {training['step_ms']:.2f} ms "
@@ -88,6 +104,35 @@ def markdown(data) -> str:
     if data["skipped"]:
         lines += ["", "Skipped:", *(f"- {s['what']}: {s['why']}" for s in data["skipped"])]
     return "\n".join(lines) + "\n"
+
+
+def kernel_ms(part: dict):
+    """The device time per call the profiler read (``stage_profile.kernel_times``), or
+    None."""
+    return part.get("kernels", {}).get("ms_per_call")
+
+
+def _kernel_lines(rows) -> list[str]:
+    """Each training step's costliest kernels on the device, from the profiler."""
+    read = [r for r in rows if "kernels" in r["fwd+bwd"]]
+    if not read:
+        return []
+    lines = ["", "Training step's costliest kernels (ms per call, launches per call; the "
+             "profiler's device time):", ""]  # fmt: skip
+    for row in read:
+        kernels = row["fwd+bwd"]["kernels"]
+        if "error" in kernels:
+            lines.append(f"- {row['op']} {row['shape']} {row['impl']}: {kernels['error']}")
+            continue
+        top = "; ".join(
+            f"{k['name'][:60]} {k['ms_per_call']:.3f} (x{k['per_call']:g})"
+            for k in kernels["top"][:6]
+        )
+        lines.append(
+            f"- {row['op']} {row['shape']} {row['impl']}: {kernels['ms_per_call']:.3f} ms in "
+            f"{kernels['launches_per_call']:g} launches ({kernels['where']}): {top}"
+        )
+    return lines
 
 
 def _stage_table(rows) -> list[str]:

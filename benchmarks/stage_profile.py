@@ -136,15 +136,62 @@ def attribute(events: list[dict], stages: dict[str, str], calls: int, top: int =
     )
 
 
-def measure(compiled, args, calls: int = 3) -> dict:
-    """Profile ``calls`` runs of ``compiled`` (a ``jax.stages.Compiled``) on ``args``."""
+def kernel_events(events: list[dict]) -> tuple[str, list[tuple[str, float]]]:
+    """``(where, [(name, µs)])``: what ran on the device, each kernel, copy and memset on a
+    device's stream lines by its name and duration (what the GPU spent, whatever launched
+    it: XLA, a Mosaic GPU or Triton kernel, a library); with no device in the trace, each
+    HLO instruction's own time on the host."""
+    meta = [e for e in events if e.get("ph") == "M"]
+    processes = {e["pid"]: e["args"]["name"] for e in meta if e.get("name") == "process_name"}
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"] for e in meta if e.get("name") == "thread_name"
+    }
+    devices = {pid for pid, name in processes.items() if name.startswith("/device:")}
+    streams = [
+        e
+        for e in events
+        if e.get("ph") == "X" and e["pid"] in devices
+        and threads.get((e["pid"], e["tid"]), "").startswith("Stream")
+    ]  # fmt: skip
+    if streams:
+        return "device streams", [(e["name"], float(e["dur"])) for e in streams]
+    where, ops = op_events(events)
+    named = [((e.get("args", {}).get("hlo_op") or e["name"]), own) for e, own in _self_times(ops)]
+    return where, named
+
+
+def kernel_times(events: list[dict], calls: int, top: int = 12) -> dict:
+    """Device time per call from the profiler: the sum over ``kernel_events``, and the
+    ``top`` kernels by summed time with their launches per call."""
+    where, named = kernel_events(events)
+    total: dict[str, float] = collections.defaultdict(float)
+    count: collections.Counter = collections.Counter()
+    for name, us in named:
+        total[name] += us
+        count[name] += 1
+    ms = 1e-3 / calls
+    ranked = sorted(total.items(), key=lambda item: -item[1])[:top]
+    return dict(
+        where=where,
+        calls=calls,
+        ms_per_call=sum(total.values()) * ms,
+        launches_per_call=sum(count.values()) / calls,
+        top=[dict(name=n, ms_per_call=t * ms, per_call=count[n] / calls) for n, t in ranked],
+    )
+
+
+def trace(compiled, args, calls: int = 3) -> list[dict]:
+    """The profiler's events over ``calls`` runs of ``compiled`` on ``args``."""
     import jax
 
-    stages = op_stages(compiled.as_text())
     jax.block_until_ready(compiled(*args))  # nothing of a first call's set-up in the trace
     with tempfile.TemporaryDirectory() as folder:
         with jax.profiler.trace(folder, create_perfetto_trace=True):
             for _ in range(calls):
                 jax.block_until_ready(compiled(*args))
-        events = _trace_events(Path(folder))
-    return attribute(events, stages, calls)
+        return _trace_events(Path(folder))
+
+
+def measure(compiled, args, calls: int = 3) -> dict:
+    """Profile ``calls`` runs of ``compiled`` (a ``jax.stages.Compiled``) on ``args``."""
+    return attribute(trace(compiled, args, calls), op_stages(compiled.as_text()), calls)

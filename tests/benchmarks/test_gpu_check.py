@@ -13,7 +13,7 @@ from support import benchmark_scripts
 # Mosaic GPU's interpret mode, which runs impl="mosaic_gpu" off a GPU (jax >= 0.11).
 INTERPRETS = hasattr(plgpu, "InterpretGPUParams")
 FORMS = ["gdn_jax mosaic_gpu", "gdn_jax associative", "gdn_jax hoisted", "gdn_jax in_scan"]
-GDN_VALUES = ["dbeta", "dk", "dlog_alpha", "dq", "dv", "final_state", "o"]
+GDN_VALUES = ["dbeta", "dk", "dlog_alpha", "dq", "dv", "final_state", "loss", "o"]
 
 
 def load_check():
@@ -47,6 +47,10 @@ def test_smoke_run_writes_every_measurement(tmp_path):
     for row in rows.values():
         for part in ("fwd", "fwd+bwd"):
             assert row[part]["ms"] > 0 and row[part]["peak_bytes"] > 0, row
+            # The profiler's time beside the wall time: on this CPU the host's op events.
+            kernels = row[part]["kernels"]
+            assert kernels["where"] == "host" and kernels["ms_per_call"] > 0, kernels
+            assert kernels["top"] and kernels["launches_per_call"] >= len(kernels["top"])
     # Each form agrees with every one measured before it on the output, the final state and
     # every input's gradient.
     for i, impl in enumerate(measured):
@@ -105,6 +109,53 @@ def test_a_form_that_fails_is_recorded_and_the_rest_measured(tmp_path, monkeypat
         "RuntimeError: out of shared memory"
     )
     assert "autotune" not in data  # not asked for
+
+
+@pytest.mark.costly(20)
+def test_the_dry_run_traces_every_program_each_in_its_own_child(tmp_path):
+    """The device check's one call as prepared, down to where it needs the GPU: each
+    implementation's forward and training step built at the check's shapes and traced in a
+    child process of its own; what this JAX refuses is recorded as it would be there."""
+    check = load_check()
+    out = ["--dry-run", "--out", str(tmp_path), "--skip-training"]
+    check.main([*out, "--item", "kda@4x4096:associative,mosaic_gpu,jla,fla"])
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert data["ops"] == []  # nothing ran
+    traced = {row["impl"]: row for row in data["dry_run"]}
+    ours = ["gdn_jax associative", "gdn_jax mosaic_gpu"][: 1 + INTERPRETS]
+    assert [impl for impl in traced if impl != "jla"] == ours  # in the order named
+    for row in traced.values():
+        assert row["shape"] == "4×4096"
+        assert row["fwd+bwd"]["equations"] > row["fwd"]["equations"] > 0, row
+    why = skipped(data)
+    assert why["fla"] == "a dry run traces JAX programs only"
+    # jla where it is installed (its kernels traced as if on a Hopper GPU), else why not.
+    assert "jla" in traced or any(what.startswith("jla") for what in why)
+    if not INTERPRETS:
+        assert why["gdn_jax mosaic_gpu KDA 4×4096"].startswith(
+            "RuntimeError: ValueError: kda: impl='mosaic_gpu' needs jax >= 0.11"
+        )
+    assert "Dry run" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_the_children_s_autotune_results_are_merged_each_once(tmp_path):
+    """Each stage's child writes its own process's autotune results; the check keeps one
+    file with every result once, and removes the children's."""
+    check = load_check()
+
+    def result(hlo):
+        return f'results {{\n  device: "sm_90"\n  hlo: "{hlo}"\n}}\n'
+
+    out = tmp_path / "xla_autotune.textproto"
+    parts = [tmp_path / f".part{i}.textproto" for i in range(3)]
+    parts[0].write_text("version: 3\n" + result("a") + result("b"))
+    parts[1].write_text("version: 3\n" + result("b") + result("c"))
+    check.merge_autotune(parts, out)  # the third child wrote nothing
+    assert out.read_text() == "version: 3\n" + result("a") + result("b") + result("c")
+    assert not any(p.exists() for p in parts)
+    parts[2].write_text("version: 3\n" + result("d"))
+    check.merge_autotune(parts[2:], out)  # a later stage adds to what the file holds
+    assert out.read_text().count("results {") == 4
 
 
 def test_bad_item_is_one_error_naming_it(capsys):

@@ -58,8 +58,8 @@ def single_head_args(seed, seq_len, key_dim, value_dim, dtype=jnp.float32, **kw)
     return with_state_and_cotangents(inputs, seed, seq_len, key_dim, value_dim, dtype)
 
 
-def assert_forms_agree(args, dtype, chunked_options, label=""):
-    forms.assert_forms_agree("gdn2", args, dtype, chunked_options, label)
+def assert_forms_agree(args, dtype, chunked_options, label="", **kw):
+    forms.assert_forms_agree("gdn2", args, dtype, chunked_options, label, **kw)
 
 
 def outputs_and_grads(form, **options):
@@ -112,6 +112,16 @@ def test_chunked_equals_recurrent_values_and_gradients(schedule):
     args = single_head_args(130, 130, 16, 24)
     options = dict(chunk_size=64, schedule=schedule)
     assert_forms_agree(args, jnp.float32, options, schedule)
+
+
+def test_chunked_with_the_gpu_scores_equals_recurrent(monkeypatch):
+    """The whole op as it runs on a GPU (every platform choice takes its GPU branch: the
+    scores of every level at once, ``channel_decays.all_levels``), on this CPU: values and
+    every gradient against the recurrent form."""
+    monkeypatch.setattr(jax.lax, "platform_dependent", forms.as_on_an_nvidia_gpu)
+    args = single_head_args(132, 130, 16, 24)
+    options = dict(chunk_size=64, schedule="associative")
+    assert_forms_agree(args, jnp.float32, options, "GPU branches", shared=False)
 
 
 def test_hoisted_gradients_in_groups_of_chunks_equal_recurrent():

@@ -19,6 +19,8 @@ import gdn_jax
 from gdn_jax.ops.chunked.blocks import map_groups
 from gdn_jax.ops.chunked.channel import CPU_GRADS_GROUP, GRADS_GROUP
 from gdn_jax.ops.chunked.channel_decays import (
+    all_levels,
+    all_levels_bwd,
     channel_scores,
     channel_scores_bwd,
     halving_sizes,
@@ -54,8 +56,8 @@ def single_head_args(seed, seq_len, key_dim, value_dim, dtype=jnp.float32, **kw)
     return with_state_and_cotangents(inputs, seed, seq_len, key_dim, value_dim, dtype)
 
 
-def assert_forms_agree(args, dtype, chunked_options, label=""):
-    forms.assert_forms_agree("kda", args, dtype, chunked_options, label)
+def assert_forms_agree(args, dtype, chunked_options, label="", **kw):
+    forms.assert_forms_agree("kda", args, dtype, chunked_options, label, **kw)
 
 
 def outputs_and_grads(form, **options):
@@ -143,6 +145,55 @@ def test_channel_decays_need_no_products():
     backward = jax.jit(pullback).lower((x, x), x, gates, d_scores).compile().as_text()
     assert len(dots(forward.splitlines())) <= 2 * levels_of_products
     assert len(dots(backward.splitlines())) <= 2 * 2 * levels_of_products
+
+
+def halving_pullback(xs, k, log_alpha, d_scores, d_decays):
+    levels, decays = level_sums(log_alpha)
+    return (*channel_scores_bwd(xs, k, levels, decays, d_scores, d_decays), decays)
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_every_level_at_once_equals_the_halving(chunk):
+    """The scores a GPU makes (``all_levels``: every level's products in one) and their
+    pullback equal the halving's, in float32 with a -1e4 reset in one channel and -0.01
+    steps after it, the decays and every cotangent included."""
+    rng = np.random.default_rng(chunk)
+    g = rng.uniform(-1.0, 0.0, (chunk, 5))
+    g[chunk // 3, 1], g[chunk // 3 + 1 :, 1] = -1e4, -0.01
+    xs = tuple(rng.standard_normal((2, chunk, 5)).astype(np.float32))
+    k, g = rng.standard_normal((chunk, 5)).astype(np.float32), g.astype(np.float32)
+    d_scores = tuple(rng.standard_normal((2, chunk, chunk)).astype(np.float32))
+    d_decays = (*rng.standard_normal((2, chunk, 5)).astype(np.float32), k[0])
+    want, got = jax.jit(channel_scores)(xs, k, g), jax.jit(all_levels)(xs, k, g)
+    want_d = jax.jit(halving_pullback)(xs, k, g, d_scores, d_decays)
+    got_d = jax.jit(all_levels_bwd)(xs, k, g, d_scores, d_decays)
+    for name, a, e in [("scores", got, want), ("pullback", got_d, want_d)]:
+        for i, (a_i, e_i) in enumerate(zip(jax.tree.leaves(a), jax.tree.leaves(e), strict=True)):
+            assert_close(a_i, e_i, jnp.float32, f"{name} {i}")
+
+
+def test_every_level_at_once_is_one_product_a_direction():
+    """What the GPU's scores are for: one product for every level and score, two in the
+    pullback (one a side), and no loop, where the halving makes one a level and side."""
+    chunk, key_dim = 64, 8
+    x = np.ones((chunk, key_dim), np.float32)
+    d_scores = (np.ones((chunk, chunk), np.float32),) * 2
+    forward = jax.jit(all_levels).lower((x, x), x, x).compile().as_text()
+    backward = jax.jit(all_levels_bwd).lower((x, x), x, x, d_scores, (x, x, x[0])).compile()
+    backward = backward.as_text()
+    assert len(dots(forward.splitlines())) == 1 and len(dots(backward.splitlines())) == 2
+    assert " while(" not in forward + backward
+
+
+def test_chunked_with_the_gpu_scores_equals_recurrent(monkeypatch):
+    """The whole op as it runs on a GPU (every platform choice takes its GPU branch: the
+    scores of every level at once, the barriers, ``GRADS_GROUP`` chunks a group), on this
+    CPU: values and every gradient against the recurrent form, with more chunks than a
+    group, the last group shorter, off the chunk grid."""
+    monkeypatch.setattr(jax.lax, "platform_dependent", forms.as_on_an_nvidia_gpu)
+    args = single_head_args(60, 16 * (GRADS_GROUP + 3) - 5, 8, 6)
+    options = dict(chunk_size=16, schedule="associative")
+    assert_forms_agree(args, jnp.float32, options, "GPU branches", shared=False)
 
 
 CHUNKED_CASES = [

@@ -97,17 +97,28 @@ def with_state_and_cotangents(inputs, seed, seq_len, key_dim, value_dim, dtype):
     return (*inputs, state, *cotangents)
 
 
-def assert_forms_agree(rule, args, dtype, chunked_options, label=""):
+def assert_forms_agree(rule, args, dtype, chunked_options, label="", *, shared=True):
     """The chunked form with ``chunked_options`` equals the recurrent one on ``args``: y,
-    the final state and every gradient, each finite, to ``dtype``'s tolerance."""
+    the final state and every gradient, each finite, to ``dtype``'s tolerance. With
+    ``shared=False`` the chunked form is traced anew rather than taken from the programs the
+    tests share (a test that has patched what it calls)."""
     expected = outputs_and_grads(rule, "recurrent")(*args)
-    actual = outputs_and_grads(rule, "chunked", **chunked_options)(*args)
+    options = tuple(sorted(chunked_options.items()))
+    make = _outputs_and_grads if shared else _outputs_and_grads.__wrapped__
+    actual = make(rule, "chunked", options)(*args)
     assert_close(actual[0], expected[0], dtype, f"{label} y")
     assert_close(actual[1], expected[1], dtype, f"{label} final state")
     names = ("q", "k", "v", *RULES[rule].gate_names, "initial_state")
     for name, a, e in zip(names, actual[2], expected[2], strict=True):
         assert np.isfinite(a).all(), f"{label} d{name}"
         assert_close(a, e, dtype, f"{label} d{name}")
+
+
+def as_on_an_nvidia_gpu(*args, **branches):
+    """``jax.lax.platform_dependent`` choosing as it does where it lowers for an NVIDIA GPU
+    (its ``cuda`` branch, else its ``default``): patched in, a test runs a GPU's branches of
+    an op on this CPU."""
+    return (branches.get("cuda") or branches["default"])(*args)
 
 
 def assert_residuals_are_inputs_and_one_state_per_chunk(rule, args_of_length, chunk):

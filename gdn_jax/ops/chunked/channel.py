@@ -63,17 +63,11 @@ from gdn_jax.ops.chunked.blocks import (
     scan_blocks,
     scan_blocks_backward,
 )
-from gdn_jax.ops.chunked.channel_decays import (
-    ChannelDecays,
-    channel_scores,
-    channel_scores_bwd,
-    level_sums,
-)
+from gdn_jax.ops.chunked.channel_decays import ChannelDecays, scores, scores_bwd
 from gdn_jax.ops.chunked.channel_gates import (
     NO_ERASE,
     WRITTEN,
     EraseGate,
-    WriteGate,
     erases,
     gated,
     gated_bwd,
@@ -113,22 +107,22 @@ def clamped(log_alpha):
     return jnp.maximum(log_alpha, LOG_ALPHA_FLOOR)
 
 
-def chunk_factors(
-    q, k, v, log_alpha, erase_gate: EraseGate, write_gate: WriteGate | tuple[()] | None
-) -> Factors:
-    """Stage 1 for one chunk (inputs in the compute dtype); ``write_gate=None`` writes with
-    the erase gate (KDA's ``beta``), ``WRITTEN`` writes ``v`` as it is. Both scores come from
-    one pass over the levels; with ``NO_ERASE`` only the queries' (``U = V``)."""
+def chunk_factors(q, k, v, log_alpha, erase_gate: EraseGate, write_gate, *, halving=False):
+    """Stage 1 for one chunk (inputs in the compute dtype): ``Factors``. ``write_gate`` is a
+    ``WriteGate``, ``None`` (the erase gate writes: KDA's ``beta``) or ``WRITTEN`` (``v`` is
+    what is written). Both scores come from one pass over the levels (``channel_decays.scores``,
+    the halving on every platform with ``halving``: the passes over every chunk at once); with
+    ``NO_ERASE`` only the queries' (``U = V``)."""
     with jax.named_scope(stages.FACTORS):
         if not erases(erase_gate):
-            (scores,), decays = channel_scores((q,), k, clamped(log_alpha))
-            return Factors(decays, None, None, writes(v, erase_gate, write_gate), None, scores)
+            (q_scores,), decays = scores((q,), k, clamped(log_alpha), halving)
+            return Factors(decays, None, None, writes(v, erase_gate, write_gate), None, q_scores)
         erase = gated(k, erase_gate)
-        (scores, erase_scores), decays = channel_scores((q, erase), k, clamped(log_alpha))
+        (q_scores, erase_scores), decays = scores((q, erase), k, clamped(log_alpha), halving)
         w, u, inverse = two_products(
             jnp.tril(erase_scores, -1), erase * decays.from_start, writes(v, erase_gate, write_gate)
         )
-        return Factors(decays, erase, w, u, inverse, scores)
+        return Factors(decays, erase, w, u, inverse, q_scores)
 
 
 def outputs(y_start, scores, corrections):
@@ -149,23 +143,24 @@ def chunk_forward(state, q, k, v, log_alpha, erase_gate, write_gate):
     return new_state, outputs(y_start, f.scores, f.u if f.w is None else corrections)
 
 
-def backward_inputs(q, k, v, log_alpha, erase_gate, write_gate, d_y):
-    """What the reverse state pass needs of one chunk: stage 1 again, the decayed keys and
-    queries, and the cotangent of ``U`` from the chunk's own outputs, ``M^T dY``."""
+def backward_inputs(q, k, v, log_alpha, erase_gate, write_gate, d_y, *, halving=False):
+    """What the reverse state pass needs of one chunk: stage 1 again (``chunk_factors``),
+    the decayed keys and queries, and the cotangent of ``U`` from the chunk's own outputs,
+    ``M^T dY``."""
     with jax.named_scope(stages.FACTORS_AGAIN):
-        f = chunk_factors(q, k, v, log_alpha, erase_gate, write_gate)
+        f = chunk_factors(q, k, v, log_alpha, erase_gate, write_gate, halving=halving)
         k_to_end, q_from_start = k * f.decays.to_end, q * f.decays.from_start
         return f, k_to_end, q_from_start, f.scores.T @ d_y
 
 
-def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d):
+def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d, *, halving=False):
     """Gradients of one chunk's q, k, v, log_alpha and gates from its inputs (compute
     dtype), ``T``, start state ``S`` and what the reverse state pass returned, ``d = (dY, U,
-    dU, d(K decayed to the end), d exp(G_C))``. The decays and the levels are formed again.
-    Without an erase gate ``U = V``: ``dV = dU``, and only the queries' scores."""
+    dU, d(K decayed to the end), d exp(G_C))``. The decays and the levels are formed again
+    (``channel_decays.scores_bwd``, with ``halving`` as ``chunk_factors``). Without an erase
+    gate ``U = V``: ``dV = dU``, and only the queries' scores."""
     with jax.named_scope(stages.INPUT_GRADS):
         d_y, corrections, d_u, d_k_to_end, d_whole = d
-        levels, decays = level_sums(clamped(log_alpha))
         d_q_from_start = d_y @ start
         d_scores = jnp.tril(d_y @ corrections.T)
         if erases(erase_gate):
@@ -176,8 +171,8 @@ def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d):
         else:
             d_write, rows, d_rows, d_from_start = d_u, (q,), (d_scores,), d_q_from_start * q
         d_decays = (d_from_start, d_k_to_end * k, d_whole)
-        (d_q, *d_erase), d_k, d_log_alpha = channel_scores_bwd(
-            rows, k, levels, decays, d_rows, d_decays
+        (d_q, *d_erase), d_k, d_log_alpha, decays = scores_bwd(
+            rows, k, clamped(log_alpha), d_rows, d_decays, halving
         )
         d_erase_gate = NO_ERASE
         if erases(erase_gate):
@@ -220,7 +215,7 @@ CPU_GRADS_GROUP = 4
 
 def _hoisted_forward(inputs, initial_states, resets, *, keep_starts, associative=False):
     q, k, v, *gates = cast_to(initial_states.dtype, *inputs)
-    f = over_chunks(chunk_factors)(q, k, v, *gates)
+    f = over_chunks(functools.partial(chunk_factors, halving=True))(q, k, v, *gates)
     k_to_end, q_from_start = k * f.decays.to_end, q * f.decays.from_start
     blocks = (f.w, f.u, k_to_end, q_from_start, f.decays.whole)
     (corrections, y_start), *starts, finals = state_pass_over(
@@ -232,7 +227,9 @@ def _hoisted_forward(inputs, initial_states, resets, *, keep_starts, associative
 
 def _hoisted_backward(inputs, starts, resets, d_ys, d_finals):
     q, k, v, *gates = cast_to(starts.dtype, *inputs)
-    f, k_to_end, q_from_start, d_u_intra = over_chunks(backward_inputs)(q, k, v, *gates, d_ys)
+    f, k_to_end, q_from_start, d_u_intra = over_chunks(
+        functools.partial(backward_inputs, halving=True)
+    )(q, k, v, *gates, d_ys)
     xs = (starts, f.w, f.u, k_to_end, q_from_start, f.decays.whole, d_u_intra, d_ys)
     (corrections, d_u, d_k_to_end, d_whole), d_initial = scan_blocks_backward(
         state_pass_bwd, xs, d_finals, resets
@@ -246,7 +243,8 @@ def _hoisted_backward(inputs, starts, resets, d_ys, d_finals):
     def grads_of(*xs):
         *chunk_inputs, inverse, start, d = xs
         q, k, v, *gates = cast_to(starts.dtype, *chunk_inputs)
-        return cast_back(chunk_grads(q, k, v, *gates, inverse, start, d), dtypes)
+        grads = chunk_grads(q, k, v, *gates, inverse, start, d, halving=True)
+        return cast_back(grads, dtypes)
 
     grads = _grads_in_groups(grads_of, (*kept, f.inverse, starts, d))
     return grads, d_initial
@@ -256,7 +254,9 @@ def _associative_backward(inputs, starts, resets, d_ys, d_finals):
     # The barriers as in chunked._associative_backward, for the same memory.
     inputs, starts = barrier_off_cpu(inputs, starts)
     q, k, v, *gates = cast_to(starts.dtype, *inputs)
-    f, k_to_end, q_from_start, d_u_intra = over_chunks(backward_inputs)(q, k, v, *gates, d_ys)
+    f, k_to_end, q_from_start, d_u_intra = over_chunks(
+        functools.partial(backward_inputs, halving=True)
+    )(q, k, v, *gates, d_ys)
     xs = (starts, f.w, f.u, k_to_end, q_from_start, f.decays.whole, d_u_intra, d_ys)
     factors = (f.w, f.u, k_to_end, f.decays.whole)
     d_ends, d_initial = end_cotangents(state_pass_bwd, xs, factors, d_finals, resets)
