@@ -189,7 +189,8 @@ def _gate_grads(s, decays, d_from_start, d_to_end):
 def _grads_kernel(*refs, group: int, **s):
     """One chunk, value head and value block: every input's gradient (shares of those of
     q, k and the gates)."""
-    names = ("q", "k", "v", "d_y", "gates", "starts", "d_ends", "zero", "d_q", "d_k", "d_v", "d_gates")
+    inputs = ("q", "k", "v", "d_y", "gates", "starts", "d_ends", "zero")
+    names = (*inputs, "d_q", "d_k", "d_v", "d_gates")
     hbm = dict(zip(names, refs, strict=True))
     # Free once the inverse is made or read: its scratch holds the square cotangents.
     s = dict(s, sq_gram=s["off"], sq_within=s["half"], sq_attn=s["inverse"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -102,9 +103,9 @@ def _state_step(out, s, chunk, slot, state, *, head, block):
 
 def _states_kernel(table, *refs, group: int, slots: int, **s):
     """One sequence, value head and block of value channels over the sequence's chunks."""
-    names = ("q", "k", "w", "u", "gates", "h0", "y", "finals", "starts")
+    names = ("q", "k", "w", "u", "gates", "h0", "zero", "y", "finals", "starts")
     hbm = dict(zip(names, refs, strict=False))
-    out = {name: hbm.pop(name) for name in names[6:] if name in hbm}
+    out = {name: hbm.pop(name) for name in names[7:] if name in hbm}
     h0 = hbm.pop("h0")
     seq, head, block = (jax.lax.axis_index(axis) for axis in ("seq", "head", "block"))
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
@@ -112,7 +113,9 @@ def _states_kernel(table, *refs, group: int, slots: int, **s):
     step = functools.partial(_state_step, out, s, head=head, block=block)
     in_chunk.write_masks(s)
     start, end = h0.at[seq, head, values], out["finals"].at[seq, head, values]
-    state_pass.carry_over_sequence(table, fetch, step, start, end, loaded=s["loaded"], slots=slots)
+    state_pass.carry_over_sequence(
+        table, fetch, step, start, end, loaded=s["loaded"], slots=slots, zero=hbm["zero"]
+    )
 
 
 def states(table, q, k, w, u, gates, h0, *, keep_starts: bool, interpret):
@@ -124,8 +127,9 @@ def states(table, q, k, w, u, gates, h0, *, keep_starts: bool, interpret):
     v_heads, value_dim = u[0].shape[1:]
     slots, scratch = pass_scratch(count, key_dim, values="u", squares=3)
     scratch["y"] = tiles.smem((CHUNK, VALUE_BLOCK), F32)
-    if count == 1:  # room for the state in shared memory through a chunk's products
-        scratch["carry"] = tiles.smem((VALUE_BLOCK, key_dim), F32)
+    # The float32 state waits in shared memory through a chunk's products: held in
+    # registers beside them, ptxas spilled (two pieces an operand, K = 64, fit as well).
+    scratch["carry"] = tiles.smem((VALUE_BLOCK, key_dim), F32)
     out_type = [
         jax.ShapeDtypeStruct((tokens, v_heads, value_dim), F32),
         jax.ShapeDtypeStruct(h0.shape, F32),
@@ -141,4 +145,5 @@ def states(table, q, k, w, u, gates, h0, *, keep_starts: bool, interpret):
         grid=dict(block=value_dim // VALUE_BLOCK, head=v_heads, seq=h0.shape[0]),
         interpret=interpret,
     )
-    return call(table, tuple(q), tuple(k), tuple(w), tuple(u), gates, h0)
+    zero = jnp.zeros((1,), jnp.int32)  # read in each chunk step: state_pass.stream_chunks
+    return call(table, tuple(q), tuple(k), tuple(w), tuple(u), gates, h0, zero)
