@@ -5,6 +5,11 @@ S^T``, ``dU``, ``dVb = T^T dU`` and every input's gradient (``chunked/scalar.py`
 ``chunk_grads``, ``chunked/wy.py``'s ``delta_factors_bwd``, ``chunked/decays.py``'s
 ``chunk_decays_bwd``). The gradients of q, k and the gates sum over a key head's value heads
 and over value blocks: a program writes its share, summed after the kernel.
+
+Each stage, and each step of a loop, reads its operands through views of its own at a 0
+read from HBM (``_views``), and every loop's trip count adds that 0 (``tiles.over_blocks``):
+at 255 registers, wgmma descriptors made once and loops of one trip straight-lined into the
+kernel had ptxas spill.
 """
 
 from __future__ import annotations

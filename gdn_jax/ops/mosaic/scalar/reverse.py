@@ -1,7 +1,7 @@
 """The gated delta rule's reverse state pass (``impl="mosaic_gpu"``, ``op.py``): a program per
 (sequence, value head, block of 64 value channels) walks the sequence's chunks last to first
-with its block of the state's cotangent ``dS [64, K]`` in registers (from the final state's),
-and per chunk writes the cotangent of the chunk's end state and carries
+with its block of the state's cotangent ``dS [64, K]`` on chip (from the final state's;
+registers between chunks, shared memory through a chunk's products), and per chunk writes the cotangent of the chunk's end state and carries
 
     dU = (Q K^T * Gamma)^T dY + diag(exp(g_C - g)) K dS'^T,
     dS = exp(g_C) dS' + dY^T diag(exp(g)) Q - dU^T w,
