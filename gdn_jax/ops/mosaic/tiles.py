@@ -204,15 +204,18 @@ def unit_lower_inverse(strict, off: Pieces, inverse: Pieces, half: Pieces):
     return jax.lax.fori_loop(jnp.int32(1), jnp.int32(shape[0].bit_length() - 1), level, d)
 
 
-def over_blocks(size: int, body, init):
+def over_blocks(size: int, body, init, zero=None):
     """``body(first, carry) -> carry`` for ``first`` over ``0, 64, ..., size - 64`` as a
     loop, not unrolled: ptxas then holds one block's registers at a time (a kernel of
-    straight-line code was scheduled into spills)."""
+    straight-line code was scheduled into spills). ``zero``: an int32 0 the compiler cannot
+    see (read from HBM), added to the trip count so that a loop of one trip stays a loop
+    too, rather than being straight-lined into the code around it."""
 
     def step(i, carry):
         return body(pl.multiple_of(i * CHUNK, CHUNK), carry)
 
-    return jax.lax.fori_loop(jnp.int32(0), jnp.int32(size // CHUNK), step, init)
+    trips = jnp.int32(size // CHUNK) if zero is None else size // CHUNK + zero
+    return jax.lax.fori_loop(jnp.int32(0), trips, step, init)
 
 
 def pieces(count: int, shape) -> Pieces:

@@ -5,6 +5,11 @@ S^T``, ``dU``, ``dVb = T^T dU`` and every input's gradient (``chunked/scalar.py`
 ``chunk_grads``, ``chunked/wy.py``'s ``delta_factors_bwd``, ``chunked/decays.py``'s
 ``chunk_decays_bwd``). The gradients of q, k and the gates sum over a key head's value heads
 and over value blocks: a program writes its share, summed after the kernel.
+
+Each stage, and each step of a loop, reads its operands through views of its own at a 0
+read from HBM (``_views``), and every loop's trip count adds that 0 (``tiles.over_blocks``):
+at 255 registers, wgmma descriptors made once and loops of one trip straight-lined into the
+kernel had ptxas spill.
 """
 
 from __future__ import annotations
@@ -21,6 +26,16 @@ from gdn_jax.ops.mosaic.limits import CHUNK, VALUE_BLOCK
 from gdn_jax.ops.mosaic.scalar import chunk as in_chunk
 from gdn_jax.ops.mosaic.scalar.factors import factor_scratch
 from gdn_jax.ops.mosaic.tiles import F32, Pieces
+
+
+def _views(raw: dict) -> dict:
+    """``raw``'s operands (``Pieces`` with a leading axis of one) viewed at index
+    ``raw["zero_ref"][0]``, a 0 read from HBM. Each stage and each loop's step reads its
+    operands through views of its own, so their wgmma descriptors are made where they are
+    used: LLVM can neither hoist them out of a loop nor share them between stages (held in
+    registers from one use to the next, they made ptxas spill)."""
+    index = raw["zero_ref"][0]
+    return {name: x.at(index) if isinstance(x, Pieces) else x for name, x in raw.items()}
 
 
 def _load_grads_tiles(hbm, s, *, head, group, block, value_block):
@@ -43,13 +58,14 @@ def _load_grads_tiles(hbm, s, *, head, group, block, value_block):
     plgpu.barrier_wait(s["loaded"])
 
 
-def _corrections(s, decays, beta, v_hbm) -> None:
+def _corrections(raw, decays, beta, v_hbm) -> None:
     """``U = T (diag(beta) V - diag(beta exp(g)) K S^T)``, the corrections the chunk wrote
     from its start state ``S`` (``u - w S^T`` without forming ``w`` and ``u``), into
     ``write``, 64 value channels at a time. ``v_hbm(first)``: 64 channels of v from HBM."""
     shape = (CHUNK, CHUNK)
 
     def block(first, carry):
+        s = _views(raw)
         write = s["write"].at(slice(None), pl.ds(first, CHUNK))
         read = tiles.product(shape, (s["k"], s["start"].at(pl.ds(first, CHUNK)).T))  # K S^T
         read = read * tiles.by_row(decays.from_start, shape)
@@ -59,7 +75,7 @@ def _corrections(s, decays, beta, v_hbm) -> None:
         tiles.commit()
         return carry
 
-    tiles.over_blocks(s["write"].refs[0].shape[1], block, 0)
+    tiles.over_blocks(raw["write"].refs[0].shape[-1], block, 0, raw["zero"])
 
 
 def _write_tile(s, dst, tile) -> None:
@@ -77,7 +93,7 @@ def _write_tile(s, dst, tile) -> None:
     tiles.copy_out((s["out_tile"], dst))
 
 
-def _value_grads(s, out, decays, beta, attn, index, v_hbm):
+def _value_grads(raw, out, decays, beta, index, v_hbm):
     """``dU`` and ``dVb = T^T dU``, 64 value channels at a time: writes dv, leaves ``dVb``
     in ``du`` and returns the share of d beta from the writes, ``rowsum(dVb * V)``.
     ``attn``: ``Q K^T * Gamma`` in shared memory (committed before its first product)."""
@@ -85,6 +101,8 @@ def _value_grads(s, out, decays, beta, attn, index, v_hbm):
     tokens, head, value_start = index
 
     def block(first, d_beta):
+        s = _views(raw)
+        attn = s["attn"]
         values = (slice(None), pl.ds(first, CHUNK))
         du, d_y = s["du"].at(*values), s["d_y"].at(*values)
         d_end = s["d_end"].at(pl.ds(first, CHUNK))
@@ -98,15 +116,17 @@ def _value_grads(s, out, decays, beta, attn, index, v_hbm):
         _write_tile(s, d_v, d_write * tiles.by_row(beta, shape))
         return d_beta
 
-    return tiles.over_blocks(s["du"].refs[0].shape[1], block, beta * 0.0)
+    return tiles.over_blocks(raw["du"].refs[0].shape[-1], block, beta * 0.0, raw["zero"])
 
 
-def _square_grads(s, gates):
+def _square_grads(raw):
     """The ``[C, C]`` cotangents: of ``Q K^T * Gamma`` (into ``sq_attn``), of ``k k^T``
     (into ``sq_gram``) and of the decays within the chunk times them (into ``sq_within``).
     Returns the chunk's decays, made again here rather than kept in registers since stage
     1, and the share of d beta from the system, ``rowsum(dA * Gamma * K K^T)``."""
     shape = (CHUNK, CHUNK)
+    s = _views(raw)
+    gates = s["gates"]
     decays = in_chunk.chunk_decays(gates, s)
     within = decays.within
     d_attn = tiles.product(shape, (s["d_y"], s["write"].T)) * within  # dY U^T
@@ -123,16 +143,17 @@ def _square_grads(s, gates):
     return decays, d_beta
 
 
-def _key_grads(s, out, decays, beta, index):
+def _key_grads(raw, out, decays, beta, index):
     """dq and dk (this program's shares), 64 key channels at a time in two loops (a ``[C,
     K]`` float32 tile is a quarter of a thread's registers at K = 128; ``over_blocks``);
     returns the rows' ``(d from_start, d to_end, d k_proj)`` cotangents: ``rowsum(dY S *
     Q)``, ``rowsum(U dS' * K)`` and ``rowsum(dw_k * K)`` with ``dw_k = -dVb S``."""
     tokens, head, _ = index
     shape = (CHUNK, CHUNK)
-    key_dim = s["q"].refs[0].shape[1]
+    key_dim = raw["q"].refs[0].shape[-1]
 
     def query_block(first, d_from_start):
+        s = _views(raw)
         keys = (slice(None), pl.ds(first, CHUNK))
         q, k, start = (s[name].at(*keys) for name in ("q", "k", "start"))
         d_y_start = tiles.product(shape, (s["d_y"], start))
@@ -143,6 +164,7 @@ def _key_grads(s, out, decays, beta, index):
         return d_from_start
 
     def key_block(first, sums):
+        s = _views(raw)
         keys = (slice(None), pl.ds(first, CHUNK))
         q, k, start, d_end = (s[name].at(*keys) for name in ("q", "k", "start", "d_end"))
         gram = s["sq_gram"]
@@ -157,16 +179,17 @@ def _key_grads(s, out, decays, beta, index):
         return sums[0] + d_to_end, sums[1] + d_k_proj
 
     zero = beta * 0.0
-    d_from_start = tiles.over_blocks(key_dim, query_block, zero)
-    d_to_end, d_k_proj = tiles.over_blocks(key_dim, key_block, (zero, zero))
+    d_from_start = tiles.over_blocks(key_dim, query_block, zero, raw["zero"])
+    d_to_end, d_k_proj = tiles.over_blocks(key_dim, key_block, (zero, zero), raw["zero"])
     return d_from_start, d_to_end, d_k_proj
 
 
-def _gate_grads(s, decays, d_from_start, d_to_end):
+def _gate_grads(raw, decays, d_from_start, d_to_end):
     """``decays.chunk_decays_bwd`` for the chunk's ``log_alpha`` (COLS): each gate's terms
     summed over the segments that hold it. ``sq_within`` holds the cotangent of the decays
     within the chunk times them; ``ones`` and ``strict`` the triangular masks."""
     shape = (CHUNK, CHUNK)
+    s = _views(raw)
     # [t, s]: the sum over i < s of row t, a product with the strict mask's transpose.
     rows_before = tiles.product(shape, (s["sq_within"], s["strict"].T))
     held = rows_before + tiles.by_row(d_from_start * decays.from_start, shape)
@@ -177,11 +200,12 @@ def _gate_grads(s, decays, d_from_start, d_to_end):
 
     # The whole chunk's decay: sum(dS' * S), 64 rows of the state at a time.
     def rows_of(i, total):
+        s = _views(raw)
         rows = pl.ds(pl.multiple_of(i * CHUNK, CHUNK), CHUNK)
         product = tiles.load(s["d_end"].at(rows)) * tiles.load(s["start"].at(rows))
         return total + jnp.sum(tiles.by_row(jnp.sum(product, axis=1), shape), axis=0)
 
-    blocks = (jnp.int32(0), jnp.int32(s["start"].refs[0].shape[0] // CHUNK))
+    blocks = (jnp.int32(0), raw["start"].refs[0].shape[-2] // CHUNK + raw["zero"])
     d_whole = jax.lax.fori_loop(*blocks, rows_of, d_log_alpha * 0.0)
     return d_log_alpha + d_whole * plgpu.load(s["gates"].at[4], layout=tiles.COLS)
 
@@ -189,11 +213,16 @@ def _gate_grads(s, decays, d_from_start, d_to_end):
 def _grads_kernel(*refs, group: int, **s):
     """One chunk, value head and value block: every input's gradient (shares of those of
     q, k and the gates)."""
-    names = ("q", "k", "v", "d_y", "gates", "starts", "d_ends", "d_q", "d_k", "d_v", "d_gates")
+    inputs = ("q", "k", "v", "d_y", "gates", "starts", "d_ends", "zero")
+    names = (*inputs, "d_q", "d_k", "d_v", "d_gates")
     hbm = dict(zip(names, refs, strict=True))
     # Free once the inverse is made or read: its scratch holds the square cotangents.
-    s = dict(s, sq_gram=s["off"], sq_within=s["half"], sq_attn=s["inverse"])
-    out = {name: hbm.pop(name) for name in names[7:]}
+    raw = dict(s, sq_gram=s["off"], sq_within=s["half"], sq_attn=s["inverse"])
+    raw["attn"] = Pieces(s["terms"].refs[: len(s["q"].refs)])  # once the segment sums are done
+    out = {name: hbm.pop(name) for name in names[8:]}
+    raw["zero_ref"] = hbm.pop("zero")
+    raw["zero"] = raw["zero_ref"][0]  # a 0 the compiler cannot see: loops of one trip stay loops
+    s = _views(raw)
     chunk, head, block = (jax.lax.axis_index(axis) for axis in ("chunk", "head", "block"))
     value_block = s["d_y"].refs[0].shape[-1]
     _load_grads_tiles(hbm, s, head=head, group=group, block=block, value_block=value_block)
@@ -206,16 +235,17 @@ def _grads_kernel(*refs, group: int, **s):
 
     # Q K^T * Gamma as soon as the decays are made: Gamma [C, C] held in registers through
     # the inverse and the corrections until dU needed it, and ptxas spilled.
+    s = _views(raw)
     decays = in_chunk.chunk_decays(s["gates"], s)
-    attn = Pieces(s["terms"].refs[: len(s["q"].refs)])  # the segment sums are done with it
-    tiles.store(attn, tiles.product((CHUNK, CHUNK), (s["q"], s["k"].T)) * decays.within)
+    tiles.store(s["attn"], tiles.product((CHUNK, CHUNK), (s["q"], s["k"].T)) * decays.within)
+    s = _views(raw)
     decays, beta = in_chunk.chunk_system(s, s["k"], s["gates"], decays)
-    _corrections(s, decays, beta, v_hbm)
-    d_beta = _value_grads(s, out, decays, beta, attn, index, v_hbm)
-    decays, d_beta_system = _square_grads(s, s["gates"])
+    _corrections(raw, decays, beta, v_hbm)
+    d_beta = _value_grads(raw, out, decays, beta, index, v_hbm)
+    decays, d_beta_system = _square_grads(raw)
     shares = dict(d_q=out["d_q"].at[block], d_k=out["d_k"].at[block])
-    d_from_start, d_to_end, d_k_proj = _key_grads(s, shares, decays, beta, index)
-    d_log_alpha = _gate_grads(s, decays, d_from_start + beta * d_k_proj, d_to_end)
+    d_from_start, d_to_end, d_k_proj = _key_grads(raw, shares, decays, beta, index)
+    d_log_alpha = _gate_grads(raw, decays, d_from_start + beta * d_k_proj, d_to_end)
     d_beta = d_beta + d_beta_system + decays.from_start * d_k_proj
     out["d_gates"].at[block, 0, head, tokens][...] = d_log_alpha
     out["d_gates"].at[block, 1, head, tokens][...] = d_beta
@@ -254,6 +284,10 @@ def grads(q, k, v, d_y, gates, starts, d_ends, *, dtypes=(F32, F32), interpret):
         **factor_scratch(count, key_dim, value_block),
     )
     del scratch["erase"]  # the grads kernel applies K S^T's decays to the product
+    scratch = {  # a leading axis of one, for _views
+        name: tiles.pieces(len(x.refs), (1, *x.refs[0].shape)) if isinstance(x, Pieces) else x
+        for name, x in scratch.items()
+    }
     key_share = jax.ShapeDtypeStruct((blocks, tokens, v_heads, key_dim), d_key_dtype)
     out_type = (
         key_share,
@@ -269,4 +303,5 @@ def grads(q, k, v, d_y, gates, starts, d_ends, *, dtypes=(F32, F32), interpret):
         grid=dict(block=blocks, head=v_heads, chunk=tokens // CHUNK),
         interpret=interpret,
     )
-    return call(tuple(q), tuple(k), tuple(v), tuple(d_y), gates, tuple(starts), tuple(d_ends))
+    inputs = (tuple(q), tuple(k), tuple(v), tuple(d_y), gates, tuple(starts), tuple(d_ends))
+    return call(*inputs, jnp.zeros((1,), jnp.int32))

@@ -1,7 +1,7 @@
 """The gated delta rule's reverse state pass (``impl="mosaic_gpu"``, ``op.py``): a program per
 (sequence, value head, block of 64 value channels) walks the sequence's chunks last to first
-with its block of the state's cotangent ``dS [64, K]`` in registers (from the final state's),
-and per chunk writes the cotangent of the chunk's end state and carries
+with its block of the state's cotangent ``dS [64, K]`` on chip (from the final state's;
+registers between chunks, shared memory through a chunk's products), and per chunk writes the cotangent of the chunk's end state and carries
 
     dU = (Q K^T * Gamma)^T dY + diag(exp(g_C - g)) K dS'^T,
     dS = exp(g_C) dS' + dY^T diag(exp(g)) Q - dU^T w,
@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gdn_jax.ops.mosaic import state_pass, tiles
@@ -30,6 +31,7 @@ def _reverse_step(out, s, chunk, slot, d_state, *, head, block):
     decays = in_chunk.chunk_decays(s["gates"].at[slot], s)
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
     state_pass.keep_state(s, d_state, [dst.at[chunk, head, values] for dst in out["d_ends"]])
+    s["carry"][...] = d_state  # it waits in shared memory, not in registers (spills)
     attn, negated = in_chunk.squares(s, 2)
     tiles.store(attn, tiles.product((CHUNK, CHUNK), (q, k.T)) * decays.within)
     tiles.commit()
@@ -40,15 +42,16 @@ def _reverse_step(out, s, chunk, slot, d_state, *, head, block):
     # dY's tile is read no more as it came: it holds dY diag(exp(g)) now.
     tiles.store(d_y, tiles.load(d_y) * tiles.by_row(decays.from_start, shape))
     tiles.commit()
-    faded = tiles.by_row(decays.whole, d_state.shape) * d_state
+    faded = tiles.by_row(decays.whole, d_state.shape) * s["carry"][...]
     return faded + tiles.product(d_state.shape, (d_y.T, q), (negated.T, w))
 
 
 def _reverse_kernel(table, *refs, group: int, slots: int, **s):
     """One sequence, value head and value block over the sequence's chunks, last first."""
-    names = ("q", "k", "w", "d_y", "gates", "d_finals", "d_initial", "d_ends")
+    names = ("q", "k", "w", "d_y", "gates", "d_finals", "zero", "d_initial", "d_ends")
     hbm = dict(zip(names, refs, strict=True))
-    out = {name: hbm.pop(name) for name in names[5:]}
+    zero = hbm.pop("zero")
+    out = {name: hbm.pop(name) for name in names[5:] if name != "zero"}
     seq, head, block = (jax.lax.axis_index(axis) for axis in ("seq", "head", "block"))
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
     fetch = functools.partial(
@@ -58,7 +61,7 @@ def _reverse_kernel(table, *refs, group: int, slots: int, **s):
     in_chunk.write_masks(s)
     start, end = (out[name].at[seq, head, values] for name in ("d_finals", "d_initial"))
     state_pass.carry_over_sequence(
-        table, fetch, step, start, end, loaded=s["loaded"], slots=slots, reverse=True
+        table, fetch, step, start, end, loaded=s["loaded"], slots=slots, reverse=True, zero=zero
     )
 
 
@@ -71,6 +74,7 @@ def reverse(table, q, k, w, d_y, gates, d_finals, *, interpret):
     tokens, heads, key_dim = q[0].shape
     v_heads, value_dim = d_y[0].shape[1:]
     slots, scratch = pass_scratch(count, key_dim, values="d_y", squares=2)
+    scratch["carry"] = tiles.smem((VALUE_BLOCK, key_dim), F32)
     shape = (tokens // CHUNK, v_heads, value_dim, key_dim)
     out_type = (
         jax.ShapeDtypeStruct(d_finals.shape, F32),
@@ -84,4 +88,5 @@ def reverse(table, q, k, w, d_y, gates, d_finals, *, interpret):
         grid=dict(block=value_dim // VALUE_BLOCK, head=v_heads, seq=d_finals.shape[0]),
         interpret=interpret,
     )
-    return call(table, tuple(q), tuple(k), tuple(w), tuple(d_y), gates, d_finals)
+    zero = jnp.zeros((1,), jnp.int32)
+    return call(table, tuple(q), tuple(k), tuple(w), tuple(d_y), gates, d_finals, zero)

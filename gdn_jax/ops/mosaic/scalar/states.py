@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -67,12 +68,26 @@ def fetch_chunk(hbm, s, chunk, slot, *, head, group, block, values="u"):
         plgpu.copy_gmem_to_smem(src, dst.at[slot], s["loaded"].at[slot])
 
 
-def _state_step(out, s, chunk, slot, state, *, head, block):
+# The operands that no slot indexes, held with a leading axis of one (``_views``).
+_FIXED = ("terms", "ones", "strict", "extra", "state")
+
+
+def _views(s: dict, zero) -> dict:
+    """``s`` with the ``_FIXED`` operands viewed at ``zero[0]``, a 0 read from HBM: a chunk
+    step that reads them through views of its own makes their wgmma descriptors where it
+    uses them, not hoisted out of the chunk loop by LLVM and held in registers through it
+    (ptxas spilled with two pieces an operand)."""
+    index = zero[0]
+    return dict(s, **{name: s[name].at(index) for name in _FIXED})
+
+
+def _state_step(out, s, zero, chunk, slot, state, *, head, block):
     """One chunk of the state pass on tiles already in ``slot``: writes the chunk's outputs
     (and start state, where ``out["starts"]`` is there) and returns the state after it.
     Each register tile is stored as soon as it is made and the decays scale ``[C, 64]``
     tiles, not ``[C, K]`` ones, so that few registers are live at once besides the state
     (ptxas's figures, ``benchmarks/mosaic_sm90.py``)."""
+    s = _views(s, zero)
     q, k, w, u = (s[name].at(slot) for name in ("q", "k", "w", "u"))
     decays = in_chunk.chunk_decays(s["gates"].at[slot], s)
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
@@ -102,17 +117,19 @@ def _state_step(out, s, chunk, slot, state, *, head, block):
 
 def _states_kernel(table, *refs, group: int, slots: int, **s):
     """One sequence, value head and block of value channels over the sequence's chunks."""
-    names = ("q", "k", "w", "u", "gates", "h0", "y", "finals", "starts")
+    names = ("q", "k", "w", "u", "gates", "h0", "zero", "y", "finals", "starts")
     hbm = dict(zip(names, refs, strict=False))
-    out = {name: hbm.pop(name) for name in names[6:] if name in hbm}
+    out = {name: hbm.pop(name) for name in names[7:] if name in hbm}
     h0 = hbm.pop("h0")
     seq, head, block = (jax.lax.axis_index(axis) for axis in ("seq", "head", "block"))
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
     fetch = functools.partial(fetch_chunk, hbm, s, head=head, group=group, block=block)
-    step = functools.partial(_state_step, out, s, head=head, block=block)
-    in_chunk.write_masks(s)
+    step = functools.partial(_state_step, out, s, hbm["zero"], head=head, block=block)
+    in_chunk.write_masks(_views(s, hbm["zero"]))
     start, end = h0.at[seq, head, values], out["finals"].at[seq, head, values]
-    state_pass.carry_over_sequence(table, fetch, step, start, end, loaded=s["loaded"], slots=slots)
+    state_pass.carry_over_sequence(
+        table, fetch, step, start, end, loaded=s["loaded"], slots=slots, zero=hbm["zero"]
+    )
 
 
 def states(table, q, k, w, u, gates, h0, *, keep_starts: bool, interpret):
@@ -123,9 +140,13 @@ def states(table, q, k, w, u, gates, h0, *, keep_starts: bool, interpret):
     tokens, heads, key_dim = q[0].shape
     v_heads, value_dim = u[0].shape[1:]
     slots, scratch = pass_scratch(count, key_dim, values="u", squares=3)
+    for name in _FIXED:  # a leading axis of one (_views)
+        shape = (1, CHUNK, CHUNK) if name != "state" else (1, VALUE_BLOCK, key_dim)
+        scratch[name] = tiles.pieces(len(scratch[name].refs), shape)
     scratch["y"] = tiles.smem((CHUNK, VALUE_BLOCK), F32)
-    if count == 1:  # room for the state in shared memory through a chunk's products
-        scratch["carry"] = tiles.smem((VALUE_BLOCK, key_dim), F32)
+    # The float32 state waits in shared memory through a chunk's products: held in
+    # registers beside them, ptxas spilled (two pieces an operand, K = 64, fit as well).
+    scratch["carry"] = tiles.smem((VALUE_BLOCK, key_dim), F32)
     out_type = [
         jax.ShapeDtypeStruct((tokens, v_heads, value_dim), F32),
         jax.ShapeDtypeStruct(h0.shape, F32),
@@ -141,4 +162,5 @@ def states(table, q, k, w, u, gates, h0, *, keep_starts: bool, interpret):
         grid=dict(block=value_dim // VALUE_BLOCK, head=v_heads, seq=h0.shape[0]),
         interpret=interpret,
     )
-    return call(table, tuple(q), tuple(k), tuple(w), tuple(u), gates, h0)
+    zero = jnp.zeros((1,), jnp.int32)  # read in each chunk step: state_pass.stream_chunks
+    return call(table, tuple(q), tuple(k), tuple(w), tuple(u), gates, h0, zero)
