@@ -112,6 +112,7 @@ def test_a_form_that_fails_is_recorded_and_the_rest_measured(tmp_path, monkeypat
     assert "autotune" not in data  # not asked for
 
 
+@pytest.mark.slow
 @pytest.mark.costly(20)
 def test_the_dry_run_traces_every_program_each_in_its_own_child(tmp_path):
     """The device check's one call as prepared, down to where it needs the GPU: each

@@ -471,6 +471,7 @@ def test_ctrl_c_stops_the_sweep_records_nothing_it_stopped_and_a_rerun_resumes(t
     assert [len(names) for names in processes(tmp_path)] == [2] * 6  # 2 stopped, 4 to the end
 
 
+@pytest.mark.slow
 @pytest.mark.costly(12)
 def test_runs_of_the_real_command_are_recorded(sweep):
     """The stand-in's contract, kept by the batched command itself: two tiny runs in one
