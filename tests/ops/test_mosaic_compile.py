@@ -28,8 +28,9 @@ from gdn_jax.ops.mosaic import limits  # noqa: E402
 if not limits.HAS_KERNELS:
     pytest.skip(f"the kernels need jax >= 0.11, got {jax.__version__}", allow_module_level=True)
 
+from support.abstract import abstract_args  # noqa: E402
+
 import gdn_jax  # noqa: E402
-from gdn_jax.ops.rule import STEPS, shape_of  # noqa: E402
 from gdn_jax.ops.rules import RULES  # noqa: E402
 
 # The widths the kernels accept (limits.refusals), padded to multiples of 64: every kernel's
@@ -43,19 +44,6 @@ KERNELS = {"gated_delta_rule": "gdn_mosaic", "gdn2": "channel_mosaic"}
 # the spill-free claim is this one's. ptxas on jax 0.12's lowering spills a few bytes in two
 # channel kernels (docs/benchmarks.md); every other check holds on both.
 GPU_IMAGE_JAX = "0.11.2"
-
-
-def abstract_args(name, *, seq_len, key_dim, value_dim, dtype, heads=(1, 2), batch=1):
-    rule = RULES[name]
-    sizes = {"B": batch, "T": seq_len, "H": heads[0], "HV": heads[1], "K": key_dim,
-             "V": value_dim, STEPS: 2}  # fmt: skip
-    return [
-        jax.ShapeDtypeStruct(
-            shape_of(rule.layout(spec, "batched"), sizes),
-            dtype if spec.name in ("q", "k", "v") else jnp.float32,
-        )
-        for spec in rule.arguments
-    ]
 
 
 def training_step(name, arg_sets):

@@ -13,11 +13,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
+from support.abstract import abstract_args
 
 import gdn_jax
 from gdn_jax.ops import dispatch
 from gdn_jax.ops.mosaic import limits
-from gdn_jax.ops.rule import STEPS, shape_of
 from gdn_jax.ops.rules import RULES
 
 KERNEL_RULES = [name for name, rule in RULES.items() if rule.kernels]
@@ -28,12 +28,8 @@ def abstract_call(name, *, seq_len=128, key_dim=64, value_dim=64, dtype=jnp.bflo
     """``gdn_jax.<name>`` with ``impl="mosaic_gpu"`` traced on abstract inputs of these
     sizes (``Rule.layout``), nothing computed."""
     rule = RULES[name]
-    sizes = {"B": batch, "T": seq_len, "H": heads[0], "HV": heads[1], "K": key_dim,
-             "V": value_dim, STEPS: 2}  # fmt: skip
-    args = []
-    for spec in rule.arguments:
-        dt = dtype if spec.name in ("q", "k", "v") else gate_dtype
-        args.append(jax.ShapeDtypeStruct(shape_of(rule.layout(spec, "batched"), sizes), dt))
+    args = abstract_args(name, seq_len=seq_len, key_dim=key_dim, value_dim=value_dim,
+                         dtype=dtype, gate_dtype=gate_dtype, heads=heads, batch=batch)  # fmt: skip
     if rule.steps is not None:
         options.setdefault(rule.steps, 2)
     op = functools.partial(getattr(gdn_jax, name), impl="mosaic_gpu", **options)
