@@ -18,12 +18,14 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from gdn_jax.ops.chunked.varlen import pack_layout
+from gdn_jax.ops.mosaic.limits import padded_width
 
 
 def padded(x, axis: int):
-    """``x`` with zero channels along ``axis`` up to a multiple of 64 (a wgmma operand's
-    128-byte swizzle of bf16); the zeros reach no other channel in any product."""
-    pad = -x.shape[axis] % 64
+    """``x`` with zero channels along ``axis`` up to ``limits.padded_width`` (a multiple of
+    ``limits.PAD``: a wgmma operand's 128-byte swizzle of bf16); the zeros reach no other
+    channel in any product."""
+    pad = padded_width(x.shape[axis]) - x.shape[axis]
     if not pad:
         return x
     widths = [(0, 0)] * x.ndim
