@@ -135,12 +135,16 @@ def as_if_on_hopper():
 def measure(rule_key, impl, schedule, batch, seq_len, target, autotune_results=None) -> dict:
     """One row: both programs' reports (in this process)."""
     from gdn_jax import gpu_compile
+    from gdn_jax.ops.mosaic.limits import run_time_trips
 
     row = dict(rule=rule_key, impl=impl, schedule=schedule, shape=f"{batch}x{seq_len}")
+    trips = run_time_trips(seq_len // CHUNK, DIM, DIM)
     for name, backward in (("fwd", False), ("fwd_bwd", True)):
         fn, args = program(rule_key, impl, schedule, batch, seq_len, backward)
         start = time.perf_counter()
-        report = gpu_compile.report(fn, *args, target=target, autotune_results=autotune_results)
+        report = gpu_compile.report(
+            fn, *args, target=target, autotune_results=autotune_results, open_trips=trips
+        )
         row[f"{name}_compile_s"] = round(time.perf_counter() - start, 1)
         row[name] = summary(report)
     return row
@@ -159,7 +163,9 @@ def summary(report) -> dict:
                  spill_loads=k.spill_loads, shared_memory=k.shared_memory,
                  tensor_core_instructions=k.tensor_core_instructions, problem=k.problem,
                  grid=k.grid, ctas_per_sm=k.ctas_per_sm, waves=k.waves,
-                 unfenced_stores=k.unfenced_stores, stall_cycles=k.stall_cycles)
+                 unfenced_stores=k.unfenced_stores, stall_cycles=k.stall_cycles,
+                 stall_path=k.stall_path, issue_count=k.issue_count, modelled_us=k.modelled_us,
+                 model_problem=k.model_problem)
             for k in report.kernels
         ],
     )  # fmt: skip
@@ -218,6 +224,57 @@ def table(rows) -> list[str]:
         lines.append(
             f"{head} {fwd['launches']} | {both['launches']} | {loops} | {both['peak_mib']:,.0f} "
             f"| {kernels} |"
+        )
+    return lines
+
+
+def modelled(part: dict) -> float | None:
+    """A program's modelled Pallas kernel time (µs), None if a kernel's model is missing."""
+    times = [k.get("modelled_us") for k in part.get("kernels", [])]
+    return None if not times or None in times else sum(times)
+
+
+def model_tables(rows) -> list[str]:
+    """Each Mosaic kernel's model (fwd+bwd) and each rule's modelled time beside jla's."""
+    lines = [
+        "| rule | form | B x T | kernel | grid | CTAs a SM | waves | stall path | issue count "
+        "| modelled µs |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        for k in row.get("fwd_bwd", {}).get("kernels", []):
+            if k["backend"] != "mosaic_gpu":
+                continue
+            us = "-" if k.get("modelled_us") is None else f"{k['modelled_us']:,.1f}"
+            waves = "-" if k.get("waves") is None else f"{k['waves']:.1f}"
+            name = re.sub(r"_\d+$", "", k["name"])
+            lines.append(
+                f"| {row['rule']} | {row['impl']} | {row['shape']} | `{name}` | {k['grid']} | "
+                f"{k['ctas_per_sm']} | {waves} | {k.get('stall_path') or '-':,} | "
+                f"{k.get('issue_count') or '-':,} | {us}"
+                + (f" ({k['model_problem']})" if k.get("model_problem") else "")
+                + " |"
+            )
+    lines += [
+        "",
+        "| rule | B x T | `mosaic_gpu` modelled µs | jla modelled µs | ratio | launches "
+        "(`mosaic_gpu` / jla) | peak MiB (`mosaic_gpu` / jla) |",
+        "|---|---|---:|---:|---:|---|---|",
+    ]
+    by_key = {(r["rule"], r["impl"], r["shape"]): r.get("fwd_bwd") for r in rows}
+    for (rule, impl, shape), ours in by_key.items():
+        theirs = by_key.get((rule, "jla", shape))
+        if impl != "mosaic_gpu" or not ours or not theirs:
+            continue
+        mine, peer = modelled(ours), modelled(theirs)
+        ratio = "-" if None in (mine, peer) else f"{mine / peer:.2f}"
+
+        def fmt(x):
+            return "-" if x is None else f"{x:,.1f}"
+
+        lines.append(
+            f"| {rule} | {shape} | {fmt(mine)} | {fmt(peer)} | {ratio} | {ours['launches']} / "
+            f"{theirs['launches']} | {ours['peak_mib']:,.0f} / {theirs['peak_mib']:,.0f} |"
         )
     return lines
 
@@ -314,7 +371,7 @@ def main(argv=None) -> int:
                 if args.json:
                     with args.json.open("a") as f:
                         f.write(json.dumps(row) + "\n")
-    text = "\n".join([*note, *table(rows)])
+    text = "\n".join([*note, *table(rows), "", *model_tables(rows)])
     print(text)
     if args.out:
         args.out.write_text(text + "\n")

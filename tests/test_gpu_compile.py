@@ -170,6 +170,60 @@ def test_a_store_read_through_the_async_proxy_without_a_fence_is_reported(by):
     assert fenced.stall_cycles > 0
 
 
+def _looped(trips, *, bound_in_hbm=False):
+    """``trips`` wgmmas in a loop: ``fori_loop`` to a constant, or to a bound read from HBM
+    (``x_gmem[0]``, 0, plus ``trips``), which the machine code cannot show."""
+    tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def looped(x_gmem, o_gmem, a_smem, b_smem, o_smem):  # the kernel's name
+        a_smem[...] = jnp.ones((64, 64), jnp.bfloat16)
+        b_smem[...] = jnp.ones((64, 64), jnp.bfloat16)
+        plgpu.commit_smem()
+        # int32, as the project's kernels count (the tests run with x64 on).
+        bound = x_gmem[0] + jnp.int32(trips) if bound_in_hbm else jnp.int32(trips)
+
+        def product(acc):
+            def step(i, carry):
+                plgpu.wgmma(acc, a_smem, b_smem)
+                plgpu.wgmma_wait(0)
+                # Work enough that LLVM keeps one trip a loop trip rather than unrolling.
+                acc[...] = jnp.tanh(acc[...])
+                return carry
+
+            jax.lax.fori_loop(jnp.int32(0), bound, step, 0)
+            o_smem[...] = acc[...].astype(o_smem.dtype)
+
+        pl.run_scoped(product, plgpu.ACC((64, 64), jnp.float32))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem)
+        plgpu.wait_smem_to_gmem(0)
+
+    smem = [plgpu.SMEM((64, 64), jnp.bfloat16, transforms=tile) for _ in range(3)]
+    out = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
+    return plgpu.kernel(looped, out_type=out, scratch_types=smem)
+
+
+@pytest.mark.skipif(
+    not hasattr(plgpu, "InterpretGPUParams"), reason="the model is of jax >= 0.11's kernels"
+)
+def test_the_model_reads_a_compiled_loops_trips_or_asks_for_them():
+    x = jax.ShapeDtypeStruct((8,), jnp.int32)
+    (once,) = gpu_compile.report(_looped(1000), x).kernels
+    (twice,) = gpu_compile.report(_looped(2000), x).kernels
+    assert once.model_problem is None, once
+    assert twice.model_problem is None, twice
+    # Each loop's body weighs its trips: twice the products, about twice the floor.
+    assert 1.9 < twice.stall_path / once.stall_path < 2.1
+    assert once.stall_path > once.stall_cycles  # the body counted more than once
+    assert once.modelled_us > 0
+    (unknown,) = gpu_compile.report(_looped(1000, bound_in_hbm=True), x).kernels
+    assert unknown.modelled_us is None and "read their bounds at run time" in unknown.model_problem
+    trips = {"looped": (1000,)}  # the kernel's name, without its dump's number
+    (given,) = gpu_compile.report(_looped(1000, bound_in_hbm=True), x, open_trips=trips).kernels
+    assert given.model_problem is None
+    assert 0.8 < given.stall_path / once.stall_path < 1.25
+
+
 def test_the_fence_scan_reads_straight_line_order():
     def sass(*ops):
         return "\n".join(f"  -:-:-:Y:01  /*{i:04x}*/  {op} ;" for i, op in enumerate(ops))

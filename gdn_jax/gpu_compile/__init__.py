@@ -226,12 +226,14 @@ def report(
     *args,
     target: str = "h200",
     autotune_results: str | os.PathLike | None = None,
+    open_trips: typing.Mapping[str, tuple[int, ...]] | None = None,
 ) -> Report:
     """``fn`` compiled for GPU ``target`` (``parse_target``: ``"h200"``, or ``"h200:8"``,
     whose first GPU takes the arguments that carry no sharding of their own) with ``args`` as
     in ``compile_for``: its launches per call, memory and Pallas kernels (module docstring).
     A program XLA refuses to build (a kernel over a block's shared memory) is a report with
-    ``error`` set, not an exception."""
+    ``error`` set, not an exception. ``open_trips``: by Mosaic kernel name, the trips of the
+    loops it bounds at run time, for the model of its time (``kernels.mosaic_kernels``)."""
     _check_function("report", fn)
     device = target_devices(target)[0]
     config = target_config(parse_target(target).model)
@@ -253,11 +255,11 @@ def report(
             refused = kernel_reports.over_shared_memory(str(error))
             if refused is None:
                 raise
-            kernels = (*kernel_reports.mosaic_kernels(mosaic_dump, limits), refused)
+            kernels = (*kernel_reports.mosaic_kernels(mosaic_dump, limits, open_trips), refused)
             return Report(target, None, None, None, None, None, memory_size, kernels,
                           autotune_results is not None, str(error).splitlines()[0])  # fmt: skip
         launches = thunks.read_dump(xla_dump)
-        kernels = tuple(kernel_reports.mosaic_kernels(mosaic_dump, limits))
+        kernels = tuple(kernel_reports.mosaic_kernels(mosaic_dump, limits, open_trips))
     memory = compiled.memory_analysis()
     return Report(
         target=target,

@@ -13,14 +13,20 @@ is read for what interpret mode cannot show: a shared-memory store from register
 wgmma or a TMA store reads through the async proxy with no proxy fence between them
 (``unfenced_stores``), and the stall counts of its instructions (``stall_cycles``). Its
 launch grid comes from its MLIR, and with the GPU's figures gives the programs a streaming
-multiprocessor holds at once and the waves over the GPU.
+multiprocessor holds at once and the waves over the GPU. ``sass.py`` models its time from
+the same code: one program's issue floor along its path (loops by their trips), a wave's, and
+the waves' (``modelled_us``; a model, not a timing).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
+
+from gdn_jax.gpu_compile import sass as machine_code
 
 _TENSOR_CORE = re.compile(r"\b(?:wgmma\.mma_async|mma\.sync)\b")
 
@@ -45,6 +51,10 @@ class Kernel:
     stall_cycles: int | None = None
     ctas_per_sm: int | None = None
     waves: float | None = None
+    stall_path: int | None = None
+    issue_count: int | None = None
+    modelled_us: float | None = None
+    model_problem: str | None = None
 
     @property
     def launchable(self) -> bool:
@@ -61,6 +71,7 @@ class Limits:
     registers_per_sm: int = 0
     sms: int = 0
     grid: tuple[int, int, int] = (2**31 - 1, 65_535, 65_535)
+    clock_ghz: float = 0.0
 
     @classmethod
     def of(cls, target_config: str) -> Limits:
@@ -74,6 +85,7 @@ class Limits:
             field("registers_per_core_limit"),
             field("core_count"),
             tuple(field(f"block_dim_limit_{axis}") for axis in "xyz"),
+            float(re.search(r"\bclock_rate_ghz: ([\d.]+)", target_config)[1]),
         )
 
     def occupancy(self, shared_memory, registers, threads, grid) -> tuple[int | None, float | None]:
@@ -88,6 +100,16 @@ class Limits:
         if grid is None or ctas == 0:
             return ctas, None
         return ctas, _product(grid) / (ctas * self.sms)
+
+    def modelled_us(self, floor: machine_code.Floor, ctas: int | None, grid) -> float | None:
+        """The kernel's time by the model: its programs in waves of ``ctas`` a streaming
+        multiprocessor (fewer where the grid leaves an SM fewer), each wave at its floor."""
+        if None in (ctas, grid) or not (self.sms and self.clock_ghz) or ctas == 0:
+            return None
+        per_sm = math.ceil(_product(grid) / self.sms)
+        together = min(ctas, per_sm)
+        cycles = math.ceil(per_sm / together) * floor.of_wave(together)
+        return cycles / (self.clock_ghz * 1e3)
 
     def grid_problem(self, grid) -> str | None:
         if grid is None or all(g <= most for g, most in zip(grid, self.grid, strict=True)):
@@ -125,8 +147,12 @@ def ptxas_report(text: str) -> dict[str, dict[str, int]]:
     return entries
 
 
-def mosaic_kernels(folder: Path, limits: Limits) -> list[Kernel]:
-    """The Mosaic GPU kernels dumped into ``folder`` (``MOSAIC_GPU_DUMP_TO``)."""
+def mosaic_kernels(
+    folder: Path, limits: Limits, open_trips: Mapping[str, tuple[int, ...]] | None = None
+) -> list[Kernel]:
+    """The Mosaic GPU kernels dumped into ``folder`` (``MOSAIC_GPU_DUMP_TO``).
+    ``open_trips``: by kernel name, the trips of the loops whose bounds it reads at run time
+    (``sass.floor``); without them such a kernel's model says so (``model_problem``)."""
     kernels = []
     for report in sorted(Path(folder).glob("*.ptxas")):
         stem = report.name.removesuffix(".ptxas")
@@ -144,6 +170,13 @@ def mosaic_kernels(folder: Path, limits: Limits) -> list[Kernel]:
         sass = sass.read_text() if sass.exists() else None
         ctas, waves = limits.occupancy(shared, used["registers"], threads, grid)
         problem = limits.problem(shared, used["registers"], threads) or limits.grid_problem(grid)
+        floor, model_problem = None, "no SASS dumped"
+        if sass is not None:
+            trips = (open_trips or {}).get(re.sub(r"_\d+$", "", stem), ())
+            try:
+                floor, model_problem = machine_code.floor(sass, tuple(trips)), None
+            except machine_code.OpenLoops as error:
+                model_problem = str(error)
         kernels.append(
             Kernel(
                 name=stem,
@@ -160,6 +193,10 @@ def mosaic_kernels(folder: Path, limits: Limits) -> list[Kernel]:
                 stall_cycles=None if sass is None else stall_cycles(sass),
                 ctas_per_sm=ctas,
                 waves=waves,
+                stall_path=None if floor is None else floor.stall_path,
+                issue_count=None if floor is None else floor.issue_count,
+                modelled_us=None if floor is None else limits.modelled_us(floor, ctas, grid),
+                model_problem=model_problem,
             )
         )
     return kernels

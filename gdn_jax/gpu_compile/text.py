@@ -56,4 +56,11 @@ def kernel_summary(kernel) -> str:
             f", {kernel.unfenced_stores} unfenced shared-memory stores, "
             f"{kernel.stall_cycles} stall cycles"
         )
+    if kernel.modelled_us is not None:
+        summary += (
+            f", modelled {kernel.modelled_us:.1f} µs (a program's floor: stall path "
+            f"{kernel.stall_path}, issue count {kernel.issue_count} cycles)"
+        )
+    elif kernel.model_problem is not None:
+        summary += f", no model: {kernel.model_problem}"
     return f"{summary}; {launch}"

@@ -2,7 +2,8 @@
 and backward through the public ops: over every width ``limits.refusals`` accepts, each
 kernel fits a Hopper block, spills nothing, runs its products on the tensor cores and leaves
 no shared-memory store unfenced before a wgmma or a TMA store reads it (read from its SASS);
-and at 2^23 tokens every rule's kernels launch (their grids within CUDA's limits).
+and at 2^23 tokens every rule's kernels launch (their grids within CUDA's limits), each with
+a model of its time (every loop's trips known).
 
 Traced on abstract shapes: nothing is computed, and T = 2^23 allocates nothing. jax >= 0.12
 keeps a compiled Mosaic kernel for the process and dumps it once, so each program here has
@@ -102,9 +103,16 @@ def test_every_rule_launches_at_2_to_the_23_tokens(name):
     args = abstract_args(name, seq_len=seq_len, key_dim=64, value_dim=64, dtype=jnp.bfloat16,
                          heads=(1, 1))  # fmt: skip
     step, arg_sets = training_step(name, [args])
-    report = gpu_compile.report(step, arg_sets)
+    chunks = -(-seq_len * (2 if RULES[name].steps else 1) // 64)  # a step a token each
+    trips = limits.run_time_trips(chunks, key_dim=64, value_dim=64)
+    report = gpu_compile.report(step, arg_sets, open_trips=trips)
     prefix = "channel_mosaic" if name in ("kda", "gdn2") else "gdn_mosaic"
     assert_sound(report, prefix)
+    # The model of every kernel's time has each loop's trips: read from its code, or the
+    # ones limits.run_time_trips says the kernel bounds at run time.
+    for kernel in report.kernels:
+        assert kernel.model_problem is None, (kernel.name, kernel.model_problem)
+        assert kernel.modelled_us > 0, kernel.name
     assert max(kernel.grid[0] for kernel in report.kernels) >= 2**23 // 64
     assert report.launches.total <= 40 and not report.launches.loops
 

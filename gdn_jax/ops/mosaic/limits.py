@@ -90,3 +90,17 @@ def refusals(inputs) -> tuple[str, ...]:
     else:
         widths = _widths(inputs, 64, 128, "two bf16 pieces an operand; bf16 v takes 128 and 256")
     return (*_common(inputs), *widths)
+
+
+def run_time_trips(chunks: int, key_dim: int, value_dim: int) -> dict[str, tuple[int, ...]]:
+    """The trips of the loops each kernel bounds at run time, by kernel name, in the order of
+    their code, for sequences of ``chunks`` chunks each: the model of their time
+    (``gdn_jax.gpu_compile.sass``) cannot read them from the machine code. The state passes
+    run over a sequence's chunks (read from its offsets); Gated DeltaNet's grads kernel adds
+    a 0 from HBM to its loops over 64 channels at a time (``tiles.over_blocks``): the
+    corrections' and the values' (value channels), the queries' and the keys' (key
+    channels), the state's rows (value channels)."""
+    passes = {f"{kind}_mosaic_{name}": (chunks,) for kind in ("gdn", "channel")
+              for name in ("states", "reverse")}  # fmt: skip
+    keys, values = padded_width(key_dim) // PAD, padded_width(value_dim) // PAD
+    return {**passes, "gdn_mosaic_grads": (values, values, keys, keys, values)}
