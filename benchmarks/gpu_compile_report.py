@@ -247,11 +247,13 @@ def model_tables(rows) -> list[str]:
                 continue
             us = "-" if k.get("modelled_us") is None else f"{k['modelled_us']:,.1f}"
             waves = "-" if k.get("waves") is None else f"{k['waves']:.1f}"
+            path, issue = (
+                "-" if k.get(f) is None else f"{k[f]:,}" for f in ("stall_path", "issue_count")
+            )
             name = re.sub(r"_\d+$", "", k["name"])
             lines.append(
                 f"| {row['rule']} | {row['impl']} | {row['shape']} | `{name}` | {k['grid']} | "
-                f"{k['ctas_per_sm']} | {waves} | {k.get('stall_path') or '-':,} | "
-                f"{k.get('issue_count') or '-':,} | {us}"
+                f"{k['ctas_per_sm']} | {waves} | {path} | {issue} | {us}"
                 + (f" ({k['model_problem']})" if k.get("model_problem") else "")
                 + " |"
             )
@@ -338,8 +340,16 @@ def main(argv=None) -> int:
         "--autotune-results", type=Path, metavar="FILE",
         help="compile with XLA's autotune results from a GPU (gpu_run.sh's xla_autotune.textproto)",
     )  # fmt: skip
+    parser.add_argument(
+        "--tables-from", type=Path, metavar="JSON",
+        help="print the tables of the rows a --json run wrote, compiling nothing",
+    )  # fmt: skip
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.tables_from is not None:
+        rows = [json.loads(line) for line in args.tables_from.read_text().splitlines() if line]
+        print("\n".join([*table(rows), "", *model_tables(rows)]))
+        return 0
     if args.child:
         spec = json.loads(args.child)
         print(json.dumps(measure(**spec)))

@@ -1,10 +1,15 @@
 """The gated delta rule's factors kernel (``impl="mosaic_gpu"``, ``op.py``), a program per
 (chunk, value head): the chunk's decays, ``K K^T``, the inverse ``T`` of its intra-chunk
 system by doubling blocks on the tensor cores and the WY factors ``w = T diag(beta exp(g))
-K``, ``u = T diag(beta) V`` (``chunk.chunk_factors``), written to HBM as bf16 pieces.
+K``, ``u = T diag(beta) V`` (``chunk.chunk_factors``), written to HBM as bf16 pieces, and
+for the backward ``T`` too (its grads kernel reads it rather than making it again).
+
+The scaled inputs and then ``w`` and ``u`` take the tiles of k and v, which the products
+have read by then: at about 90 KB of shared memory a program, two programs share an SM.
 
 HBM layouts (``layout.py``): k pieces ``[tokens, H, K]``, v, u pieces ``[tokens, HV, V]``, w
-``[tokens, HV, K]``, ``gates [GATES, HV, tokens]`` (``chunk.gate_rows``).
+``[tokens, HV, K]``, T ``[tokens, HV, C]``, ``gates [GATES, HV, tokens]``
+(``chunk.gate_rows``).
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from gdn_jax.ops.mosaic.scalar import chunk as in_chunk
 from gdn_jax.ops.mosaic.tiles import F32
 
 
-def _factors_kernel(k_hbm, v_hbm, gates_hbm, w_hbm, u_hbm, *, group: int, **s):
-    """One chunk of one value head: its ``w [C, K]`` and ``u [C, V]``."""
+def _factors_kernel(k_hbm, v_hbm, gates_hbm, w_hbm, u_hbm, *t_hbm, group: int, **s):
+    """One chunk of one value head: its ``w [C, K]`` and ``u [C, V]`` (and ``T [C, C]``
+    into ``t_hbm``, where given)."""
     chunk, head = jax.lax.axis_index("chunk"), jax.lax.axis_index("head")
     tokens = pl.ds(chunk * CHUNK, CHUNK)
     sources = (
@@ -34,16 +40,18 @@ def _factors_kernel(k_hbm, v_hbm, gates_hbm, w_hbm, u_hbm, *, group: int, **s):
         plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
     in_chunk.write_masks(s)
     plgpu.barrier_wait(s["loaded"])
+    s = dict(s, erase=s["k"], write=s["v"])
     in_chunk.chunk_factors(s, s["k"], lambda: tiles.load(s["v"]), s["gates"])
+    pairs = [(s["erase"], w_hbm), (s["write"], u_hbm)] + [(s["inverse"], t) for t in t_hbm]
     tiles.copy_out(
-        *((src, dst.at[tokens, head]) for src, dst in zip(s["erase"].refs, w_hbm, strict=True)),
-        *((src, dst.at[tokens, head]) for src, dst in zip(s["write"].refs, u_hbm, strict=True)),
-    )
+        *((src, dst.at[tokens, head]) for tile, hbm in pairs
+          for src, dst in zip(tile.refs, hbm, strict=True))
+    )  # fmt: skip
     plgpu.wait_smem_to_gmem(0)
 
 
-def factor_scratch(count: int, key_dim: int, value_dim: int) -> dict:
-    """The scratch of ``scalar/chunk.chunk_factors`` for operands of ``count`` pieces (the
+def system_scratch(count: int) -> dict:
+    """The scratch of ``scalar/chunk.chunk_system`` for operands of ``count`` pieces (the
     strict mask is made in registers: one chunk a program, no loop to hoist it out of)."""
     square = (CHUNK, CHUNK)
     return dict(
@@ -52,16 +60,14 @@ def factor_scratch(count: int, key_dim: int, value_dim: int) -> dict:
         off=tiles.pieces(count, square),
         inverse=tiles.pieces(count, square),
         half=tiles.pieces(count, square),
-        erase=tiles.pieces(count, (CHUNK, key_dim)),
-        write=tiles.pieces(count, (CHUNK, value_dim)),
     )
 
 
-def factors(k, v, gates, *, interpret):
+def factors(k, v, gates, *, keep_inverse: bool, interpret):
     """The WY factors of every chunk: ``k`` pieces ``[tokens, H, K]``, ``v`` pieces
     ``[tokens, HV, V]``, ``gates [GATES, HV, tokens]`` float32 (``tokens`` a multiple of the
     chunk, ``K`` and ``V`` of 64). Returns ``(w, u)``, pieces like ``k`` and ``v`` per value
-    head."""
+    head, and with ``keep_inverse`` ``(w, u, T)``, T's pieces ``[tokens, HV, C]``."""
     count = len(k)
     tokens, heads, key_dim = k[0].shape
     v_heads, value_dim = v[0].shape[1:]
@@ -70,9 +76,10 @@ def factors(k, v, gates, *, interpret):
         v=tiles.pieces(count, (CHUNK, value_dim)),
         gates=plgpu.SMEM((in_chunk.GATES, CHUNK), F32),
         loaded=plgpu.Barrier(num_arrivals=2 * count + 1),
-        **factor_scratch(count, key_dim, value_dim),
+        **system_scratch(count),
     )
     shapes = ((tokens, v_heads, key_dim), (tokens, v_heads, value_dim))
+    shapes += ((tokens, v_heads, CHUNK),) if keep_inverse else ()
     out_type = tuple(
         tuple(jax.ShapeDtypeStruct(x, tiles.BF16) for _ in range(count)) for x in shapes
     )

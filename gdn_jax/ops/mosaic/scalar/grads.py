@@ -1,7 +1,8 @@
 """The gated delta rule's grads kernel (``impl="mosaic_gpu"``, ``op.py``), a program per
 (chunk, value head, value block): from a chunk's start state and end cotangent (``reverse.py``)
-it needs nothing carried. The chunk's factors again (``chunk.chunk_factors``), ``U = u - w
-S^T``, ``dU``, ``dVb = T^T dU`` and every input's gradient (``chunked/scalar.py``'s
+and the inverse ``T`` of its system that the forward kept (``factors.py``) it needs nothing
+carried. The chunk's decays again, ``U = u - w S^T``, ``dU``, ``dVb = T^T dU`` and every
+input's gradient (``chunked/scalar.py``'s
 ``chunk_grads``, ``chunked/wy.py``'s ``delta_factors_bwd``, ``chunked/decays.py``'s
 ``chunk_decays_bwd``). The gradients of q, k and the gates sum over a key head's value heads
 and over value blocks: a program writes its share, summed after the kernel.
@@ -24,7 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from gdn_jax.ops.mosaic import tiles
 from gdn_jax.ops.mosaic.limits import CHUNK, VALUE_BLOCK
 from gdn_jax.ops.mosaic.scalar import chunk as in_chunk
-from gdn_jax.ops.mosaic.scalar.factors import factor_scratch
+from gdn_jax.ops.mosaic.scalar.factors import system_scratch
 from gdn_jax.ops.mosaic.tiles import F32, Pieces
 
 
@@ -40,7 +41,7 @@ def _views(raw: dict) -> dict:
 
 def _load_grads_tiles(hbm, s, *, head, group, block, value_block):
     """Copy one chunk's tiles in and wait for them: q, k, dY (value block), gates, start
-    state and end-state cotangent (value block)."""
+    state and end-state cotangent (value block), and the inverse ``T`` the forward made."""
     chunk = jax.lax.axis_index("chunk")
     tokens = pl.ds(chunk * CHUNK, CHUNK)
     values = pl.ds(block * value_block, value_block)
@@ -48,9 +49,10 @@ def _load_grads_tiles(hbm, s, *, head, group, block, value_block):
         *(ref.at[tokens, head // group] for ref in (*hbm["q"], *hbm["k"])),
         *(ref.at[tokens, head, values] for ref in hbm["d_y"]),
         *(ref.at[chunk, head, values] for ref in (*hbm["starts"], *hbm["d_ends"])),
+        *(ref.at[tokens, head] for ref in hbm["inverses"]),
         hbm["gates"].at[:, head, tokens],
     )
-    names = ("q", "k", "d_y", "start", "d_end")
+    names = ("q", "k", "d_y", "start", "d_end", "inverse")
     dsts = (*(ref for name in names for ref in s[name].refs), s["gates"])
     for src, dst in zip(sources, dsts, strict=True):
         plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
@@ -213,13 +215,13 @@ def _gate_grads(raw, decays, d_from_start, d_to_end):
 def _grads_kernel(*refs, group: int, **s):
     """One chunk, value head and value block: every input's gradient (shares of those of
     q, k and the gates)."""
-    inputs = ("q", "k", "v", "d_y", "gates", "starts", "d_ends", "zero")
+    inputs = ("q", "k", "v", "d_y", "gates", "starts", "d_ends", "inverses", "zero")
     names = (*inputs, "d_q", "d_k", "d_v", "d_gates")
     hbm = dict(zip(names, refs, strict=True))
     # Free once the inverse is made or read: its scratch holds the square cotangents.
     raw = dict(s, sq_gram=s["off"], sq_within=s["half"], sq_attn=s["inverse"])
     raw["attn"] = Pieces(s["terms"].refs[: len(s["q"].refs)])  # once the segment sums are done
-    out = {name: hbm.pop(name) for name in names[8:]}
+    out = {name: hbm.pop(name) for name in names[len(inputs) :]}
     raw["zero_ref"] = hbm.pop("zero")
     raw["zero"] = raw["zero_ref"][0]  # a 0 the compiler cannot see: loops of one trip stay loops
     s = _views(raw)
@@ -238,8 +240,7 @@ def _grads_kernel(*refs, group: int, **s):
     s = _views(raw)
     decays = in_chunk.chunk_decays(s["gates"], s)
     tiles.store(s["attn"], tiles.product((CHUNK, CHUNK), (s["q"], s["k"].T)) * decays.within)
-    s = _views(raw)
-    decays, beta = in_chunk.chunk_system(s, s["k"], s["gates"], decays)
+    beta = plgpu.load(s["gates"].at[1], layout=tiles.ROWS)
     _corrections(raw, decays, beta, v_hbm)
     d_beta = _value_grads(raw, out, decays, beta, index, v_hbm)
     decays, d_beta_system = _square_grads(raw)
@@ -252,9 +253,10 @@ def _grads_kernel(*refs, group: int, **s):
     plgpu.wait_smem_to_gmem(0)
 
 
-def grads(q, k, v, d_y, gates, starts, d_ends, *, dtypes=(F32, F32), interpret):
+def grads(q, k, v, d_y, gates, starts, d_ends, inverses, *, dtypes=(F32, F32), interpret):
     """Every chunk's gradients from its start state and end-state cotangent (pieces
-    ``[chunks, HV, V, K]``): returns ``(d_q, d_k [blocks, tokens, HV, K], d_v [tokens, HV,
+    ``[chunks, HV, V, K]``) and the inverse of its system (``factors``' T, pieces
+    ``[tokens, HV, C]``): returns ``(d_q, d_k [blocks, tokens, HV, K], d_v [tokens, HV,
     V], d_gates [blocks, 2, HV, tokens])``, the shares of each value head and block of value
     channels (a whole value head of up to 128 with bf16 operands); ``d_v``, which no two
     programs share, in ``dtypes[1]`` (v's own: the op returns it so). The shares of d_q and
@@ -278,12 +280,12 @@ def grads(q, k, v, d_y, gates, starts, d_ends, *, dtypes=(F32, F32), interpret):
         d_end=tiles.pieces(count, state),
         gates=plgpu.SMEM((in_chunk.GATES, CHUNK), F32),
         du=tiles.pieces(count, (CHUNK, value_block)),
-        loaded=plgpu.Barrier(num_arrivals=5 * count + 1),
+        loaded=plgpu.Barrier(num_arrivals=6 * count + 1),
         strict=tiles.pieces(1, (CHUNK, CHUNK)),
         out_tile=tiles.smem((CHUNK, CHUNK), d_v_dtype),
-        **factor_scratch(count, key_dim, value_block),
+        write=tiles.pieces(count, (CHUNK, value_block)),
+        **system_scratch(count),
     )
-    del scratch["erase"]  # the grads kernel applies K S^T's decays to the product
     scratch = {  # a leading axis of one, for _views
         name: tiles.pieces(len(x.refs), (1, *x.refs[0].shape)) if isinstance(x, Pieces) else x
         for name, x in scratch.items()
@@ -304,4 +306,4 @@ def grads(q, k, v, d_y, gates, starts, d_ends, *, dtypes=(F32, F32), interpret):
         interpret=interpret,
     )
     inputs = (tuple(q), tuple(k), tuple(v), tuple(d_y), gates, tuple(starts), tuple(d_ends))
-    return call(*inputs, jnp.zeros((1,), jnp.int32))
+    return call(*inputs, tuple(inverses), jnp.zeros((1,), jnp.int32))
