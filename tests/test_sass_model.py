@@ -56,6 +56,41 @@ def test_a_count_down_loop_and_a_uniform_compare_copied_to_a_predicate_are_read(
     assert sass.floor(down).stall_path == 1 + 62 * 8 + 1
 
 
+def test_loops_of_two_trips_on_a_flag_and_a_step_through_a_copy_are_read():
+    flag = code(
+        (1, "PLOP3.LUT P0, PT, PT, PT, PT, 0x80, 0x0"),  # true
+        ".L_x_0:",
+        (1, "P2R R176, PR, RZ, 0x1"),  # kept in a register
+        (6, "FFMA R1, R2, R3, R1"),
+        (1, "ISETP.NE.AND P6, PT, R176, RZ, PT"),
+        (1, "PLOP3.LUT P0, PT, PT, PT, PT, 0x8, 0x0"),  # false
+        (1, "@P6 BRA `(.L_x_0)"),
+        (1, "EXIT"),
+    )
+    assert sass.floor(flag).stall_path == 1 + 2 * 10 + 1
+    copied = code(
+        (1, "UMOV UR4, URZ"),
+        ".L_x_0:",
+        (2, "UIADD3 UR44, UR4, 0x1, URZ"),
+        (1, "UMOV UR4, UR44"),
+        (1, "UISETP.NE.U32.AND UP1, UPT, UR44, 0x40, UPT"),
+        (1, "PLOP3.LUT P1, PT, PT, PT, UP1, 0x80, 0x0"),
+        (1, "@P1 BRA `(.L_x_0)"),
+        (1, "EXIT"),
+    )
+    assert sass.floor(copied).stall_path == 1 + 64 * 6 + 1
+    carried = code(
+        (1, "UMOV UR4, URZ"),
+        ".L_x_0:",
+        (2, "UIADD3 UR4, UP1, UR4, 0x200, URZ"),  # with a carry out
+        (1, "UISETP.NE.U32.AND UP0, UPT, UR4, 0x800, UPT"),
+        (1, "PLOP3.LUT P3, PT, PT, PT, UP0, 0x80, 0x0"),
+        (1, "@P3 BRA `(.L_x_0)"),
+        (1, "EXIT"),
+    )
+    assert sass.floor(carried).stall_path == 1 + 4 * 5 + 1
+
+
 def test_a_bound_read_at_run_time_must_be_given():
     runtime = code(
         (1, "LDG.E R7, desc[UR4][R2.64]"),

@@ -184,13 +184,20 @@ _COMPARE = re.compile(
 )
 # A compare read from its other side: ``bound < counter`` is ``counter > bound``.
 _FLIPPED = {"NE": "NE", "EQ": "EQ", "GE": "LE", "LE": "GE", "GT": "LT", "LT": "GT"}
+_P2R = re.compile(r"^P2R\s+(?P<d>R\d+),\s*PR,\s*RZ,\s*(?P<mask>0x[0-9a-f]+)\s*$")
 _STEP = re.compile(
-    r"^(?:U?IADD3|VIADD)\s+(?P<d>U?R\d+),\s*(?P<s>U?R\d+),\s*(?P<k>-?0x[0-9a-f]+|-?\d+)(?:,|\s*$)"
+    r"^(?:U?IADD3|VIADD)\s+(?P<d>U?R\d+),\s*(?:U?P\d+,\s*)?(?P<s>U?R\d+),\s*"
+    r"(?P<k>-?0x[0-9a-f]+|-?\d+)(?:,|\s*$)"
 )
 _SET = re.compile(
     r"^(?:UMOV|MOV|IMAD\.MOV\.U32)\s+(?P<d>U?R\d+),\s*(?:RZ,\s*RZ,\s*)?(?P<k>0x[0-9a-f]+|\d+)\b"
 )
-_COPY = re.compile(r"^PLOP3\.LUT\s+U?P\d+,\s*U?PT,\s*U?PT,\s*U?PT,\s*(?P<src>U?P\d+),\s*0x80,")
+# PLOP3.LUT with the table 0x80 (a and b and c) of one predicate and two PT: a copy of it;
+# of three PT, true; with the table 0x8, false.
+_PLOP = re.compile(
+    r"^PLOP3\.LUT\s+(?P<d>U?P\d+),\s*U?PT,\s*(?P<a>U?P\w+),\s*(?P<b>U?P\w+),\s*(?P<c>U?P\w+),"
+    r"\s*(?P<table>0x[0-9a-f]+),\s*0x0"
+)
 _MOVE = re.compile(
     r"^(?:UMOV|MOV|IMAD\.MOV\.U32|IMAD\.U32)\s+(?P<d>U?R\d+),\s*(?:RZ,\s*RZ,\s*)?(?P<s>U?R\d+)\s*$"
 )
@@ -212,9 +219,27 @@ def _defines(text: str, register: str) -> bool:
     return bool(found) and found[1] == register
 
 
+def _plop(text: str):
+    """``("copy", source)``, ``("true", None)``, ``("false", None)`` for a PLOP3.LUT that is
+    one of those, else None."""
+    found = _PLOP.match(text)
+    if found is None:
+        return None
+    sources = [found[x] for x in "abc" if found[x] not in ("PT", "UPT")]
+    if found["table"] == "0x80":
+        if not sources:
+            return "true", None
+        if len(sources) == 1 and not sources[0].startswith("!"):
+            return "copy", sources[0]
+    if found["table"] == "0x8" and not sources:
+        return "false", None
+    return None
+
+
 def _static_trips(instructions, blocks, header, latch, body) -> int | None:
     """Trips of a loop whose latch branches back on a counter, stepped by a constant in the
-    body, compared with a constant; its start the last constant set before the loop."""
+    body, compared with a constant; its start the last constant set before the loop. Or on
+    a flag set before the loop and cleared in it (two trips)."""
     branch = instructions[blocks[latch].last]
     if branch.predicate is None:
         return None
@@ -226,39 +251,65 @@ def _static_trips(instructions, blocks, header, latch, body) -> int | None:
         text = instructions[i].text
         if not _defines(text, name):
             continue
-        if copy := _COPY.match(text):
-            name = copy["src"]  # a predicate copied from a uniform one
+        kind = _plop(text)
+        if kind is not None and kind[0] == "copy":
+            name = kind[1]  # a predicate copied: follow it
             continue
         compare = _COMPARE.match(text)
         break
     if compare is None:
-        return None
+        return _flag_trips(instructions, lo, hi, name) if continues else None
     counter, bound, cond = compare["a"], compare["b"], compare["cond"]
     if counter in ("RZ", "URZ") or not counter.startswith(("R", "UR")):
         counter, bound, cond = bound, counter, _FLIPPED[cond]
+    if cond == "NE" and bound in ("RZ", "URZ") and continues:
+        for i in range(lo, hi + 1):  # a flag kept in a register: P2R R, PR, RZ, mask
+            found = _P2R.match(instructions[i].text)
+            if found and found["d"] == counter and (mask := int(found["mask"], 0)):
+                if mask & (mask - 1) == 0:
+                    return _flag_trips(instructions, lo, hi, f"P{mask.bit_length() - 1}")
     if bound in ("RZ", "URZ"):
         bound = 0
     elif bound.startswith(("R", "UR")):
         return None  # a bound in a register
     else:
         bound = _immediate(bound)
-    steps = [_immediate(m["k"]) for i in range(lo, hi + 1)
-             if (m := _STEP.match(instructions[i].text)) and m["d"] == counter == m["s"]]  # fmt: skip
-    if len(steps) != 1 or steps[0] == 0:
+    steps = [m for i in range(lo, hi + 1)
+             if (m := _STEP.match(instructions[i].text)) and m["d"] == counter]  # fmt: skip
+    if len(steps) != 1:
         return None
-    start = _constant_before(instructions, lo, counter)
+    step, source = _immediate(steps[0]["k"]), steps[0]["s"]
+    if step == 0:
+        return None
+    if source != counter and not any(
+        (m := _MOVE.match(instructions[i].text)) and m["d"] == source and m["s"] == counter
+        for i in range(lo, hi + 1)
+    ):
+        return None  # stepped from something that is not the counter's last value
+    start = _constant_before(instructions, lo, source)
     if start is None:
         return None
-    step = steps[0]
     # The compare reads the counter after its step: a trip ends at start + trips * step.
+    span = bound - start
     if cond in ("NE", "EQ"):
         if (cond == "NE") != continues:
             return None
-        span = bound - start
         return span // step if span % step == 0 and span // step > 0 else None
-    span = bound - start
     trips = math.ceil(span / step)
     return trips if trips > 0 else None
+
+
+def _flag_trips(instructions, lo, hi, flag) -> int | None:
+    """Two trips for a loop that branches back on ``flag``, set true before it and false in
+    it, after the branch's copy of it (a loop of two trips, as LLVM writes some)."""
+    cleared = any(_defines(instructions[i].text, flag) and _plop(instructions[i].text) ==
+                  ("false", None) for i in range(lo, hi + 1))  # fmt: skip
+    if not cleared:
+        return None
+    for i in range(lo - 1, -1, -1):
+        if _defines(instructions[i].text, flag):
+            return 2 if _plop(instructions[i].text) == ("true", None) else None
+    return None
 
 
 def _constant_before(instructions, at: int, register: str, depth: int = 2) -> int | None:
@@ -270,8 +321,6 @@ def _constant_before(instructions, at: int, register: str, depth: int = 2) -> in
             return 0 if instructions[i].predicate is None else None
         if not _defines(text, register):
             continue
-        if instructions[i].predicate is not None:
-            return None
         if found := _SET.match(text):
             return _immediate(found["k"])
         if _ZERO.match(text):

@@ -70,6 +70,13 @@ def chunk_decays(gates, s: dict) -> Decays:
     return Decays(within, *vectors)
 
 
+def chunk_vectors(gates) -> Decays:
+    """A chunk's decays from its start, to its end and whole, as ``gate_rows`` made them
+    (``[GATES, C]`` float32, shared memory); ``within`` None (the attention has it)."""
+    rows = (plgpu.load(gates.at[row], layout=tiles.ROWS) for row in (2, 3, 4))
+    return Decays(None, *rows)
+
+
 def gate_rows(log_alpha, beta):
     """The gates of every chunk as the kernels read them, ``[GATES, HV, tokens]`` float32:
     ``log_alpha``, ``beta`` (``[HV, tokens]`` each) and each token's decays from its chunk's
@@ -111,11 +118,14 @@ def scaled_inputs(s: dict, decays: Decays, beta, k: Pieces, v) -> None:
     tiles.commit()
 
 
-def chunk_factors(s: dict, k: Pieces, v, gates):
+def chunk_factors(s: dict, k: Pieces, v, gates, with_decays=None):
     """The WY factors ``w = T diag(beta exp(g)) K [C, K]``, ``u = T diag(beta) V [C, V]``
     (``wy.delta_factors``) of one chunk, written into ``s["erase"]`` and ``s["write"]``
-    (and committed); ``v`` is read into registers once the inverse is made, by ``v()``."""
+    (and committed); ``v`` is read into registers once the inverse is made, by ``v()``.
+    ``with_decays(decays)``: more work with the chunk's decays, once the inverse is made."""
     decays, beta = chunk_system(s, k, gates)
+    if with_decays is not None:
+        with_decays(decays)
     scaled_inputs(s, decays, beta, k, v())
     w = tiles.product(k.refs[0].shape, (s["inverse"], s["erase"]))
     u = tiles.product(s["write"].refs[0].shape, (s["inverse"], s["write"]))
@@ -125,13 +135,13 @@ def chunk_factors(s: dict, k: Pieces, v, gates):
 
 
 def squares(s: dict, number: int) -> list[Pieces]:
-    """``number`` ``[C, C]`` operands of as many tiles.pieces as ``s["q"]``, carved from the
-    scratch of ``chunk_decays`` (``terms``, then ``extra``), free once the decays are made."""
+    """``number`` ``[C, C]`` operands of as many pieces as ``s["q"]``, carved from the
+    scratch ``s["squares"]`` (``square_scratch``)."""
     count = len(s["q"].refs)
-    refs = (*s["terms"].refs, *s["extra"].refs)
+    refs = s["squares"].refs
     return [Pieces(refs[i * count : (i + 1) * count]) for i in range(number)]
 
 
-def extra_squares(count: int, number: int) -> Pieces:
-    """The ``extra`` scratch that ``squares(s, number)`` needs beside ``terms``."""
-    return tiles.pieces(max(0, number * count - tiles.SEGMENT_PIECES), (CHUNK, CHUNK))
+def square_scratch(count: int, number: int) -> Pieces:
+    """The scratch of ``squares(s, number)`` for operands of ``count`` pieces."""
+    return tiles.pieces(number * count, (CHUNK, CHUNK))

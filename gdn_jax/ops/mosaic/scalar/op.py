@@ -49,29 +49,33 @@ def _operands(q, k, v, log_alpha, beta):
 def _forward(q, k, v, log_alpha, beta, initial_states, table, *, keep_starts, interpret):
     """Both forward kernels on the token layout (q, k ``[tokens, H, K]``, v ``[tokens, HV,
     V]``, gates ``[tokens, HV]``, ``initial_states [N, HV, V, K]`` float32). Returns ``(y,
-    finals, residuals)``, the residuals (operands, w, start states, the chunks' inverses)
-    None without ``keep_starts``."""
+    finals, residuals)``, the residuals (operands, w, the chunks' attention, start states and
+    inverses) None without ``keep_starts``."""
     key_dim, value_dim = q.shape[-1], v.shape[-1]
     operands = _operands(q, k, v, log_alpha, beta)
     q, k, v, gates = operands
     h0 = padded_states(initial_states)
-    w, u, *inverses = factors.factors(k, v, gates, keep_inverse=keep_starts, interpret=interpret)
-    y, finals, *starts = states.states(
-        table, q, k, w, u, gates, h0, keep_starts=keep_starts, interpret=interpret
+    w, u, attn, *inverses = factors.factors(
+        q, k, v, gates, keep_inverse=keep_starts, interpret=interpret
     )
-    residuals = (operands, w, starts[0], inverses[0]) if keep_starts else None
+    y, finals, *starts = states.states(
+        table, q, k, w, attn, u, gates, h0, keep_starts=keep_starts, interpret=interpret
+    )
+    residuals = (operands, w, attn, starts[0], inverses[0]) if keep_starts else None
     return y[..., :value_dim], finals[..., :value_dim, :key_dim], residuals
 
 
 def _backward(residuals, table, d_y, d_finals, *, dims, dtypes, interpret):
     """Both backward kernels, and the sums of the shares of q's, k's and the gates'
     gradients over value blocks and each key head's value heads."""
-    (q, k, v, gates), w, starts, inverses = residuals
+    (q, k, v, gates), w, attn, starts, inverses = residuals
     key_dim, value_dim = dims
     count = len(q)
     d_y = tiles.operand(padded(d_y, 2), count)
     d_finals = padded_states(d_finals)
-    d_initial, d_ends = reverse.reverse(table, q, k, w, d_y, gates, d_finals, interpret=interpret)
+    d_initial, d_ends = reverse.reverse(
+        table, q, k, w, attn, d_y, gates, d_finals, interpret=interpret
+    )
     d_q, d_k, d_v, d_gates = grads.grads(
         q, k, v, d_y, gates, starts, d_ends, inverses, dtypes=dtypes, interpret=interpret
     )

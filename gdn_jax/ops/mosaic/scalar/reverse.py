@@ -1,12 +1,14 @@
 """The gated delta rule's reverse state pass (``impl="mosaic_gpu"``, ``op.py``): a program per
 (sequence, value head, block of 64 value channels) walks the sequence's chunks last to first
 with its block of the state's cotangent ``dS [64, K]`` on chip (from the final state's;
-registers between chunks, shared memory through a chunk's products), and per chunk writes the cotangent of the chunk's end state and carries
+registers between chunks, shared memory through a chunk's products), and per chunk writes
+the cotangent of the chunk's end state and carries
 
-    dU = (Q K^T * Gamma)^T dY + diag(exp(g_C - g)) K dS'^T,
+    dU = A^T dY + diag(exp(g_C - g)) K dS'^T,
     dS = exp(g_C) dS' + dY^T diag(exp(g)) Q - dU^T w,
 
 ending with the initial state's cotangent (``chunked/scalar.py``'s hand-derived backward).
+The chunk's attention ``A = Q K^T * Gamma`` is the forward's (``factors.py``).
 """
 
 from __future__ import annotations
@@ -27,14 +29,12 @@ from gdn_jax.ops.mosaic.tiles import F32
 def _reverse_step(out, s, chunk, slot, d_state, *, head, block):
     """One chunk, last to first: writes the cotangent of its end state and returns that of
     its start state. The decays scale ``[C, 64]`` tiles, not ``[C, K]`` ones (registers)."""
-    q, k, w, d_y = (s[name].at(slot) for name in ("q", "k", "w", "d_y"))
-    decays = in_chunk.chunk_decays(s["gates"].at[slot], s)
+    q, k, w, attn, d_y = (s[name].at(slot) for name in ("q", "k", "w", "attn", "d_y"))
+    decays = in_chunk.chunk_vectors(s["gates"].at[slot])
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
     state_pass.keep_state(s, d_state, [dst.at[chunk, head, values] for dst in out["d_ends"]])
     s["carry"][...] = d_state  # it waits in shared memory, not in registers (spills)
-    attn, negated = in_chunk.squares(s, 2)
-    tiles.store(attn, tiles.product((CHUNK, CHUNK), (q, k.T)) * decays.within)
-    tiles.commit()
+    (negated,) = in_chunk.squares(s, 1)
     shape = (CHUNK, VALUE_BLOCK)
     d_u = tiles.by_row(decays.to_end, shape) * tiles.product(shape, (k, s["state"].T))
     d_u = d_u + tiles.product(shape, (attn.T, d_y))
@@ -48,32 +48,31 @@ def _reverse_step(out, s, chunk, slot, d_state, *, head, block):
 
 def _reverse_kernel(table, *refs, group: int, slots: int, **s):
     """One sequence, value head and value block over the sequence's chunks, last first."""
-    names = ("q", "k", "w", "d_y", "gates", "d_finals", "zero", "d_initial", "d_ends")
+    names = ("q", "k", "w", "attn", "d_y", "gates", "d_finals", "zero", "d_initial", "d_ends")
     hbm = dict(zip(names, refs, strict=True))
     zero = hbm.pop("zero")
-    out = {name: hbm.pop(name) for name in names[5:] if name != "zero"}
+    out = {name: hbm.pop(name) for name in names[6:] if name != "zero"}
     seq, head, block = (jax.lax.axis_index(axis) for axis in ("seq", "head", "block"))
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
     fetch = functools.partial(
         fetch_chunk, hbm, s, head=head, group=group, block=block, values="d_y"
     )
     step = functools.partial(_reverse_step, out, s, head=head, block=block)
-    in_chunk.write_masks(s)
     start, end = (out[name].at[seq, head, values] for name in ("d_finals", "d_initial"))
     state_pass.carry_over_sequence(
         table, fetch, step, start, end, loaded=s["loaded"], slots=slots, reverse=True, zero=zero
     )
 
 
-def reverse(table, q, k, w, d_y, gates, d_finals, *, interpret):
+def reverse(table, q, k, w, attn, d_y, gates, d_finals, *, interpret):
     """The reverse state pass: ``d_y`` pieces ``[tokens, HV, V]``, ``d_finals [N, HV, V,
-    K]`` float32, the rest as the forward's. Returns ``(d_initial [N, HV, V, K] float32,
+    K]`` float32, the rest as the forward's (``attn``: ``factors``'). Returns ``(d_initial [N, HV, V, K] float32,
     d_ends)``, ``d_ends`` the pieces of every chunk's end-state cotangent ``[chunks, HV, V,
     K]``."""
     count = len(q)
     tokens, heads, key_dim = q[0].shape
     v_heads, value_dim = d_y[0].shape[1:]
-    slots, scratch = pass_scratch(count, key_dim, values="d_y", squares=2)
+    slots, scratch = pass_scratch(count, key_dim, values="d_y", squares=1)
     scratch["carry"] = tiles.smem((VALUE_BLOCK, key_dim), F32)
     shape = (tokens // CHUNK, v_heads, value_dim, key_dim)
     out_type = (
@@ -89,4 +88,5 @@ def reverse(table, q, k, w, d_y, gates, d_finals, *, interpret):
         interpret=interpret,
     )
     zero = jnp.zeros((1,), jnp.int32)
-    return call(table, tuple(q), tuple(k), tuple(w), tuple(d_y), gates, d_finals, zero)
+    inputs = (tuple(q), tuple(k), tuple(w), tuple(attn), tuple(d_y), gates, d_finals)
+    return call(table, *inputs, zero)

@@ -3,13 +3,15 @@ program per (sequence, value head, block of 64 value channels) keeps its block o
 float32 state ``S [64, K]`` on chip (registers between chunks, shared memory through a
 chunk's products) from the sequence's first chunk to its last while each chunk's tiles
 stream in by TMA, two slots deep (``state_pass.stream_chunks``); per chunk ``U = u - w S^T``,
-``Y = diag(exp(g)) Q S^T + (Q K^T * Gamma) U`` and ``S' = exp(g_C) S + U^T diag(exp(g_C - g))
-K`` (``chunked/scalar.py``), writing ``Y`` and, for the backward, the start state as the
-pieces its products read.
+``Y = diag(exp(g)) Q S^T + A U`` and ``S' = exp(g_C) S + U^T diag(exp(g_C - g)) K``
+(``chunked/scalar.py``), writing ``Y`` and, for the backward, the start state as the pieces
+its products read. The chunk's attention ``A = Q K^T * Gamma`` and decays come made
+(``factors.py``, ``chunk.gate_rows``): a step does only what needs the state.
 
 HBM layouts (``layout.py``): q, k pieces ``[tokens, H, K]``, u pieces ``[tokens, HV, V]``, w
-``[tokens, HV, K]``, ``gates [GATES, HV, tokens]``, states ``[N or chunks, HV, V, K]``,
-``table [N, 2]`` (each sequence's first chunk and count).
+``[tokens, HV, K]``, the attention ``[tokens, HV, C]``, ``gates [GATES, HV, tokens]``,
+states ``[N or chunks, HV, V, K]``, ``table [N, 2]`` (each sequence's first chunk and
+count).
 """
 
 from __future__ import annotations
@@ -29,24 +31,20 @@ from gdn_jax.ops.mosaic.tiles import F32
 
 def pass_scratch(count: int, key_dim: int, *, values: str, squares: int) -> tuple[int, dict]:
     """``(slots, scratch)``: the shared memory of a state pass, forward or reverse: the
-    chunk's tiles of q, k, w and the value block of ``values`` (u, or dY) in ``slots``
-    (two, streamed, where one bf16 piece an operand leaves room), the gates, the squares
-    of the decays and the system, ``squares`` more, the state's pieces, and a barrier a
-    slot."""
+    chunk's tiles of q, k, w, its attention and the value block of ``values`` (u, or dY)
+    in ``slots`` (two, streamed, where one bf16 piece an operand leaves room), the gates,
+    ``squares`` ``[C, C]`` operands, the state's pieces, and a barrier a slot."""
     slots = 2 if count == 1 else 1  # two pieces a tile leave no room for a second slot
-    square = (CHUNK, CHUNK)
     tile = (slots, CHUNK, key_dim)
     scratch = dict(
         q=tiles.pieces(count, tile),
         k=tiles.pieces(count, tile),
         w=tiles.pieces(count, tile),
+        attn=tiles.pieces(count, (slots, CHUNK, CHUNK)),
         gates=plgpu.SMEM((slots, in_chunk.GATES, CHUNK), F32),
-        terms=tiles.pieces(tiles.SEGMENT_PIECES, square),
-        ones=tiles.pieces(1, square),
-        strict=tiles.pieces(1, square),
-        extra=in_chunk.extra_squares(count, squares),
+        squares=in_chunk.square_scratch(count, squares),
         state=tiles.pieces(count, (VALUE_BLOCK, key_dim)),
-        loaded=plgpu.Barrier(num_arrivals=4 * count + 1, num_barriers=slots),
+        loaded=plgpu.Barrier(num_arrivals=5 * count + 1, num_barriers=slots),
     )
     scratch[values] = tiles.pieces(count, (slots, CHUNK, VALUE_BLOCK))
     return slots, scratch
@@ -54,22 +52,24 @@ def pass_scratch(count: int, key_dim: int, *, values: str, squares: int) -> tupl
 
 def fetch_chunk(hbm, s, chunk, slot, *, head, group, block, values="u"):
     """Start the TMA copies of one chunk's tiles into ``slot``: q, k (key head), w, the
-    value block of ``values`` (u in the forward, dY in the reverse pass), and the gates."""
+    attention, the value block of ``values`` (u in the forward, dY in the reverse pass),
+    and the gates."""
     tokens = pl.ds(chunk * CHUNK, CHUNK)
     channels = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
     sources = (
         *(ref.at[tokens, head // group] for ref in (*hbm["q"], *hbm["k"])),
-        *(ref.at[tokens, head] for ref in hbm["w"]),
+        *(ref.at[tokens, head] for ref in (*hbm["w"], *hbm["attn"])),
         *(ref.at[tokens, head, channels] for ref in hbm[values]),
         hbm["gates"].at[:, head, tokens],
     )
-    dsts = (*s["q"].refs, *s["k"].refs, *s["w"].refs, *s[values].refs, s["gates"])
+    dsts = (*s["q"].refs, *s["k"].refs, *s["w"].refs, *s["attn"].refs, *s[values].refs)
+    dsts += (s["gates"],)
     for src, dst in zip(sources, dsts, strict=True):
         plgpu.copy_gmem_to_smem(src, dst.at[slot], s["loaded"].at[slot])
 
 
 # The operands that no slot indexes, held with a leading axis of one (``_views``).
-_FIXED = ("terms", "ones", "strict", "extra", "state")
+_FIXED = ("squares", "state")
 
 
 def _views(s: dict, zero) -> dict:
@@ -88,8 +88,8 @@ def _state_step(out, s, zero, chunk, slot, state, *, head, block):
     tiles, not ``[C, K]`` ones, so that few registers are live at once besides the state
     (ptxas's figures, ``benchmarks/mosaic_sm90.py``)."""
     s = _views(s, zero)
-    q, k, w, u = (s[name].at(slot) for name in ("q", "k", "w", "u"))
-    decays = in_chunk.chunk_decays(s["gates"].at[slot], s)
+    q, k, w, u, attn = (s[name].at(slot) for name in ("q", "k", "w", "u", "attn"))
+    decays = in_chunk.chunk_vectors(s["gates"].at[slot])
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
     # The state's operand: every wgmma below reads it, and the backward its start state.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -99,8 +99,7 @@ def _state_step(out, s, zero, chunk, slot, state, *, head, block):
     if "starts" in out:
         starts = zip(s["state"].refs, out["starts"], strict=True)
         tiles.copy_out(*((src, dst.at[chunk, head, values]) for src, dst in starts))
-    attn, corr, corr_to_end = in_chunk.squares(s, 3)
-    tiles.store(attn, tiles.product((CHUNK, CHUNK), (q, k.T)) * decays.within)
+    corr, corr_to_end = in_chunk.squares(s, 2)
     shape = (CHUNK, VALUE_BLOCK)
     corrections = tiles.load(u) - tiles.product(shape, (w, s["state"].T))  # U = u - w S^T
     tiles.store(corr, corrections)
@@ -117,29 +116,28 @@ def _state_step(out, s, zero, chunk, slot, state, *, head, block):
 
 def _states_kernel(table, *refs, group: int, slots: int, **s):
     """One sequence, value head and block of value channels over the sequence's chunks."""
-    names = ("q", "k", "w", "u", "gates", "h0", "zero", "y", "finals", "starts")
+    names = ("q", "k", "w", "attn", "u", "gates", "h0", "zero", "y", "finals", "starts")
     hbm = dict(zip(names, refs, strict=False))
-    out = {name: hbm.pop(name) for name in names[7:] if name in hbm}
+    out = {name: hbm.pop(name) for name in names[8:] if name in hbm}
     h0 = hbm.pop("h0")
     seq, head, block = (jax.lax.axis_index(axis) for axis in ("seq", "head", "block"))
     values = pl.ds(block * VALUE_BLOCK, VALUE_BLOCK)
     fetch = functools.partial(fetch_chunk, hbm, s, head=head, group=group, block=block)
     step = functools.partial(_state_step, out, s, hbm["zero"], head=head, block=block)
-    in_chunk.write_masks(_views(s, hbm["zero"]))
     start, end = h0.at[seq, head, values], out["finals"].at[seq, head, values]
     state_pass.carry_over_sequence(
         table, fetch, step, start, end, loaded=s["loaded"], slots=slots, zero=hbm["zero"]
     )
 
 
-def states(table, q, k, w, u, gates, h0, *, keep_starts: bool, interpret):
-    """The state pass with the outputs. Returns ``(y [tokens, HV, V], finals [N, HV, V,
+def states(table, q, k, w, attn, u, gates, h0, *, keep_starts: bool, interpret):
+    """The state pass with the outputs (``attn``: ``factors``'). Returns ``(y [tokens, HV, V], finals [N, HV, V,
     K])`` in float32, and with ``keep_starts`` each chunk's start state as the bf16 pieces
     that its products read, ``[chunks, HV, V, K]`` each."""
     count = len(q)
     tokens, heads, key_dim = q[0].shape
     v_heads, value_dim = u[0].shape[1:]
-    slots, scratch = pass_scratch(count, key_dim, values="u", squares=3)
+    slots, scratch = pass_scratch(count, key_dim, values="u", squares=2)
     for name in _FIXED:  # a leading axis of one (_views)
         shape = (1, CHUNK, CHUNK) if name != "state" else (1, VALUE_BLOCK, key_dim)
         scratch[name] = tiles.pieces(len(scratch[name].refs), shape)
@@ -163,4 +161,4 @@ def states(table, q, k, w, u, gates, h0, *, keep_starts: bool, interpret):
         interpret=interpret,
     )
     zero = jnp.zeros((1,), jnp.int32)  # read in each chunk step: state_pass.stream_chunks
-    return call(table, tuple(q), tuple(k), tuple(w), tuple(u), gates, h0, zero)
+    return call(table, tuple(q), tuple(k), tuple(w), tuple(attn), tuple(u), gates, h0, zero)
