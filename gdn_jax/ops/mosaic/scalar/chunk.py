@@ -118,14 +118,12 @@ def scaled_inputs(s: dict, decays: Decays, beta, k: Pieces, v) -> None:
     tiles.commit()
 
 
-def chunk_factors(s: dict, k: Pieces, v, gates, with_decays=None):
+def chunk_factors(s: dict, k: Pieces, v, gates, decays=None):
     """The WY factors ``w = T diag(beta exp(g)) K [C, K]``, ``u = T diag(beta) V [C, V]``
     (``wy.delta_factors``) of one chunk, written into ``s["erase"]`` and ``s["write"]``
     (and committed); ``v`` is read into registers once the inverse is made, by ``v()``.
-    ``with_decays(decays)``: more work with the chunk's decays, once the inverse is made."""
-    decays, beta = chunk_system(s, k, gates)
-    if with_decays is not None:
-        with_decays(decays)
+    ``decays``: the chunk's, where the caller has made them."""
+    decays, beta = chunk_system(s, k, gates, decays)
     scaled_inputs(s, decays, beta, k, v())
     w = tiles.product(k.refs[0].shape, (s["inverse"], s["erase"]))
     u = tiles.product(s["write"].refs[0].shape, (s["inverse"], s["write"]))

@@ -43,14 +43,13 @@ def _factors_kernel(q_hbm, k_hbm, v_hbm, gates_hbm, w_hbm, u_hbm, attn_hbm, *t_h
         plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
     in_chunk.write_masks(s)
     plgpu.barrier_wait(s["loaded"])
-    # The attention takes the segment sums' tiles, free once the decays are made.
+    # The attention first, into the segment sums' tiles once the decays are made: held
+    # through the inverse, the decays within the chunk made ptxas spill (two pieces).
+    decays = in_chunk.chunk_decays(s["gates"], s)
     attn = Pieces(s["terms"].refs[: len(s["q"].refs)])
+    tiles.store(attn, tiles.product((CHUNK, CHUNK), (s["q"], s["k"].T)) * decays.within)
     s = dict(s, erase=s["k"], write=s["v"])
-
-    def attention(decays):
-        tiles.store(attn, tiles.product((CHUNK, CHUNK), (s["q"], s["k"].T)) * decays.within)
-
-    in_chunk.chunk_factors(s, s["k"], lambda: tiles.load(s["v"]), s["gates"], attention)
+    in_chunk.chunk_factors(s, s["k"], lambda: tiles.load(s["v"]), s["gates"], decays)
     pairs = [(s["erase"], w_hbm), (s["write"], u_hbm), (attn, attn_hbm)]
     pairs += [(s["inverse"], t) for t in t_hbm]
     tiles.copy_out(
