@@ -36,14 +36,15 @@ chunk's start state: ``dM = dY U^T`` on ``i <= t``; the WY pullback (``wy.two_pr
 ``e``, ``k`` and the decay factors, ``e = b * k`` and ``x = w * v`` to the gates, and every
 decay factor's cotangent to ``g`` (``channel_decays.channel_scores_bwd``, down its chain of
 sums). Between the forward and the backward only the inputs, in their own dtype, and one
-``[V, K]`` state per chunk are kept.
+``[V, K]`` state per chunk are kept (the ``associative`` schedule keeps ``T`` and ``M`` too).
 
 As in ``ops/chunked/scalar.py``, stages 1 and 3 and the gradients run hoisted out of the scan over
 chunks and batched (``"hoisted"``: only state-sized products in the loops; the keys and
-queries enter them already decayed) or inside it, chunk by chunk (``"in_scan"``). Both take
-GDN-2's ``x = w * v`` already formed (``_writes_first``; the hoisted one only where that is
-no wider than ``v``). A NaN in k, v or a gate reaches the outputs from the start of its
-chunk on.
+queries enter them already decayed), hoisted with the state pass an associative scan
+(``"associative"``, its backward in ``chunked/channel_backward.py``) or inside the scan,
+chunk by chunk (``"in_scan"``). All take GDN-2's ``x = w * v`` already formed
+(``_writes_first``; the hoisted ones only where that is no wider than ``v``). A NaN in k, v
+or a gate reaches the outputs from the start of its chunk on.
 """
 
 from __future__ import annotations
@@ -106,9 +107,9 @@ class Factors(NamedTuple):
 def chunk_factors(q, k, v, log_alpha, erase_gate: EraseGate, write_gate, *, halving=False):
     """Stage 1 for one chunk (inputs in the compute dtype): ``Factors``. ``write_gate`` is a
     ``WriteGate``, ``None`` (the erase gate writes: KDA's ``beta``) or ``WRITTEN`` (``v`` is
-    what is written). Both scores come from one pass over the levels (``channel_decays.scores``,
-    the halving on every platform with ``halving``: the passes over every chunk at once); with
-    ``NO_ERASE`` only the queries' (``U = V``)."""
+    what is written). Both scores come from one pass over the levels (``channel_levels.scores``,
+    the halving on every platform with ``halving``); with ``NO_ERASE`` only the queries'
+    (``U = V``)."""
     with jax.named_scope(stages.FACTORS):
         if not erases(erase_gate):
             (q_scores,), decays = scores((q,), k, clamped(log_alpha), halving)

@@ -63,16 +63,8 @@ forward+backward faster; the forward stacked the same way was no faster on CPU a
 more temp on a TPU (docs/benchmarks.md).
 
 On a GPU every kernel of the halving is a launch of its own, a few a level, and each launch
-costs more than these small products (``scores``). There the chunked form makes every
-level's products at once (``all_levels``): each level's second-half rows and first-half
-columns, decayed to its boundaries as above, stacked over the levels as ``[L, C/2, K]``
-(``L = log2(C)``), one batched product ``[L, C/2, C/2]`` whose diagonal blocks are the
-levels' scores, and a static gather that puts them in place (``level_map``); the pullback
-is the same two products and the gather's inverse. The stacked rows are ``L/2`` times the
-keys, so it is taken where chunks are taken a group at a time or one by one (the
-``associative`` schedule's gradients, ``in_scan``), and the halving where every chunk is
-batched at once, and throughout the ``hoisted`` schedule, the one for when memory binds
-(``chunked/channel.py``'s ``halving``; the figures that chose this in docs/benchmarks.md).
+costs more than these small products: there the chunked form makes every level's products
+at once (``chunked/channel_levels.py``), with the same factors and sums of gates.
 """
 
 from __future__ import annotations
