@@ -29,6 +29,8 @@ from gdn_jax.ops.chunked.channel_levels import (
     all_levels_bwd,
     halving_levels_bwd,
     levels_bwd,
+    summed,
+    tables,
 )
 
 HEADS, V_HEADS, KEY, VALUE = 2, 4, 12, 10
@@ -179,6 +181,25 @@ def test_every_level_at_once_equals_the_halving(chunk):
     for name, a, e in [*cases, ("the scores' pullback", got_levels, want_levels)]:
         for i, (a_i, e_i) in enumerate(zip(jax.tree.leaves(a), jax.tree.leaves(e), strict=True)):
             assert_close(a_i, e_i, jnp.float32, f"{name} {i}")
+
+
+def test_the_gpu_sums_of_gates_lose_no_bit():
+    """The GPU multiplies the sums' matrix of ones by three bfloat16 parts of each gate
+    (``channel_levels.summed``, ``BF16_BF16_F32_X6``): the parts hold every float32 gate
+    exactly, a -1e4 reset and the -0.01 steps after it too, so each sum is float32's. XLA:CPU,
+    which runs these tests, multiplies in float32 whatever the algorithm, so the split is
+    checked here, and that the compiled sums ask for it."""
+    rng = np.random.default_rng(5)
+    g = np.concatenate([rng.uniform(-1.0, 0.0, 4096), [-1e4, -0.01, -3e-30, -0.0]])
+    g = g.astype(np.float32)
+    parts, rest = [], g
+    for _ in range(3):
+        parts.append(rest.astype(jnp.bfloat16).astype(np.float32))
+        rest = rest - parts[-1]
+    np.testing.assert_array_equal(parts[0] + parts[1] + parts[2], g)
+    ones = tables(16).sums
+    program = jax.jit(functools.partial(summed, ones)).lower(g[:16, None]).compile().as_text()
+    assert "dot_bf16_bf16_f32_x6" in program
 
 
 def test_every_level_at_once_makes_as_many_products_at_every_chunk_size():

@@ -10,18 +10,19 @@ gather (``level_map``) puts them in place; the pullback is the same two products
 gather's inverse.
 
 Every sum of gates is still a sum over its own segment of tokens, never a difference of
-running sums (``chunked/decays.py`` says why), but all of them come from one product with a
+running sums (``chunked/decays.py`` says why), but they all come from products with one
 constant matrix of zeros and ones, ``SUMS [(L + 2) C, C]``: a row per level and token of
-the segment its factor decays over (the rows' from the half's start through the token,
-the columns' from after the token through the half's end), then the decays from the chunk's
-start and to its end. Each sum then adds gates of one sign, in float32 (``HIGHEST``
-precision: a TF32 product would round the gates), and its pullback is the product with
-``SUMS^T``. The levels' halves are gathers of the tokens, and their cotangents go back to
-the tokens by the inverse gathers: no level is a kernel of its own.
+the segment its factor decays over (the rows' from the half's start through the token, the
+columns' from after the token through the half's end), then the decays from the chunk's
+start and to its end. Each sum adds gates of one sign, exactly in float32 (``summed`` says
+how, on a GPU's tensor cores), and its pullback is the product with ``SUMS^T``. The levels'
+halves are gathers of the tokens, and their cotangents go back to the tokens by the inverse
+gathers: no level is a kernel of its own.
 
-The stacked factors are ``L/2`` times the keys, so where chunks are batched the caller
-takes them a group at a time (``chunked/channel.py``); the halving is kept where a compiler
-runs each small kernel cheaply (XLA:CPU) or memory binds (the ``hoisted`` schedule).
+The stacked factors are ``L/2`` times the keys: the ``associative`` schedule's forward makes
+them for every chunk at once, its backward a group of chunks at a time
+(``chunked/channel_backward.py``). The halving is kept where a compiler runs each small
+kernel cheaply (XLA:CPU) or memory binds (the ``hoisted`` schedule).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from gdn_jax.ops.chunked.channel_decays import (
     level_sums,
 )
 
-HIGHEST = jax.lax.Precision.HIGHEST
+EXACT_F32 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6
 
 
 class Tables(NamedTuple):
@@ -114,9 +115,17 @@ def tables(chunk: int) -> Tables:
 
 
 def summed(ones: np.ndarray, x: Float[Array, "C K"]) -> Float[Array, "M K"]:
-    """``ones @ x`` for a constant matrix of zeros and ones, in ``x``'s dtype at ``HIGHEST``
-    precision: each row the sum of the rows of ``x`` it picks."""
-    return jnp.dot(ones.astype(x.dtype), x, precision=HIGHEST)
+    """``ones @ x`` for a constant matrix of zeros and ones: each row the sum of the rows of
+    ``x`` it picks, exact in ``x``'s dtype. In float32 by ``BF16_BF16_F32_X6``: ``x`` split
+    into three bfloat16 parts that hold its 24 bits, each multiplied by the ones (whose own
+    second and third parts are zero) on a GPU's tensor cores and summed in float32. That is
+    the float32 product to within its rounding, where ``HIGHEST`` multiplies in float32 on
+    the CUDA cores at a fraction of the rate, and a TF32 or bfloat16 product would round the
+    gates (``tests/ops/test_kda.py`` holds the sums to float32's; XLA:CPU multiplies in
+    float32 either way)."""
+    if x.dtype == jnp.float32:
+        return jnp.dot(ones.astype(x.dtype), x, precision=EXACT_F32)
+    return jnp.dot(ones.astype(x.dtype), x, precision=jax.lax.Precision.HIGHEST)
 
 
 def level_factors_at_once(log_alpha: Float[Array, "C K"], *, apart: bool = False):
