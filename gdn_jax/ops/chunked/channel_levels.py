@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from gdn_jax.ops.chunked.blocks import barrier_off_cpu
 from gdn_jax.ops.chunked.channel_decays import (
     ChannelDecays,
     channel_scores,
@@ -192,12 +193,17 @@ def levels_bwd(xs, k, log_alpha, d_scores):
     ``SUMS^T``."""
     chunk, key_dim = k.shape
     t = tables(chunk)
-    rows, cols, x_seconds, x_rows, k_cols = _products(xs, k, log_alpha)
+    _, _, x_seconds, x_rows, k_cols = _products(xs, k, log_alpha)
     d_products = jnp.concatenate(
         [jnp.where(t.used, d.reshape(-1)[t.inverse], 0) for d in d_scores], axis=1
     )  # [L, n C/2, C/2]
     d_x_rows = jnp.einsum("lti,lik->ltk", d_products, k_cols)
     d_k_cols = jnp.einsum("lti,ltk->lik", d_products, x_rows)  # summed over xs
+    # Off CPU the barrier has XLA make the factors again for what follows, rather than
+    # hold them through both products beside the stacked rows and their cotangent.
+    (d_x_rows, d_k_cols), log_alpha = barrier_off_cpu((d_x_rows, d_k_cols), log_alpha)
+    rows, cols = level_factors_at_once(log_alpha)
+    k_cols = k[t.first] * cols
     d_x_rows = jnp.split(d_x_rows, len(xs), axis=1)
     d_rows = sum(d * x for d, x in zip(d_x_rows, x_seconds, strict=True))
     d_xs = tuple(
