@@ -158,6 +158,14 @@ def associative_backward(inputs, kept, resets, d_ys, d_finals):
     xs = (starts, w, u, k_to_end, q_from_start, decays.whole, d_u_intra, d_ys)
     factors = (w, u, k_to_end, decays.whole)
     d_ends, d_initial = end_cotangents(state_pass_bwd, xs, factors, d_finals, resets)
+    # Off CPU the barrier has XLA form the factors again for the reverse state pass rather
+    # than hold every chunk's (five arrays the size of the keys) through the scan.
+    inputs, d_ends, (inverses, q_scores) = barrier_off_cpu(inputs, d_ends, (inverses, q_scores))
+    q, k, v, *gates = cast_to(starts.dtype, *inputs)
+    decays, w, u, k_to_end, q_from_start, d_u_intra = over_chunks(kept_factors)(
+        q, k, v, *gates, inverses, q_scores, d_ys
+    )
+    xs = (starts, w, u, k_to_end, q_from_start, decays.whole, d_u_intra, d_ys)
     _, (corrections, d_u, d_k_to_end, d_whole) = over_chunks(state_pass_bwd)(d_ends, *xs)
     made = over_chunks(start_products)(inverses, starts, d_ys, corrections, d_u)
     # Off CPU the barrier keeps XLA from keeping the decays (two arrays the size of the keys)
