@@ -45,7 +45,8 @@ from gdn_jax.ops.chunked.wy import two_products_bwd
 
 # Chunks whose gradients the backward forms together: GRADS_GROUP on accelerators,
 # CPU_GRADS_GROUP on XLA:CPU (``grads_in_groups`` says why they differ); the scores' share
-# alone, in the associative schedule, LEVELS_GROUP on accelerators.
+# alone, in the associative schedule, LEVELS_GROUP on accelerators: half the trips of 16,
+# each a GPU's launches again, within hoisted's peak memory (docs/benchmarks.md).
 GRADS_GROUP = 16
 CPU_GRADS_GROUP = 4
 LEVELS_GROUP = 32
