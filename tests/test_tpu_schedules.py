@@ -15,7 +15,7 @@ memory (1264 MiB measured with libtpu 0.0.52; MaxText's pure-JAX chunked rule ta
 at this size, docs/benchmarks.md).
 
 GDN-2 and KDA run the same two state passes, and GDN-2's hoisted backward one loop more
-(the chunks' gradients in groups, ``ops/chunked/channel.py``); their loops are read at a
+(the chunks' gradients in groups, ``ops/chunked/channel_backward.py``); their loops are read at a
 small size in ``test_tpu_compile.py``. Their temp memory at this size is a figure of
 ``benchmarks/bench_tpu_op.py --ops gdn kda gdn2`` in docs/benchmarks.md, not a test here:
 compiling GDN-2's program at this size costs more CPU than the rest of this module.

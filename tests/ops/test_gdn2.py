@@ -16,7 +16,7 @@ from support.reference import erase_write_reference, random_inputs, random_state
 from support.tolerance import assert_close
 
 import gdn_jax
-from gdn_jax.ops.chunked.channel import CPU_GRADS_GROUP, GRADS_GROUP
+from gdn_jax.ops.chunked.channel_backward import CPU_GRADS_GROUP, GRADS_GROUP, LEVELS_GROUP
 
 HEADS, V_HEADS, KEY, VALUE = 2, 4, 12, 10
 
@@ -116,11 +116,12 @@ def test_chunked_equals_recurrent_values_and_gradients(schedule):
 
 def test_chunked_with_the_gpu_scores_equals_recurrent(monkeypatch):
     """The whole op as it runs on a GPU (every platform choice takes its GPU branch: the
-    scores of every level at once, ``channel_decays.all_levels``), on this CPU: values and
-    every gradient against the recurrent form."""
+    scores of every level at once, ``channel_levels.all_levels``, the scores' pullback
+    ``LEVELS_GROUP`` chunks a group), on this CPU: values and every gradient against the
+    recurrent form, with more chunks than a group, the last group shorter."""
     monkeypatch.setattr(jax.lax, "platform_dependent", forms.as_on_an_nvidia_gpu)
-    args = single_head_args(132, 130, 16, 24)
-    options = dict(chunk_size=64, schedule="associative")
+    args = single_head_args(132, 16 * (LEVELS_GROUP + 3) - 5, 8, 6)
+    options = dict(chunk_size=16, schedule="associative")
     assert_forms_agree(args, jnp.float32, options, "GPU branches", shared=False)
 
 

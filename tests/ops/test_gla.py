@@ -20,7 +20,7 @@ from support.tolerance import assert_close
 
 import gdn_jax
 from gdn_jax.ops import renamed
-from gdn_jax.ops.chunked.channel import CPU_GRADS_GROUP, GRADS_GROUP
+from gdn_jax.ops.chunked.channel_backward import CPU_GRADS_GROUP, GRADS_GROUP
 
 RULE = "gated_linear_attention"
 HEADS, V_HEADS, KEY, VALUE = 2, 4, 12, 10

@@ -16,15 +16,21 @@ from support.reference import gated_delta_reference, random_inputs, random_state
 from support.tolerance import assert_close
 
 import gdn_jax
-from gdn_jax.ops.chunked.blocks import map_groups
-from gdn_jax.ops.chunked.channel import CPU_GRADS_GROUP, GRADS_GROUP
+from gdn_jax.ops.chunked.blocks import add_groups, map_groups
+from gdn_jax.ops.chunked.channel_backward import CPU_GRADS_GROUP, GRADS_GROUP, LEVELS_GROUP
 from gdn_jax.ops.chunked.channel_decays import (
-    all_levels,
-    all_levels_bwd,
     channel_scores,
     channel_scores_bwd,
     halving_sizes,
     level_sums,
+)
+from gdn_jax.ops.chunked.channel_levels import (
+    all_levels,
+    all_levels_bwd,
+    halving_levels_bwd,
+    levels_bwd,
+    summed,
+    tables,
 )
 
 HEADS, V_HEADS, KEY, VALUE = 2, 4, 12, 10
@@ -154,9 +160,11 @@ def halving_pullback(xs, k, log_alpha, d_scores, d_decays):
 
 @pytest.mark.parametrize("chunk", [16, 64])
 def test_every_level_at_once_equals_the_halving(chunk):
-    """The scores a GPU makes (``all_levels``: every level's products in one) and their
-    pullback equal the halving's, in float32 with a -1e4 reset in one channel and -0.01
-    steps after it, the decays and every cotangent included."""
+    """The scores a GPU makes (``all_levels``: every level's products in one, every sum of
+    gates one product with a matrix of ones) and their pullback equal the halving's, in
+    float32 with a -1e4 reset in one channel and -0.01 steps after it, the decays and every
+    cotangent included; so do the scores' pullback alone (``levels_bwd``, the associative
+    backward's loop) and the halving's."""
     rng = np.random.default_rng(chunk)
     g = rng.uniform(-1.0, 0.0, (chunk, 5))
     g[chunk // 3, 1], g[chunk // 3 + 1 :, 1] = -1e4, -0.01
@@ -167,31 +175,58 @@ def test_every_level_at_once_equals_the_halving(chunk):
     want, got = jax.jit(channel_scores)(xs, k, g), jax.jit(all_levels)(xs, k, g)
     want_d = jax.jit(halving_pullback)(xs, k, g, d_scores, d_decays)
     got_d = jax.jit(all_levels_bwd)(xs, k, g, d_scores, d_decays)
-    for name, a, e in [("scores", got, want), ("pullback", got_d, want_d)]:
+    want_levels = jax.jit(halving_levels_bwd)(xs, k, g, d_scores)
+    got_levels = jax.jit(levels_bwd)(xs, k, g, d_scores)
+    cases = [("scores", got, want), ("pullback", got_d, want_d)]
+    for name, a, e in [*cases, ("the scores' pullback", got_levels, want_levels)]:
         for i, (a_i, e_i) in enumerate(zip(jax.tree.leaves(a), jax.tree.leaves(e), strict=True)):
             assert_close(a_i, e_i, jnp.float32, f"{name} {i}")
 
 
-def test_every_level_at_once_is_one_product_a_direction():
-    """What the GPU's scores are for: one product for every level and score, two in the
-    pullback (one a side), and no loop, where the halving makes one a level and side."""
-    chunk, key_dim = 64, 8
-    x = np.ones((chunk, key_dim), np.float32)
-    d_scores = (np.ones((chunk, chunk), np.float32),) * 2
-    forward = jax.jit(all_levels).lower((x, x), x, x).compile().as_text()
-    backward = jax.jit(all_levels_bwd).lower((x, x), x, x, d_scores, (x, x, x[0])).compile()
-    backward = backward.as_text()
-    assert len(dots(forward.splitlines())) == 1 and len(dots(backward.splitlines())) == 2
-    assert " while(" not in forward + backward
+def test_the_gpu_sums_of_gates_lose_no_bit():
+    """The GPU multiplies the sums' matrix of ones by three bfloat16 parts of each gate
+    (``channel_levels.summed``, ``BF16_BF16_F32_X6``): the parts hold every float32 gate
+    exactly, a -1e4 reset and the -0.01 steps after it too, so each sum is float32's. XLA:CPU,
+    which runs these tests, multiplies in float32 whatever the algorithm, so the split is
+    checked here, and that the compiled sums ask for it."""
+    rng = np.random.default_rng(5)
+    g = np.concatenate([rng.uniform(-1.0, 0.0, 4096), [-1e4, -0.01, -3e-30, -0.0]])
+    g = g.astype(np.float32)
+    parts, rest = [], g
+    for _ in range(3):
+        parts.append(rest.astype(jnp.bfloat16).astype(np.float32))
+        rest = rest - parts[-1]
+    np.testing.assert_array_equal(parts[0] + parts[1] + parts[2], g)
+    ones = tables(16).sums
+    program = jax.jit(functools.partial(summed, ones)).lower(g[:16, None]).compile().as_text()
+    assert "dot_bf16_bf16_f32_x6" in program
+
+
+def test_every_level_at_once_makes_as_many_products_at_every_chunk_size():
+    """What the GPU's scores are for: as many products for 16 tokens (4 levels) as for 64
+    (6), and no loop, where the halving makes one a level and side: the levels' products,
+    the sums of gates (one product with ones for every level), the decays' and, in the
+    pullback, the sums' pullback."""
+
+    def products(chunk):
+        x = np.ones((chunk, 8), np.float32)
+        d_scores = (np.ones((chunk, chunk), np.float32),) * 2
+        forward = jax.jit(all_levels).lower((x, x), x, x).compile().as_text()
+        backward = jax.jit(all_levels_bwd).lower((x, x), x, x, d_scores, (x, x, x[0])).compile()
+        backward = backward.as_text()
+        assert " while(" not in forward + backward
+        return len(dots(forward.splitlines())), len(dots(backward.splitlines()))
+
+    assert products(16) == products(64)
 
 
 def test_chunked_with_the_gpu_scores_equals_recurrent(monkeypatch):
     """The whole op as it runs on a GPU (every platform choice takes its GPU branch: the
-    scores of every level at once, the barriers, ``GRADS_GROUP`` chunks a group), on this
+    scores of every level at once, the barriers, ``LEVELS_GROUP`` chunks a group), on this
     CPU: values and every gradient against the recurrent form, with more chunks than a
     group, the last group shorter, off the chunk grid."""
     monkeypatch.setattr(jax.lax, "platform_dependent", forms.as_on_an_nvidia_gpu)
-    args = single_head_args(60, 16 * (GRADS_GROUP + 3) - 5, 8, 6)
+    args = single_head_args(60, 16 * (LEVELS_GROUP + 3) - 5, 8, 6)
     options = dict(chunk_size=16, schedule="associative")
     assert_forms_agree(args, jnp.float32, options, "GPU branches", shared=False)
 
@@ -212,7 +247,8 @@ assert (GRADS_GROUP + 3) % CPU_GRADS_GROUP, "the CPU's last group of chunks is a
 @pytest.mark.parametrize("total", [7, 16, 37])
 def test_map_groups_equals_mapping_every_entry(total):
     """In groups of 16, fewer, exactly one group, and two with a shorter third: the same as
-    mapping each entry, with a gate an op lacks (None) passing through."""
+    mapping each entry, with a gate an op lacks (None) passing through; and ``add_groups``
+    the same added to totals."""
     rng = np.random.default_rng(total)
     a, b = (jnp.asarray(rng.standard_normal((total, 3, *tail))) for tail in ((), (2,)))
 
@@ -223,9 +259,14 @@ def test_map_groups_equals_mapping_every_entry(total):
     got = map_groups(fn, (a, None, b), 16)
     want = jax.vmap(fn)(a, None, b)
     assert got[1] is None
+    totals = (jnp.asarray(rng.standard_normal(want[0].shape)), None, jnp.cos(a))
+    added = add_groups(fn, (a, None, b), totals, 16)
+    assert added[1] is None
     # Within float64's rounding, not to the bit: XLA:GPU sums a group in another order.
     for g, w in ((got[0], want[0]), (got[2], want[2])):
         assert_close(g, w, jnp.float64)
+    for g, w, t in ((added[0], want[0], totals[0]), (added[2], want[2], totals[2])):
+        assert_close(g, w + t, jnp.float64)
 
 
 @pytest.mark.parametrize(("seq_len", "key_dim", "value_dim", "chunk", "schedule"), CHUNKED_CASES)

@@ -17,7 +17,7 @@ from support.hlo import dots, has_square, loop_bodies
 from support.reference import random_inputs, random_state
 
 import gdn_jax
-from gdn_jax.ops.chunked.channel import CPU_GRADS_GROUP
+from gdn_jax.ops.chunked.channel_backward import CPU_GRADS_GROUP
 
 # Distinct sizes, so that a [C, C] array cannot be mistaken for anything else.
 SEQ, CHUNK, KEY, VALUE = 96, 16, 24, 40
@@ -103,8 +103,8 @@ def test_channel_gated_hoisted_loops(op):
     """KDA's and GDN-2's hoisted forward+backward: the forward's and the reverse state pass
     hold only state-sized work (two and four products), and the chunks' gradients, with
     the ``[C, C]`` work, run after them in a loop over groups of ``CPU_GRADS_GROUP`` chunks
-    on this CPU (``chunked/channel.py``'s ``_grads_in_groups``): 9 chunks are two groups of 4 in the
-    loop and one chunk after it."""
+    on this CPU (``chunked/channel_backward.py``'s ``grads_in_groups``): 9 chunks are two
+    groups of 4 in the loop and one chunk after it."""
     chunks = 9
     q, k, v, la, b = random_inputs(3, chunks * CHUNK, KEY, VALUE, per_channel=True)
     gates = (la, b) if op == "kda_chunked" else (la, jax.nn.sigmoid(k), jax.nn.sigmoid(v))

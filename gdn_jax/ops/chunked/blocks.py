@@ -12,7 +12,8 @@ blocks. Packed sequences add two integer arrays over the blocks:
 Blocks never straddle two sequences (the chunked form lays each sequence out from a chunk
 boundary, see ``chunked/varlen.py``). Without ``resets`` there is one sequence over all blocks.
 ``map_groups`` maps a function over blocks a group at a time (the chunked backward's
-gradients, where all blocks at once would not fit an accelerator's memory).
+gradients, where all blocks at once would not fit an accelerator's memory), and
+``add_groups`` adds such a map to arrays it already has.
 """
 
 from __future__ import annotations
@@ -129,17 +130,7 @@ def map_groups(fn, xs, size):
     fn = jax.vmap(fn)
     if total <= size:
         return fn(*xs)
-    groups, rest = divmod(total, size)
-
-    def take(start, length):
-        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, length), xs)
-
-    def put(whole, part, start):
-        return jax.tree.map(
-            lambda w, p: jax.lax.dynamic_update_slice_in_dim(w, p, start, 0), whole, part
-        )
-
-    shapes = jax.eval_shape(fn, *take(0, size))
+    shapes = jax.eval_shape(fn, *_take(xs, 0, size))
     # Under shard_map the loop's carry must vary over the mesh axes that the groups' outputs
     # vary over (those of the inputs): zeros made with a select that never takes the inputs
     # do (``_varying_zero``), fresh ones would not; XLA folds the select away.
@@ -147,12 +138,47 @@ def map_groups(fn, xs, size):
     whole = jax.tree.map(
         lambda s: jnp.zeros((total, *s.shape[1:]), s.dtype) + zero.astype(s.dtype), shapes
     )
+    return _over_groups(lambda whole, part, start: _put(whole, part, start), fn, xs, whole, size)
+
+
+def add_groups(fn, xs, totals, size):
+    """``totals`` plus ``fn`` of each entry of ``xs``, taken as ``map_groups`` takes them:
+    each group's outputs are added to ``totals`` where they lie, in their buffers (no
+    second array of each, where ``map_groups`` and a sum would hold two)."""
+    total = jax.tree.leaves(xs)[0].shape[0]
+    fn = jax.vmap(fn)
+    if total <= size:
+        return jax.tree.map(jnp.add, totals, fn(*xs))
+    zero = _varying_zero(xs)  # as in map_groups
+    whole = jax.tree.map(lambda t: t + zero.astype(t.dtype), totals)
+
+    def add(whole, part, start):
+        length = jax.tree.leaves(part)[0].shape[0]
+        return _put(whole, jax.tree.map(jnp.add, _take(whole, start, length), part), start)
+
+    return _over_groups(add, fn, xs, whole, size)
+
+
+def _over_groups(put, fn, xs, whole, size):
+    """``whole`` after ``put(whole, fn(*group), start)`` for each group of ``size`` entries
+    of ``xs`` (the last shorter): a loop over the full groups, the rest after it."""
+    groups, rest = divmod(jax.tree.leaves(xs)[0].shape[0], size)
     whole = jax.lax.fori_loop(
-        0, groups, lambda i, whole: put(whole, fn(*take(i * size, size)), i * size), whole
+        0, groups, lambda i, whole: put(whole, fn(*_take(xs, i * size, size)), i * size), whole
     )
     if rest:
-        whole = put(whole, fn(*take(groups * size, rest)), groups * size)
+        whole = put(whole, fn(*_take(xs, groups * size, rest)), groups * size)
     return whole
+
+
+def _take(xs, start, length):
+    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, length), xs)
+
+
+def _put(whole, part, start):
+    return jax.tree.map(
+        lambda w, p: jax.lax.dynamic_update_slice_in_dim(w, p, start, 0), whole, part
+    )
 
 
 def _varying_zero(xs):

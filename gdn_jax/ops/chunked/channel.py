@@ -36,14 +36,15 @@ chunk's start state: ``dM = dY U^T`` on ``i <= t``; the WY pullback (``wy.two_pr
 ``e``, ``k`` and the decay factors, ``e = b * k`` and ``x = w * v`` to the gates, and every
 decay factor's cotangent to ``g`` (``channel_decays.channel_scores_bwd``, down its chain of
 sums). Between the forward and the backward only the inputs, in their own dtype, and one
-``[V, K]`` state per chunk are kept.
+``[V, K]`` state per chunk are kept (the ``associative`` schedule keeps ``T`` and ``M`` too).
 
 As in ``ops/chunked/scalar.py``, stages 1 and 3 and the gradients run hoisted out of the scan over
 chunks and batched (``"hoisted"``: only state-sized products in the loops; the keys and
-queries enter them already decayed) or inside it, chunk by chunk (``"in_scan"``). Both take
-GDN-2's ``x = w * v`` already formed (``_writes_first``; the hoisted one only where that is
-no wider than ``v``). A NaN in k, v or a gate reaches the outputs from the start of its
-chunk on.
+queries enter them already decayed), hoisted with the state pass an associative scan
+(``"associative"``, its backward in ``chunked/channel_backward.py``) or inside the scan,
+chunk by chunk (``"in_scan"``). All take GDN-2's ``x = w * v`` already formed
+(``_writes_first``; the hoisted ones only where that is no wider than ``v``). A NaN in k, v
+or a gate reaches the outputs from the start of its chunk on.
 """
 
 from __future__ import annotations
@@ -57,22 +58,25 @@ from jaxtyping import Array, Float, Int
 
 from gdn_jax.ops import checks
 from gdn_jax.ops.chunked import stages
-from gdn_jax.ops.chunked.blocks import (
-    barrier_off_cpu,
-    map_groups,
-    scan_blocks,
-    scan_blocks_backward,
+from gdn_jax.ops.chunked.blocks import barrier_off_cpu, scan_blocks, scan_blocks_backward
+from gdn_jax.ops.chunked.channel_backward import (
+    associative_backward,
+    grads_in_groups,
+    start_products,
 )
-from gdn_jax.ops.chunked.channel_decays import ChannelDecays, scores, scores_bwd
+from gdn_jax.ops.chunked.channel_decays import ChannelDecays
 from gdn_jax.ops.chunked.channel_gates import (
     NO_ERASE,
     WRITTEN,
     EraseGate,
+    clamped,
     erases,
     gated,
     gated_bwd,
     writes,
+    writes_bwd,
 )
+from gdn_jax.ops.chunked.channel_levels import scores, scores_bwd
 from gdn_jax.ops.chunked.decays import LOG_ALPHA_FLOOR
 from gdn_jax.ops.chunked.scalar import (
     cast_back,
@@ -83,9 +87,9 @@ from gdn_jax.ops.chunked.scalar import (
     state_pass_bwd,
 )
 from gdn_jax.ops.chunked.schedules import run_schedule
-from gdn_jax.ops.chunked.state_scan import end_cotangents, state_pass_over
+from gdn_jax.ops.chunked.state_scan import state_pass_over
 from gdn_jax.ops.chunked.varlen import chunk_layout
-from gdn_jax.ops.chunked.wy import two_products, two_products_bwd
+from gdn_jax.ops.chunked.wy import two_products
 
 
 class Factors(NamedTuple):
@@ -100,19 +104,12 @@ class Factors(NamedTuple):
     scores: Float[Array, "C C"]  # M
 
 
-def clamped(log_alpha):
-    """The gates with ``-inf`` (and anything below ``LOG_ALPHA_FLOOR``) as a full reset that
-    keeps the decays finite. Inside the core, so that no clamped copy of the gates is kept
-    for the backward, which passes no gradient to a clamped gate."""
-    return jnp.maximum(log_alpha, LOG_ALPHA_FLOOR)
-
-
 def chunk_factors(q, k, v, log_alpha, erase_gate: EraseGate, write_gate, *, halving=False):
     """Stage 1 for one chunk (inputs in the compute dtype): ``Factors``. ``write_gate`` is a
     ``WriteGate``, ``None`` (the erase gate writes: KDA's ``beta``) or ``WRITTEN`` (``v`` is
-    what is written). Both scores come from one pass over the levels (``channel_decays.scores``,
-    the halving on every platform with ``halving``: the passes over every chunk at once); with
-    ``NO_ERASE`` only the queries' (``U = V``)."""
+    what is written). Both scores come from one pass over the levels (``channel_levels.scores``,
+    the halving on every platform with ``halving``); with ``NO_ERASE`` only the queries'
+    (``U = V``)."""
     with jax.named_scope(stages.FACTORS):
         if not erases(erase_gate):
             (q_scores,), decays = scores((q,), k, clamped(log_alpha), halving)
@@ -153,23 +150,20 @@ def backward_inputs(q, k, v, log_alpha, erase_gate, write_gate, d_y, *, halving=
         return f, k_to_end, q_from_start, f.scores.T @ d_y
 
 
-def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d, *, halving=False):
+def input_grads(q, k, v, log_alpha, erase_gate, write_gate, made, d_k_to_end, d_whole, *,
+                halving=False):  # fmt: skip
     """Gradients of one chunk's q, k, v, log_alpha and gates from its inputs (compute
-    dtype), ``T``, start state ``S`` and what the reverse state pass returned, ``d = (dY, U,
-    dU, d(K decayed to the end), d exp(G_C))``. The decays and the levels are formed again
-    (``channel_decays.scores_bwd``, with ``halving`` as ``chunk_factors``). Without an erase
-    gate ``U = V``: ``dV = dU``, and only the queries' scores."""
+    dtype), ``start_products``' ``made`` and the reverse state pass's ``d(K decayed to the
+    end)`` and ``d exp(G_C)``: the scores' pullback (``channel_levels.scores_bwd``, with
+    ``halving`` as ``chunk_factors``, the decays and levels formed again), then the gates."""
     with jax.named_scope(stages.INPUT_GRADS):
-        d_y, corrections, d_u, d_k_to_end, d_whole = d
-        d_q_from_start = d_y @ start
-        d_scores = jnp.tril(d_y @ corrections.T)
+        d_q_from_start, d_scores, d_write, d_erase_decayed, d_strict = made
         if erases(erase_gate):
             erase = gated(k, erase_gate)
-            d_write, d_erase_decayed, d_strict = two_products_bwd(inverse, start, corrections, d_u)
             rows, d_rows = (q, erase), (d_scores, d_strict)
             d_from_start = d_q_from_start * q + d_erase_decayed * erase
         else:
-            d_write, rows, d_rows, d_from_start = d_u, (q,), (d_scores,), d_q_from_start * q
+            rows, d_rows, d_from_start = (q,), (d_scores,), d_q_from_start * q
         d_decays = (d_from_start, d_k_to_end * k, d_whole)
         (d_q, *d_erase), d_k, d_log_alpha, decays = scores_bwd(
             rows, k, clamped(log_alpha), d_rows, d_decays, halving
@@ -179,18 +173,23 @@ def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d, *
             d_erase = d_erase[0] + d_erase_decayed * decays.from_start
             d_k_erase, d_erase_gate = gated_bwd(k, erase_gate, d_erase)
             d_k = d_k + d_k_erase
-        if isinstance(write_gate, tuple):  # WRITTEN
-            d_v, d_write_gate = d_write, WRITTEN
-        else:
-            d_v, d_write_gate = gated_bwd(
-                v, erase_gate if write_gate is None else write_gate, d_write
-            )
+        d_v, d_write_gate = writes_bwd(v, erase_gate, write_gate, d_write)
         if write_gate is None:  # one gate erases and writes
             d_erase_gate, d_write_gate = d_erase_gate + d_write_gate, None
         d_q = d_q + d_q_from_start * decays.from_start
         d_k = d_k + d_k_to_end * decays.to_end
         d_log_alpha = jnp.where(log_alpha > LOG_ALPHA_FLOOR, d_log_alpha, 0)
         return d_q, d_k, d_v, d_log_alpha, d_erase_gate, d_write_gate
+
+
+def chunk_grads(q, k, v, log_alpha, erase_gate, write_gate, inverse, start, d, *, halving=False):
+    """Gradients of one chunk's q, k, v, log_alpha and gates from its inputs (compute
+    dtype), ``T``, start state ``S`` and what the reverse state pass returned, ``d = (dY, U,
+    dU, d(K decayed to the end), d exp(G_C))``: ``input_grads`` of ``start_products``."""
+    d_y, corrections, d_u, d_k_to_end, d_whole = d
+    made = start_products(inverse, start, d_y, corrections, d_u)
+    inputs = (q, k, v, log_alpha, erase_gate, write_gate)
+    return input_grads(*inputs, made, d_k_to_end, d_whole, halving=halving)
 
 
 def chunk_backward(d_end, start, q, k, v, log_alpha, erase_gate, write_gate, d_y):
@@ -207,25 +206,23 @@ def chunk_backward(d_end, start, q, k, v, log_alpha, erase_gate, write_gate, d_y
     return d_start, cast_back(grads, dtypes_of(inputs))
 
 
-# Chunks whose gradients the hoisted backward forms together, after its loop: GRADS_GROUP
-# on accelerators, CPU_GRADS_GROUP on XLA:CPU (``_grads_in_groups`` says why they differ).
-GRADS_GROUP = 16
-CPU_GRADS_GROUP = 4
-
-
-def _hoisted_forward(inputs, initial_states, resets, *, keep_starts, associative=False):
+def _hoisted_forward(inputs, initial_states, resets, *, keep, associative=False):
     q, k, v, *gates = cast_to(initial_states.dtype, *inputs)
-    f = over_chunks(functools.partial(chunk_factors, halving=True))(q, k, v, *gates)
+    # The associative schedule's scores are the platform's (every level at once on a GPU),
+    # and it keeps T and M for its backward; hoisted's the halving, keeping neither.
+    f = over_chunks(functools.partial(chunk_factors, halving=not associative))(q, k, v, *gates)
     k_to_end, q_from_start = k * f.decays.to_end, q * f.decays.from_start
     blocks = (f.w, f.u, k_to_end, q_from_start, f.decays.whole)
     (corrections, y_start), *starts, finals = state_pass_over(
         state_pass, blocks, (f.w, f.u, k_to_end, f.decays.whole), initial_states, resets,
-        keep_starts=keep_starts, associative=associative,
+        keep_starts=keep, associative=associative,
     )  # fmt: skip
-    return outputs(y_start, f.scores, f.u if f.w is None else corrections), finals, starts
+    kept = (*starts, f.inverse, f.scores) if associative and keep else tuple(starts)
+    return outputs(y_start, f.scores, f.u if f.w is None else corrections), finals, kept
 
 
-def _hoisted_backward(inputs, starts, resets, d_ys, d_finals):
+def _hoisted_backward(inputs, kept, resets, d_ys, d_finals):
+    (starts,) = kept
     q, k, v, *gates = cast_to(starts.dtype, *inputs)
     f, k_to_end, q_from_start, d_u_intra = over_chunks(
         functools.partial(backward_inputs, halving=True)
@@ -236,7 +233,7 @@ def _hoisted_backward(inputs, starts, resets, d_ys, d_finals):
     )
     # As in chunked.py: off CPU a barrier keeps XLA from keeping the decays of stage 1
     # through the loop for chunk_grads, which forms them again after it.
-    kept, d_u = barrier_off_cpu(inputs, d_u)
+    inputs, d_u = barrier_off_cpu(inputs, d_u)
     d = (d_ys, corrections, d_u, d_k_to_end, d_whole)
     dtypes = dtypes_of(inputs)
 
@@ -246,45 +243,8 @@ def _hoisted_backward(inputs, starts, resets, d_ys, d_finals):
         grads = chunk_grads(q, k, v, *gates, inverse, start, d, halving=True)
         return cast_back(grads, dtypes)
 
-    grads = _grads_in_groups(grads_of, (*kept, f.inverse, starts, d))
+    grads = grads_in_groups(grads_of, (*inputs, f.inverse, starts, d))
     return grads, d_initial
-
-
-def _associative_backward(inputs, starts, resets, d_ys, d_finals):
-    # The barriers as in chunked._associative_backward, for the same memory.
-    inputs, starts = barrier_off_cpu(inputs, starts)
-    q, k, v, *gates = cast_to(starts.dtype, *inputs)
-    f, k_to_end, q_from_start, d_u_intra = over_chunks(
-        functools.partial(backward_inputs, halving=True)
-    )(q, k, v, *gates, d_ys)
-    xs = (starts, f.w, f.u, k_to_end, q_from_start, f.decays.whole, d_u_intra, d_ys)
-    factors = (f.w, f.u, k_to_end, f.decays.whole)
-    d_ends, d_initial = end_cotangents(state_pass_bwd, xs, factors, d_finals, resets)
-    inputs, starts, d_ends = barrier_off_cpu(inputs, starts, d_ends)
-
-    def backward_of(d_end, start, *chunk):
-        return chunk_backward(d_end, start, *chunk)[1]
-
-    return _grads_in_groups(backward_of, (d_ends, starts, *inputs, d_ys)), d_initial
-
-
-def _grads_in_groups(grads_of, xs):
-    """``map_groups(grads_of, xs, size)``: the gradients a group of chunks at a time. All at
-    once, the levels' factors and their cotangents, some thirty ``[C, K]`` arrays a chunk,
-    would take gigabytes of an accelerator's memory at long sequences. Each group reads its inputs in
-    their own dtype and leaves its gradients in it (no float32 copy of them all). The group
-    size depends on the platform: on XLA:CPU a group's arrays are its chunks' times the heads
-    batched around them, and the pullback of the scores makes many elementwise passes over
-    them, which run faster over few chunks that stay near the cores, at the same temp; on a
-    TPU fewer chunks a group take more temp. The measurements that chose
-    ``CPU_GRADS_GROUP`` and ``GRADS_GROUP`` are in docs/benchmarks.md."""
-
-    def in_groups(size):
-        return lambda *xs: map_groups(grads_of, xs, size)
-
-    return jax.lax.platform_dependent(
-        *xs, cpu=in_groups(CPU_GRADS_GROUP), default=in_groups(GRADS_GROUP)
-    )
 
 
 def _writes_first(inputs, dtype, *, wider_too: bool):
@@ -302,15 +262,15 @@ def _writes_first(inputs, dtype, *, wider_too: bool):
     return q, k, made, log_alpha, erase_gate, WRITTEN
 
 
-def _in_scan_forward(inputs, initial_states, resets, *, keep_starts):
+def _in_scan_forward(inputs, initial_states, resets, *, keep):
     ys, *starts, finals = scan_blocks(
-        chunk_forward, inputs, initial_states, resets, keep_starts=keep_starts
+        chunk_forward, inputs, initial_states, resets, keep_starts=keep
     )
-    return ys, finals, starts
+    return ys, finals, tuple(starts)
 
 
-def _in_scan_backward(inputs, starts, resets, d_ys, d_finals):
-    return scan_blocks_backward(chunk_backward, (starts, *inputs, d_ys), d_finals, resets)
+def _in_scan_backward(inputs, kept, resets, d_ys, d_finals):
+    return scan_blocks_backward(chunk_backward, (*kept, *inputs, d_ys), d_finals, resets)
 
 
 def _with_writes_first(schedule, *, wider_too: bool):
@@ -318,17 +278,18 @@ def _with_writes_first(schedule, *, wider_too: bool):
     ``w * v`` taken back to ``v`` and ``w`` after it."""
     forward, backward = schedule
 
-    def folded_forward(inputs, initial_states, resets, *, keep_starts):
+    def folded_forward(inputs, initial_states, resets, *, keep):
         folded = _writes_first(inputs, initial_states.dtype, wider_too=wider_too)
-        return forward(folded, initial_states, resets, keep_starts=keep_starts)
+        return forward(folded, initial_states, resets, keep=keep)
 
-    def folded_backward(inputs, starts, resets, d_ys, d_finals):
-        folded = _writes_first(inputs, starts.dtype, wider_too=wider_too)
-        grads, d_initial = backward(folded, starts, resets, d_ys, d_finals)
+    def folded_backward(inputs, kept, resets, d_ys, d_finals):
+        dtype = kept[0].dtype
+        folded = _writes_first(inputs, dtype, wider_too=wider_too)
+        grads, d_initial = backward(folded, kept, resets, d_ys, d_finals)
         if folded is inputs:
             return grads, d_initial
         v, write_gate = inputs[2], inputs[5]
-        v_c, gate_c = v.astype(starts.dtype), write_gate.astype(starts.dtype)
+        v_c, gate_c = v.astype(dtype), write_gate.astype(dtype)
         d_v, d_write_gate = over_chunks(gated_bwd)(v_c, gate_c, grads[2])
         d_v, d_write_gate = d_v.astype(v.dtype), d_write_gate.astype(write_gate.dtype)
         return (*grads[:2], d_v, *grads[3:5], d_write_gate), d_initial
@@ -339,7 +300,7 @@ def _with_writes_first(schedule, *, wider_too: bool):
 SCHEDULES = {
     "hoisted": _with_writes_first((_hoisted_forward, _hoisted_backward), wider_too=False),
     "associative": _with_writes_first(
-        (functools.partial(_hoisted_forward, associative=True), _associative_backward),
+        (functools.partial(_hoisted_forward, associative=True), associative_backward),
         wider_too=False,
     ),
     "in_scan": _with_writes_first((_in_scan_forward, _in_scan_backward), wider_too=True),
@@ -354,21 +315,21 @@ def channel_core(schedule, q, k, v, log_alpha, erase_gate, write_gate, initial_s
     ``resets`` as in ``blocks.scan_blocks``. Returns ``(y [NC, C, V], finals [N, V, K])``."""
     forward, _ = SCHEDULES[schedule]
     inputs = (q, k, v, log_alpha, erase_gate, write_gate)
-    ys, finals, _ = forward(inputs, initial_states, resets, keep_starts=False)
+    ys, finals, _ = forward(inputs, initial_states, resets, keep=False)
     return ys, finals
 
 
 def _channel_core_fwd(schedule, q, k, v, log_alpha, erase_gate, write_gate, initial_states, resets):
     forward, _ = SCHEDULES[schedule]
     inputs = (q, k, v, log_alpha, erase_gate, write_gate)
-    ys, finals, (starts,) = forward(inputs, initial_states, resets, keep_starts=True)
-    return (ys, finals), (inputs, starts, resets)
+    ys, finals, kept = forward(inputs, initial_states, resets, keep=True)
+    return (ys, finals), (inputs, kept, resets)
 
 
 def _channel_core_bwd(schedule, residuals, cotangents):
     _, backward = SCHEDULES[schedule]
-    inputs, starts, resets = residuals
-    grads, d_initial = backward(inputs, starts, resets, *cotangents)
+    inputs, kept, resets = residuals
+    grads, d_initial = backward(inputs, kept, resets, *cotangents)
     return (*grads, d_initial, None)
 
 

@@ -63,25 +63,15 @@ forward+backward faster; the forward stacked the same way was no faster on CPU a
 more temp on a TPU (docs/benchmarks.md).
 
 On a GPU every kernel of the halving is a launch of its own, a few a level, and each launch
-costs more than these small products (``scores``). There the chunked form makes every
-level's products at once (``all_levels``): each level's second-half rows and first-half
-columns, decayed to its boundaries as above, stacked over the levels as ``[L, C/2, K]``
-(``L = log2(C)``), one batched product ``[L, C/2, C/2]`` whose diagonal blocks are the
-levels' scores, and a static gather that puts them in place (``level_map``); the pullback
-is the same two products and the gather's inverse. The stacked rows are ``L/2`` times the
-keys, so it is taken where chunks are taken a group at a time or one by one (the
-``associative`` schedule's gradients, ``in_scan``), and the halving where every chunk is
-batched at once, and throughout the ``hoisted`` schedule, the one for when memory binds
-(``chunked/channel.py``'s ``halving``; the figures that chose this in docs/benchmarks.md).
+costs more than these small products: there the chunked form makes every level's products
+at once (``chunked/channel_levels.py``), with the same factors and sums of gates.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float
 
 from gdn_jax.ops.chunked.blocks import barrier_off_cpu
@@ -220,148 +210,6 @@ def channel_scores_bwd(xs, k, levels: list[Sums], decays: ChannelDecays, d_score
         diagonal = blocks[i][:, 0, :]  # [C, 1]
         d_xs[i], d_k = d_xs[i] + diagonal * k, d_k + diagonal * x
     return tuple(d_xs), d_k, d_sums[0]
-
-
-def level_map(chunk: int) -> tuple[np.ndarray, np.ndarray]:
-    """Where each score of a chunk sits among the levels' products, for ``all_levels``:
-    ``(at [C, C], strict [C, C])``. Score ``(t, i)``, ``i < t``, belongs to the level whose
-    blocks first hold both tokens, the highest bit in which ``t`` and ``i`` differ (half
-    ``h``), and in that level's ``[C/2, C/2]`` product of second-half rows and first-half
-    columns, both in token order, it is row ``t // 2h * h + t % h``, column ``i // 2h * h +
-    i % h``; ``at`` is its index in the levels' products flattened (0 where ``i >= t``)."""
-    t, i = np.meshgrid(np.arange(chunk), np.arange(chunk), indexing="ij")
-    strict = i < t
-    level = np.zeros_like(t)
-    for j in range(1, chunk.bit_length()):
-        level[(t ^ i) >= 2**j] = j
-    half = 2**level
-    row = t // (2 * half) * half + t % half
-    col = i // (2 * half) * half + i % half
-    at = (level * (chunk // 2) + row) * (chunk // 2) + col
-    return np.where(strict, at, 0), strict
-
-
-def level_map_bwd(chunk: int) -> tuple[np.ndarray, np.ndarray]:
-    """The inverse of ``level_map``: for each entry of the levels' products ``[L, C/2,
-    C/2]``, the index of its score in ``[C, C]`` flattened, and whether it is one (the
-    products' entries outside their levels' blocks are no score)."""
-    at, strict = level_map(chunk)
-    size = len(halving_sizes(chunk)) * (chunk // 2) ** 2
-    inverse, used = np.zeros(size, np.int64), np.zeros(size, bool)
-    inverse[at[strict]], used[at[strict]] = np.flatnonzero(strict), True
-    shape = (len(halving_sizes(chunk)), chunk // 2, chunk // 2)
-    return inverse.reshape(shape), used.reshape(shape)
-
-
-def _level_halves(x: Float[Array, "C K"], chunk: int):
-    """``x``'s first and second halves of every level's blocks, ``[L, C/2, K]`` each, in
-    token order (the rows and columns of ``level_map``'s products)."""
-    pairs = [x.reshape(-1, 2, half, x.shape[-1]) for half in halving_sizes(chunk)]
-    return tuple(jnp.stack([p[:, j].reshape(chunk // 2, -1) for p in pairs]) for j in (0, 1))
-
-
-def _levels_stacked(levels: list[Sums], chunk: int):
-    """Every level's factors, ``rows`` and ``cols`` of ``level_factors``, ``[L, C/2, K]``."""
-    factors = [level_factors(s, h) for h, s in zip(halving_sizes(chunk), levels, strict=True)]
-    return tuple(jnp.stack([f[j].reshape(chunk // 2, -1) for f in factors]) for j in (0, 1))
-
-
-def all_levels(xs, k, log_alpha):
-    """``channel_scores(xs, k, log_alpha)`` with every level's products made at once: one
-    batched product ``[L, n C/2, K] x [L, C/2, K]`` for the ``n`` row factors of ``xs``,
-    the second halves of each level's blocks decayed from the boundary, against the first
-    halves of ``k`` decayed to it, whose diagonal blocks of each level are the scores
-    (``level_map``). It multiplies ``L C^2 K / 4`` a score where the halving does ``log2(C)
-    C^2 K / 4`` over ``log2(C)`` products, each with its own factors: the same decays and
-    sums of gates, in a few kernels rather than a few a level (docs/benchmarks.md)."""
-    chunk = k.shape[0]
-    levels, decays = level_sums(log_alpha)
-    rows, cols = _levels_stacked(levels, chunk)
-    k_cols = _level_halves(k, chunk)[0] * cols
-    x_rows = jnp.concatenate([_level_halves(x, chunk)[1] * rows for x in xs], axis=1)
-    products = jnp.einsum("ltk,lik->lti", x_rows, k_cols).reshape(-1, len(xs), (chunk // 2) ** 2)
-    at, strict = level_map(chunk)
-    scores = []
-    for i, x in enumerate(xs):
-        lower = jnp.where(strict, products[:, i].reshape(-1)[at], 0)
-        scores.append(lower + jnp.diag((x * k).sum(-1)))
-    return tuple(scores), decays
-
-
-def all_levels_bwd(xs, k, log_alpha, d_scores, d_decays):
-    """The pullback of ``all_levels(xs, k, log_alpha)`` as ``channel_scores_bwd``'s, its
-    products batched over the levels and scores as the forward's, one a side: ``(d_xs,
-    d_k, d_log_alpha, decays)``."""
-    chunk = k.shape[0]
-    half_c = chunk // 2
-    levels, decays = level_sums(log_alpha)
-    rows, cols = _levels_stacked(levels, chunk)
-    k_first = _level_halves(k, chunk)[0]
-    k_cols = k_first * cols
-    x_seconds = [_level_halves(x, chunk)[1] for x in xs]
-    inverse, used = level_map_bwd(chunk)
-    d_products = jnp.concatenate(
-        [jnp.where(used, d.reshape(-1)[inverse], 0) for d in d_scores], axis=1
-    )  # [L, n C/2, C/2]
-    x_rows = jnp.concatenate([x * rows for x in x_seconds], axis=1)
-    d_x_rows = jnp.einsum("lti,lik->ltk", d_products, k_cols)
-    d_k_cols = jnp.einsum("lti,ltk->lik", d_products, x_rows)  # summed over xs
-    d_x_rows = [d_x_rows[:, i * half_c : (i + 1) * half_c] for i in range(len(xs))]
-    d_rows = sum(d * x for d, x in zip(d_x_rows, x_seconds, strict=True))
-    d_xs = tuple(
-        jnp.diagonal(d)[:, None] * k + _placed(d_x * rows, chunk, second=True)
-        for d, d_x in zip(d_scores, d_x_rows, strict=True)
-    )
-    d_k = sum(jnp.diagonal(d)[:, None] * x for d, x in zip(d_scores, xs, strict=True))
-    d_k = d_k + _placed(d_k_cols * cols, chunk, second=False)
-    d_p_levels = _placed(d_rows * rows, chunk, second=True, summed=False)
-    d_s_levels = _placed(d_k_cols * k_cols, chunk, second=False, summed=False)
-    d_from_start, d_to_end, d_whole = d_decays
-    d_p = (d_from_start * decays.from_start).at[-1].add(d_whole * decays.whole)
-    d_sums = (d_p, d_to_end * decays.to_end)
-    for j, half in reversed(list(enumerate(halving_sizes(chunk)))):
-        d_sums = coarser_bwd(d_sums, half)
-        d_sums = (d_sums[0] + d_p_levels[j], d_sums[1] + d_s_levels[j])
-    return d_xs, d_k, d_sums[0], decays
-
-
-def _placed(x: Float[Array, "L rows K"], chunk: int, *, second: bool, summed: bool = True):
-    """Each level's rows of ``x`` (``_level_halves``' order) in place among zeros, ``[C,
-    K]`` a level: summed over the levels, or a list of them."""
-    place = _second_halves if second else _first_halves
-    levels = [
-        place(x[j].reshape(-1, half, x.shape[-1])) for j, half in enumerate(halving_sizes(chunk))
-    ]
-    return sum(levels) if summed else levels
-
-
-def scores(xs, k, log_alpha, halving=False):
-    """``channel_scores`` for the platform compiled for: ``all_levels`` on a GPU, where each
-    of the halving's kernels is a launch of its own, else (and with ``halving``) the halving
-    (faster on XLA:CPU, less temp on a TPU: docs/benchmarks.md)."""
-    if halving:
-        return channel_scores(xs, k, log_alpha)
-    return jax.lax.platform_dependent(
-        xs, k, log_alpha, cuda=all_levels, rocm=all_levels, default=channel_scores
-    )
-
-
-def halving_bwd(xs, k, log_alpha, d_scores, d_decays):
-    """``channel_scores_bwd`` from the gates, as ``all_levels_bwd`` takes them: ``(d_xs, d_k,
-    d_log_alpha, decays)``."""
-    levels, decays = level_sums(log_alpha)
-    return (*channel_scores_bwd(xs, k, levels, decays, d_scores, d_decays), decays)
-
-
-def scores_bwd(xs, k, log_alpha, d_scores, d_decays, halving=False):
-    """The pullback of ``scores(xs, k, log_alpha, halving)``: ``(d_xs, d_k, d_log_alpha,
-    decays)``."""
-    if halving:
-        return halving_bwd(xs, k, log_alpha, d_scores, d_decays)
-    return jax.lax.platform_dependent(
-        xs, k, log_alpha, d_scores, d_decays,
-        cuda=all_levels_bwd, rocm=all_levels_bwd, default=halving_bwd,
-    )  # fmt: skip
 
 
 def _after(done, sums):

@@ -7,7 +7,10 @@ v``. KDA has one gate for both (no write gate, ``None``); GLA has neither: it er
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jaxtyping import Array, Float
+
+from gdn_jax.ops.chunked.decays import LOG_ALPHA_FLOOR
 
 Gate = Float[Array, " C"] | Float[Array, "C D"]  # one number per token, or one per channel
 EraseGate = Float[Array, " C"] | Float[Array, "C K"] | tuple[()]  # or NO_ERASE
@@ -41,3 +44,19 @@ def writes(v, erase_gate: EraseGate, write_gate) -> Float[Array, "C V"]:
     if write_gate is None:
         return gated(v, erase_gate)
     return v if isinstance(write_gate, tuple) else gated(v, write_gate)
+
+
+def writes_bwd(v, erase_gate: EraseGate, write_gate, d_write) -> tuple:
+    """The pullback of ``writes(v, erase_gate, write_gate)``: ``(dv, d write gate)``, the
+    latter ``None`` for KDA (the erase gate's share, left for the caller to add to its own)
+    and ``WRITTEN`` where ``v`` is what is written."""
+    if isinstance(write_gate, tuple):
+        return d_write, WRITTEN
+    return gated_bwd(v, erase_gate if write_gate is None else write_gate, d_write)
+
+
+def clamped(log_alpha):
+    """The gates with ``-inf`` (and anything below ``LOG_ALPHA_FLOOR``) as a full reset that
+    keeps the decays finite. Inside the core, so that no clamped copy of the gates is kept
+    for the backward, which passes no gradient to a clamped gate."""
+    return jnp.maximum(log_alpha, LOG_ALPHA_FLOOR)
