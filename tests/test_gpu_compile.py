@@ -73,10 +73,7 @@ def _wgmma_kernel():
             plgpu.wgmma_wait(0)
             o_smem[...] = acc[...].astype(o_smem.dtype)
 
-        pl.run_scoped(product, plgpu.ACC((64, 64), jnp.float32))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem)
-        plgpu.wait_smem_to_gmem(0)
+        _product_out(product, o_smem, o_gmem)
 
     smem = [plgpu.SMEM((64, 64), jnp.bfloat16, transforms=tile) for _ in range(3)]
     out = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
@@ -127,7 +124,6 @@ def _stored_then_read(*, fenced: bool, by: str):
     """A tile stored from registers, then read through the async proxy, ``by`` a wgmma or a
     TMA store, with ``commit_smem`` between them or not: the positive control of the fence
     scan (the second, without it, is the bug the scan is for)."""
-    tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     def body(x_gmem, o_gmem, a_smem, b_smem, o_smem):
         del x_gmem  # an argument to place on the GPU
@@ -145,14 +141,27 @@ def _stored_then_read(*, fenced: bool, by: str):
             plgpu.wgmma_wait(0)
             o_smem[...] = acc[...].astype(o_smem.dtype)
 
-        pl.run_scoped(product, plgpu.ACC((64, 64), jnp.float32))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem)
-        plgpu.wait_smem_to_gmem(0)
+        _product_out(product, o_smem, o_gmem)
 
+    return _tile_kernel(body)
+
+
+def _tile_kernel(body):
+    """``body(x_gmem, o_gmem, a_smem, b_smem, o_smem)`` as a kernel (named as ``body``) of
+    three swizzled bf16 ``[64, 64]`` tiles, with a ``[64, 64]`` bf16 output."""
+    tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = [plgpu.SMEM((64, 64), jnp.bfloat16, transforms=tile) for _ in range(3)]
     out = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
     return plgpu.kernel(body, out_type=out, scratch_types=smem)
+
+
+def _product_out(product, o_smem, o_gmem):
+    """``product(acc)`` on a float32 accumulator (it leaves its tile in ``o_smem``), then
+    that tile out to ``o_gmem``, fenced and awaited."""
+    pl.run_scoped(product, plgpu.ACC((64, 64), jnp.float32))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem)
+    plgpu.wait_smem_to_gmem(0)
 
 
 @pytest.mark.skipif(
@@ -173,7 +182,6 @@ def test_a_store_read_through_the_async_proxy_without_a_fence_is_reported(by):
 def _looped(trips, *, bound_in_hbm=False):
     """``trips`` wgmmas in a loop: ``fori_loop`` to a constant, or to a bound read from HBM
     (``x_gmem[0]``, 0, plus ``trips``), which the machine code cannot show."""
-    tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     def looped(x_gmem, o_gmem, a_smem, b_smem, o_smem):  # the kernel's name
         a_smem[...] = jnp.ones((64, 64), jnp.bfloat16)
@@ -193,14 +201,9 @@ def _looped(trips, *, bound_in_hbm=False):
             jax.lax.fori_loop(jnp.int32(0), bound, step, 0)
             o_smem[...] = acc[...].astype(o_smem.dtype)
 
-        pl.run_scoped(product, plgpu.ACC((64, 64), jnp.float32))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem)
-        plgpu.wait_smem_to_gmem(0)
+        _product_out(product, o_smem, o_gmem)
 
-    smem = [plgpu.SMEM((64, 64), jnp.bfloat16, transforms=tile) for _ in range(3)]
-    out = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
-    return plgpu.kernel(looped, out_type=out, scratch_types=smem)
+    return _tile_kernel(looped)
 
 
 @pytest.mark.skipif(

@@ -103,8 +103,8 @@ def parse(sass: str) -> tuple[list[Instruction], dict[str, int]]:
     return instructions, labels
 
 
-def blocks_of(instructions, labels) -> tuple[list[Block], dict[int, int]]:
-    """Basic blocks and, for each instruction index that starts one, its block's index."""
+def blocks_of(instructions, labels) -> list[Block]:
+    """The basic blocks, each with its successors' indices."""
     leaders = {0, *labels.values()}
     for i, ins in enumerate(instructions):
         if ins.opcode.startswith(("BRA", "EXIT")) and i + 1 < len(instructions):
@@ -123,7 +123,7 @@ def blocks_of(instructions, labels) -> tuple[list[Block], dict[int, int]]:
             falls = falls and last.predicate is not None
         if falls:
             block.successors.append(n + 1)
-    return blocks, index
+    return blocks
 
 
 def in_line(instructions, blocks) -> list[bool]:
@@ -338,7 +338,7 @@ def floor(sass: str, open_trips: tuple[int, ...] = ()) -> Floor:
     """One program's floors (module docstring). ``open_trips``: the trips of the loops the
     code leaves open, in their headers' order; ``OpenLoops`` if their number differs."""
     instructions, labels = parse(sass)
-    blocks, _ = blocks_of(instructions, labels)
+    blocks = blocks_of(instructions, labels)
     loops = loops_of(instructions, blocks)
     opened = [lp for lp in loops if lp.trips is None]
     if len(opened) != len(open_trips):
@@ -382,5 +382,5 @@ def floor(sass: str, open_trips: tuple[int, ...] = ()) -> Floor:
 def open_loops(sass: str) -> int:
     """How many loops of a kernel read their bounds at run time."""
     instructions, labels = parse(sass)
-    blocks, _ = blocks_of(instructions, labels)
+    blocks = blocks_of(instructions, labels)
     return sum(lp.trips is None for lp in loops_of(instructions, blocks))
