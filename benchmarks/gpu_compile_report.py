@@ -8,7 +8,9 @@ kernel's registers, spills, shared memory and tensor-core instructions.
     JAX_PLATFORMS=cpu python benchmarks/gpu_compile_report.py --out /tmp/gpu_compile.md
 
 A program is q, k, v in bfloat16 and the gates in float32 (``use_qk_l2norm=True``), and its
-backward the gradients of ``sum(o * do)`` for every input. With jax-linear-attention
+forward+backward a training step: ``value_and_grad`` of ``sum(o * do)`` for every input. The
+loss's value is what keeps each side's forward kernel in the program: from ``grad`` alone XLA
+drops a forward whose output no backward reads (jla's, which recomputes its states). With jax-linear-attention
 installed (``pip install jax-linear-attention``) its Mosaic GPU ops are compiled beside them
 as ``jla``. Each program compiles in a child process, so that one the compiler cannot build
 (or that crashes it) is a row that says so.
@@ -112,7 +114,7 @@ def program(rule_key: str, impl: str, schedule: str, batch: int, seq_len: int, b
         *inputs, do = arrays
         return jnp.sum(forward(*inputs).astype(jnp.float32) * do.astype(jnp.float32))
 
-    grad = jax.grad(loss, argnums=tuple(range(len(args))))
+    grad = jax.value_and_grad(loss, argnums=tuple(range(len(args))))
     do = jax.ShapeDtypeStruct((batch, seq_len, HEADS, DIM), bf16)
     return grad, [*args, do]
 
