@@ -71,6 +71,12 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from gpu_report import Report, autotune_record, environment  # noqa: E402 (after its path)
 
+from gdn_jax.ops.mosaic import limits  # noqa: E402
+
+# --smoke and --dry-run interpret the kernels on the CPU: two warpgroups need three threads in
+# XLA's CPU pool, more than a 2-core host gives it (limits.interpreter_refusal).
+limits.give_interpreter_threads()
+
 # (B, T) at H heads of K = V = DIM: the issue's shapes, and tiny ones for --smoke (chunks of
 # 64, the kernels' only size; 96 tokens end off the chunk grid).
 FULL = dict(shapes=[(4, 4096), (1, 32768)], heads=16, dim=128, chunk=64)

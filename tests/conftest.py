@@ -87,6 +87,13 @@ def _set_up_test_process():
 
     process_setup.set_up()
 
+    from gdn_jax.ops.mosaic import limits  # (after the shape checks' import hook)
+
+    # Mosaic GPU's interpreter needs a thread of XLA's CPU pool a warpgroup beside the
+    # caller's; a 2-core host's pool has two. The floor's JAX has no interpreter, and its
+    # pool stays as it is. Before the backend starts (jax.default_backend below).
+    limits.give_interpreter_threads()
+
     import jax
     import jaxlib
 

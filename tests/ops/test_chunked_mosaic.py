@@ -10,6 +10,7 @@ tolerance table holds here as on a GPU.
 """
 
 import functools
+import os
 
 import jax
 import pytest
@@ -231,3 +232,32 @@ def test_the_race_detector_is_on_and_reports_a_race(capfd):
     """The positive control: the detector these tests run under reports a kernel's race."""
     x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
     assert races_reported(lambda: racy_kernel()(jnp.ones(x.shape, x.dtype)), capfd) >= 1
+
+
+def test_a_cpu_pool_too_small_for_two_warpgroups_is_one_named_error(monkeypatch):
+    """The interpreter runs each of the grads kernel's two warpgroups as a computation on
+    XLA's CPU pool beside the caller's: in a pool of two the second never starts and the
+    first waits at its barrier for ever (a 2-core host's default). Lowering the backward
+    there names the kernel and the fix; the forward's kernels, of one warpgroup, lower."""
+    monkeypatch.setenv("PJRT_NPROC", "2")  # read when the interpreted form is lowered
+    q, k, v, la, b = random_inputs(14, 20, 16, 16, lead=(1,), heads=(1, 1))
+
+    def loss(v):
+        return jnp.sum(mosaic_rule(q, k, v, la, b)[0] ** 2)
+
+    jax.jit(loss).lower(v)
+    with pytest.raises(RuntimeError, match=r"^gdn_mosaic_grads: .* PJRT_NPROC=3 "):
+        jax.jit(jax.grad(loss)).lower(v)
+
+
+def test_the_pool_is_given_the_interpreters_threads_before_jax_starts(monkeypatch):
+    """``limits.give_interpreter_threads`` (the test session's and gpu_check's first step)
+    raises a pool of two to three and leaves a larger one as it is."""
+    from gdn_jax.ops.mosaic import limits
+
+    monkeypatch.delenv("NPROC", raising=False)
+    for given, kept in (("2", "3"), ("1", "3"), ("8", "8")):
+        monkeypatch.setenv("PJRT_NPROC", given)
+        limits.give_interpreter_threads()
+        assert os.environ["PJRT_NPROC"] == kept, given
+        assert limits.interpreter_refusal("k", 2) is None

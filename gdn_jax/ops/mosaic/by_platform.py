@@ -26,14 +26,16 @@ class _Forms:
     """The two forms of one kernel call on flat arguments, with the interpreted form's output
     shapes and effects. Hashed by identity: each call binds its own."""
 
-    def __init__(self, compiled: Callable, interpreted: Callable, out_avals, effects):
+    def __init__(self, compiled: Callable, interpreted: Callable, out_avals, effects, refusal):
         self.compiled, self.interpreted = compiled, interpreted
         self.out_avals, self.effects = tuple(out_avals), effects
+        self.refusal = refusal
 
 
-def call(compiled: Callable, interpreted: Callable, *args):
+def call(compiled: Callable, interpreted: Callable, *args, refusal=lambda: None):
     """``compiled(*args)`` where the program is lowered for CUDA, ``interpreted(*args)``
-    elsewhere (both take and return pytrees of arrays)."""
+    elsewhere (both take and return pytrees of arrays). ``refusal() -> str | None``: why
+    the interpreted form cannot run here, asked when it is lowered (a RuntimeError)."""
     flat, tree = jax.tree.flatten(args)
 
     def flat_form(form):
@@ -42,7 +44,9 @@ def call(compiled: Callable, interpreted: Callable, *args):
     traced, shapes = jax.make_jaxpr(
         lambda *xs: interpreted(*jax.tree.unflatten(tree, xs)), return_shape=True
     )(*flat)
-    forms = _Forms(flat_form(compiled), flat_form(interpreted), traced.out_avals, traced.effects)
+    forms = _Forms(
+        flat_form(compiled), flat_form(interpreted), traced.out_avals, traced.effects, refusal
+    )
     out_tree = jax.tree.structure(shapes)
     return jax.tree.unflatten(out_tree, kernel_p.bind(*flat, forms=forms))
 
@@ -54,6 +58,8 @@ def _abstract_eval(*avals, forms):
 
 def _lowering(which: str):
     def lower(ctx, *args, forms):
+        if which == "interpreted" and (reason := forms.refusal()) is not None:
+            raise RuntimeError(reason)
         return mlir.lower_fun(getattr(forms, which), multiple_results=True)(ctx, *args)
 
     return lower
@@ -69,6 +75,7 @@ def _batched(args, dims, *, forms):
         jax.vmap(lambda *xs: forms.compiled(*xs), in_axes=in_axes),
         jax.vmap(lambda *xs: forms.interpreted(*xs), in_axes=in_axes),
         *moved,
+        refusal=forms.refusal,
     )
     return outs, [0] * len(outs)
 

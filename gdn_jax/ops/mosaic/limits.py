@@ -8,6 +8,8 @@ everything the forward and the backward will need, so that an explicit
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -28,6 +30,48 @@ HAS_KERNELS = hasattr(plgpu, "InterpretGPUParams")
 GRID_X, GRID_YZ = 2**31 - 1, 65_535
 # Token offsets into the laid-out inputs are int32 in the kernels.
 MOST_TOKENS = 2**31 - 1
+
+# Mosaic GPU's interpreter runs each warpgroup of a program as a computation of its own on the
+# CPU client's thread pool while the caller's computation waits in a callback: a kernel of two
+# warpgroups needs three of the pool's threads, or the second never starts and the first waits
+# at a barrier for ever. XLA sizes the pool at PJRT_NPROC (or NPROC) where set, else at the
+# CPUs the process may run on, when the backend starts.
+POOL_SIZE_VARIABLES = ("PJRT_NPROC", "NPROC")
+MOST_WARPGROUPS = 2  # of any kernel here (scalar/grads.py)
+
+
+def interpreter_pool() -> int:
+    """The threads XLA's CPU client gives a process started with this environment."""
+    for name in POOL_SIZE_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.strip().isdigit():
+            return int(value)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def give_interpreter_threads() -> None:
+    """Set ``PJRT_NPROC`` so that XLA's CPU pool has the threads the interpreter needs for
+    every kernel here, where this JAX has the interpreter and the pool would be smaller;
+    call it before the CPU backend starts (a test session, a script that interprets)."""
+    if HAS_KERNELS and interpreter_pool() <= MOST_WARPGROUPS:
+        os.environ["PJRT_NPROC"] = str(MOST_WARPGROUPS + 1)
+
+
+def interpreter_refusal(name: str, warpgroups: int) -> str | None:
+    """Why kernel ``name`` of ``warpgroups`` warpgroups cannot run interpreted in this
+    process (None: it can)."""
+    needed = warpgroups + 1 if warpgroups > 1 else 1
+    pool = interpreter_pool()
+    if pool >= needed:
+        return None
+    return (
+        f"{name}: Mosaic GPU's interpreter runs each of this kernel's {warpgroups} warpgroups "
+        f"as a computation on XLA's CPU thread pool beside the caller's, which needs {needed} "
+        f"threads; this process's pool has {pool}, so the kernel would wait for ever. Start "
+        f"the process with PJRT_NPROC={needed} (or more) in its environment, or use "
+        f"impl='chunked' off a GPU"
+    )
+
 
 # The named error of every route of a second derivative through the kernels' custom_vjp.
 SECOND_ORDER = (
@@ -97,10 +141,13 @@ def run_time_trips(chunks: int, key_dim: int, value_dim: int) -> dict[str, tuple
     their code, for sequences of ``chunks`` chunks each: the model of their time
     (``gdn_jax.gpu_compile.sass``) cannot read them from the machine code. The state passes
     run over a sequence's chunks (read from its offsets); Gated DeltaNet's grads kernel adds
-    a 0 from HBM to its loops over 64 channels at a time (``tiles.over_blocks``): the
-    corrections' and the values' (value channels), the queries' and the keys' (key
-    channels), the state's rows (value channels)."""
+    a 0 from HBM to its loops over 64 channels at a time (``tiles.over_blocks``): on its
+    keys' side the queries' and the keys' (its share of the key channels) and the state's
+    rows (value channels), on its values' side the corrections' and the values' (value
+    channels), the queries' and the keys' (the other share)."""
     passes = {f"{kind}_mosaic_{name}": (chunks,) for kind in ("gdn", "channel")
               for name in ("states", "reverse")}  # fmt: skip
     keys, values = padded_width(key_dim) // PAD, padded_width(value_dim) // PAD
-    return {**passes, "gdn_mosaic_grads": (values, values, keys, keys, values)}
+    first, second = keys - keys // 2, keys // 2  # scalar/grads.py: the keys' side's, the other
+    trips = (first, first, values, values, values, *(second, second)[: 2 * (second > 0)])
+    return {**passes, "gdn_mosaic_grads": trips}

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gdn_jax.ops.mosaic import by_platform
+from gdn_jax.ops.mosaic import by_platform, limits
 from gdn_jax.ops.mosaic.limits import CHUNK
 
 F32 = jnp.float32
@@ -44,6 +44,8 @@ ROWS = WGMMA.reduce(1)
 
 COLS = WGMMA.reduce(0)
 
+
+WARPGROUP = "warpgroup"  # the axis of a warp-specialised kernel's warpgroups
 
 SEGMENT_PIECES = 3  # bf16 pieces that hold a float32 gate exactly
 
@@ -204,17 +206,18 @@ def unit_lower_inverse(strict, off: Pieces, inverse: Pieces, half: Pieces):
     return jax.lax.fori_loop(jnp.int32(1), jnp.int32(shape[0].bit_length() - 1), level, d)
 
 
-def over_blocks(size: int, body, init, zero=None):
-    """``body(first, carry) -> carry`` for ``first`` over ``0, 64, ..., size - 64`` as a
-    loop, not unrolled: ptxas then holds one block's registers at a time (a kernel of
-    straight-line code was scheduled into spills). ``zero``: an int32 0 the compiler cannot
-    see (read from HBM), added to the trip count so that a loop of one trip stays a loop
-    too, rather than being straight-lined into the code around it."""
+def over_blocks(size: int, body, init, zero=None, start: int = 0):
+    """``body(first, carry) -> carry`` for ``first`` over ``start, start + 64, ..., size -
+    64`` as a loop, not unrolled: ptxas then holds one block's registers at a time (a kernel
+    of straight-line code was scheduled into spills). ``zero``: an int32 0 the compiler
+    cannot see (read from HBM), added to the trip count so that a loop of one trip stays a
+    loop too, rather than being straight-lined into the code around it."""
 
     def step(i, carry):
-        return body(pl.multiple_of(i * CHUNK, CHUNK), carry)
+        return body(pl.multiple_of(start + i * CHUNK, CHUNK), carry)
 
-    trips = jnp.int32(size // CHUNK) if zero is None else size // CHUNK + zero
+    trips = (size - start) // CHUNK
+    trips = jnp.int32(trips) if zero is None else trips + zero
     return jax.lax.fori_loop(jnp.int32(0), trips, step, init)
 
 
@@ -230,10 +233,20 @@ def operand(x, count: int) -> tuple:
     return tuple(split(x.astype(F32), count))
 
 
-def kernel_call(body, *, name: str, out_type, scratch, grid: dict, interpret):
-    """``plgpu.kernel`` of one warpgroup a program over ``grid`` (axis name: size), in Lane
-    semantics (explicit layouts: Mosaic GPU's layout inference, its default from jax 0.11,
-    found no solution for these kernels).
+def finish_together(done) -> None:
+    """Every warpgroup of the program arrives at ``done`` (a barrier of one arrival a
+    warpgroup) and waits for the others: a warpgroup that left the kernel while another
+    still issued wgmma ended some runs of the field's kernels in an illegal instruction
+    (sm_90, jax 0.11.2)."""
+    plgpu.barrier_arrive(done)
+    plgpu.barrier_wait(done)
+
+
+def kernel_call(body, *, name: str, out_type, scratch, grid: dict, interpret, warpgroups=1):
+    """``plgpu.kernel`` of ``warpgroups`` warpgroups a program over ``grid`` (axis name:
+    size), in Lane semantics (explicit layouts: Mosaic GPU's layout inference, its default
+    from jax 0.11, found no solution for these kernels). With more than one, the body reads
+    its own as ``jax.lax.axis_index(WARPGROUP)`` and ends in ``finish_together``.
 
     The grid's last axis is CUDA's x, the only one past 65,535 programs (Pallas reverses
     the grid): it is what grows with the input, chunks or sequences (``limits.GRID_X``).
@@ -253,10 +266,18 @@ def kernel_call(body, *, name: str, out_type, scratch, grid: dict, interpret):
             compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
             interpret=params,
             kernel_name=name,
+            **({} if warpgroups == 1 else dict(num_threads=warpgroups, thread_name=WARPGROUP)),
         )
 
+    def refusal():
+        return limits.interpreter_refusal(name, warpgroups)
+
     if interpret is None:
-        return lambda *args: by_platform.call(build(None), build(_params(True)), *args)
+        return lambda *args: by_platform.call(
+            build(None), build(_params(True)), *args, refusal=refusal
+        )
+    if interpret is not False and (reason := refusal()) is not None:
+        raise RuntimeError(reason)
     return build(_params(interpret))
 
 

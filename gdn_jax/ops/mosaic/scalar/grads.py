@@ -7,6 +7,14 @@ input's gradient (``chunked/scalar.py``'s
 ``chunk_decays_bwd``). The gradients of q, k and the gates sum over a key head's value heads
 and over value blocks: a program writes its share, summed after the kernel.
 
+Two warpgroups share a program, as the field's fastest grads kernels do: the keys' side
+loads the chunk and makes what needs only q, k and the gates (the decays, ``Q K^T * Gamma``,
+``K K^T``) while the values' side makes ``U`` and then ``dU``, ``dVb`` and dv; the square
+cotangents follow on the keys' side, and then each side makes dq and dk over half of the key
+channels. Barriers pass each product on (``attn_ready``, ``dvb_ready``, ``squares_ready``,
+``rows_ready``); the writer commits its shared-memory stores before it arrives, since the
+reader's wgmma reads them through the async proxy.
+
 Each stage, and each step of a loop, reads its operands through views of its own at a 0
 read from HBM (``_views``), and every loop's trip count adds that 0 (``tiles.over_blocks``):
 at 255 registers, wgmma descriptors made once and loops of one trip straight-lined into the
@@ -121,11 +129,12 @@ def _value_grads(raw, out, decays, beta, index, v_hbm):
     return tiles.over_blocks(raw["du"].refs[0].shape[-1], block, beta * 0.0, raw["zero"])
 
 
-def _square_grads(raw):
+def _square_grads(raw, gram):
     """The ``[C, C]`` cotangents: of ``Q K^T * Gamma`` (into ``sq_attn``), of ``k k^T``
     (into ``sq_gram``) and of the decays within the chunk times them (into ``sq_within``).
-    Returns the chunk's decays, made again here rather than kept in registers since stage
-    1, and the share of d beta from the system, ``rowsum(dA * Gamma * K K^T)``."""
+    Returns the chunk's decays, made again here rather than kept in registers since the
+    attention, and the share of d beta from the system, ``rowsum(dA * Gamma * K K^T)``.
+    ``gram``: ``K K^T``, made while the values' side worked."""
     shape = (CHUNK, CHUNK)
     s = _views(raw)
     gates = s["gates"]
@@ -134,9 +143,9 @@ def _square_grads(raw):
     d_attn = tiles.product(shape, (s["d_y"], s["write"].T)) * within  # dY U^T
     tiles.store(s["sq_attn"], d_attn)
     d_within = d_attn * tiles.product(shape, (s["q"], s["k"].T))
-    d_strict = -tiles.product(shape, (s["du"], s["write"].T)) * tiles.load(s["strict"])
+    rows, cols = tiles.iotas(shape)
+    d_strict = jnp.where(rows > cols, -tiles.product(shape, (s["du"], s["write"].T)), 0.0)
     d_strict = d_strict * within  # dVb U^T, below the diagonal, times the decays
-    gram = tiles.product(shape, (s["k"], s["k"].T))
     d_beta = jnp.sum(d_strict * gram, axis=1)
     beta = tiles.by_row(plgpu.load(gates.at[1], layout=tiles.ROWS), shape)
     tiles.store(s["sq_gram"], d_strict * beta)
@@ -145,14 +154,15 @@ def _square_grads(raw):
     return decays, d_beta
 
 
-def _key_grads(raw, out, decays, beta, index):
-    """dq and dk (this program's shares), 64 key channels at a time in two loops (a ``[C,
-    K]`` float32 tile is a quarter of a thread's registers at K = 128; ``over_blocks``);
-    returns the rows' ``(d from_start, d to_end, d k_proj)`` cotangents: ``rowsum(dY S *
-    Q)``, ``rowsum(U dS' * K)`` and ``rowsum(dw_k * K)`` with ``dw_k = -dVb S``."""
+def _key_grads(raw, out, decays, beta, index, channels):
+    """dq and dk (this program's shares) of the key channels ``channels = (first, end)``,
+    64 at a time in two loops (a ``[C, K]`` float32 tile is a quarter of a thread's
+    registers at K = 128; ``over_blocks``); returns the rows' ``(d from_start, d to_end, d
+    k_proj)`` cotangents over those channels: ``rowsum(dY S * Q)``, ``rowsum(U dS' * K)``
+    and ``rowsum(dw_k * K)`` with ``dw_k = -dVb S``."""
     tokens, head, _ = index
     shape = (CHUNK, CHUNK)
-    key_dim = raw["q"].refs[0].shape[-1]
+    first, end = channels
 
     def query_block(first, d_from_start):
         s = _views(raw)
@@ -181,26 +191,18 @@ def _key_grads(raw, out, decays, beta, index):
         return sums[0] + d_to_end, sums[1] + d_k_proj
 
     zero = beta * 0.0
-    d_from_start = tiles.over_blocks(key_dim, query_block, zero, raw["zero"])
-    d_to_end, d_k_proj = tiles.over_blocks(key_dim, key_block, (zero, zero), raw["zero"])
+    if first == end:  # K = 64: the keys' side takes the one block
+        return zero, zero, zero
+    d_from_start = tiles.over_blocks(end, query_block, zero, raw["zero"], start=first)
+    d_to_end, d_k_proj = tiles.over_blocks(end, key_block, (zero, zero), raw["zero"], first)
     return d_from_start, d_to_end, d_k_proj
 
 
-def _gate_grads(raw, decays, d_from_start, d_to_end):
-    """``decays.chunk_decays_bwd`` for the chunk's ``log_alpha`` (COLS): each gate's terms
-    summed over the segments that hold it. ``sq_within`` holds the cotangent of the decays
-    within the chunk times them; ``ones`` and ``strict`` the triangular masks."""
+def _whole_grad(raw):
+    """``sum(dS' * S)``, the cotangent of the chunk's whole decay times it, 64 rows of the
+    state at a time: a COLS vector, every entry the sum."""
     shape = (CHUNK, CHUNK)
-    s = _views(raw)
-    # [t, s]: the sum over i < s of row t, a product with the strict mask's transpose.
-    rows_before = tiles.product(shape, (s["sq_within"], s["strict"].T))
-    held = rows_before + tiles.by_row(d_from_start * decays.from_start, shape)
-    lower = tiles.load(s["ones"])  # (t >= s)
-    d_log_alpha = jnp.sum(held * lower, axis=0)
-    to_end = tiles.by_row(d_to_end * decays.to_end, shape)
-    d_log_alpha = d_log_alpha + jnp.sum(to_end - to_end * lower, axis=0)
 
-    # The whole chunk's decay: sum(dS' * S), 64 rows of the state at a time.
     def rows_of(i, total):
         s = _views(raw)
         rows = pl.ds(pl.multiple_of(i * CHUNK, CHUNK), CHUNK)
@@ -208,49 +210,130 @@ def _gate_grads(raw, decays, d_from_start, d_to_end):
         return total + jnp.sum(tiles.by_row(jnp.sum(product, axis=1), shape), axis=0)
 
     blocks = (jnp.int32(0), raw["start"].refs[0].shape[-2] // CHUNK + raw["zero"])
-    d_whole = jax.lax.fori_loop(*blocks, rows_of, d_log_alpha * 0.0)
+    zero = plgpu.load(_views(raw)["gates"].at[4], layout=tiles.COLS) * 0.0
+    return jax.lax.fori_loop(*blocks, rows_of, zero)
+
+
+def _gate_grads(raw, decays, d_from_start, d_to_end, d_whole):
+    """``decays.chunk_decays_bwd`` for the chunk's ``log_alpha`` (COLS): each gate's terms
+    summed over the segments that hold it. ``sq_within`` holds the cotangent of the decays
+    within the chunk times them; ``ones`` the mask of ``t >= i``; ``d_whole``:
+    ``_whole_grad``'s."""
+    shape = (CHUNK, CHUNK)
+    s = _views(raw)
+    # [t, s]: the sum over i < s of row t, a product with the mask's transpose less the
+    # term at s (no strict mask in shared memory: the kernel has no room for it).
+    rows_before = tiles.product(shape, (s["sq_within"], s["ones"].T)) - tiles.load(s["sq_within"])
+    held = rows_before + tiles.by_row(d_from_start * decays.from_start, shape)
+    lower = tiles.load(s["ones"])  # (t >= s)
+    d_log_alpha = jnp.sum(held * lower, axis=0)
+    to_end = tiles.by_row(d_to_end * decays.to_end, shape)
+    d_log_alpha = d_log_alpha + jnp.sum(to_end - to_end * lower, axis=0)
     return d_log_alpha + d_whole * plgpu.load(s["gates"].at[4], layout=tiles.COLS)
+
+
+KEYS, VALUES = 0, 1  # the warpgroups: their sides of the chunk's work
+
+
+def _keys_side(raw, hbm, out, index, channels, block) -> None:
+    """Warpgroup ``KEYS``: loads the chunk, makes its decays and ``Q K^T * Gamma`` for the
+    values' side, then the square cotangents, dq and dk over ``channels`` and, once the
+    values' side has left its row sums in ``rows``, the gates' gradients."""
+    tokens, head, _ = index
+    s = _views(raw)
+    value_block = s["d_y"].refs[0].shape[-1]
+    _load_grads_tiles(hbm, s, head=head, group=raw["group"], block=block, value_block=value_block)
+    shape = (CHUNK, CHUNK)
+    decays = in_chunk.chunk_decays(s["gates"], s)
+    tiles.store(s["attn"], tiles.product(shape, (s["q"], s["k"].T)) * decays.within)
+    tiles.commit()
+    plgpu.barrier_arrive(raw["attn_ready"])
+    s = _views(raw)
+    gram = tiles.product(shape, (s["k"], s["k"].T))
+    plgpu.barrier_wait(raw["dvb_ready"])
+    decays, d_beta_system = _square_grads(raw, gram)
+    plgpu.barrier_arrive(raw["squares_ready"])
+    beta = plgpu.load(s["gates"].at[1], layout=tiles.ROWS)
+    keys = dict(raw, out_tile=raw.get("out_keys"))
+    d_from_start, d_to_end, d_k_proj = _key_grads(keys, out, decays, beta, index, channels)
+    plgpu.barrier_wait(raw["rows_ready"])
+    d_beta, *theirs = (plgpu.load(raw["rows"].at[i], layout=tiles.ROWS) for i in range(4))
+    d_from_start, d_to_end, d_k_proj = (
+        mine + other for mine, other in zip((d_from_start, d_to_end, d_k_proj), theirs, strict=True)
+    )
+    d_whole = plgpu.load(raw["rows"].at[4], layout=tiles.COLS)
+    d_log_alpha = _gate_grads(raw, decays, d_from_start + beta * d_k_proj, d_to_end, d_whole)
+    d_beta = d_beta + d_beta_system + decays.from_start * d_k_proj
+    out["d_gates"].at[0, head, tokens][...] = d_log_alpha
+    out["d_gates"].at[1, head, tokens][...] = d_beta
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _values_side(raw, hbm, out, index, channels, block) -> None:
+    """Warpgroup ``VALUES``: ``U``, then (once the keys' side has the attention) ``dU``,
+    ``dVb`` and dv; ``_whole_grad``; then dq and dk over ``channels``, leaving its sums in
+    ``rows``."""
+    tokens, head, value_start = index
+    plgpu.barrier_wait(raw["loaded"])
+    s = _views(raw)
+    decays = in_chunk.chunk_vectors(s["gates"])
+    beta = plgpu.load(s["gates"].at[1], layout=tiles.ROWS)
+
+    def v_hbm(first):  # v is read twice, straight from HBM: a tile of it would not fit
+        values = pl.ds(value_start + first, CHUNK)
+        return tiles.load_global([ref.at[tokens, head, values] for ref in hbm["v"]])
+
+    _corrections(raw, decays, beta, v_hbm)
+    plgpu.barrier_wait(raw["attn_ready"])
+    d_beta = _value_grads(raw, out, decays, beta, index, v_hbm)
+    tiles.commit()  # dVb and U, read by the keys' side's products
+    plgpu.barrier_arrive(raw["dvb_ready"])
+    d_whole = _whole_grad(raw)  # while the keys' side makes the square cotangents
+    plgpu.barrier_wait(raw["squares_ready"])
+    sums = _key_grads(raw, out, decays, beta, index, channels)
+    for i, row in enumerate((d_beta, *sums, d_whole)):
+        raw["rows"].at[i][...] = row
+    plgpu.barrier_arrive(raw["rows_ready"])
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _grads_kernel(*refs, group: int, **s):
     """One chunk, value head and value block: every input's gradient (shares of those of
-    q, k and the gates)."""
+    q, k and the gates), by two warpgroups (``_keys_side``, ``_values_side``)."""
     inputs = ("q", "k", "v", "d_y", "gates", "starts", "d_ends", "inverses", "zero")
     names = (*inputs, "d_q", "d_k", "d_v", "d_gates")
     hbm = dict(zip(names, refs, strict=True))
-    # Free once the inverse is made or read: its scratch holds the square cotangents.
-    raw = dict(s, sq_gram=s["off"], sq_within=s["half"], sq_attn=s["inverse"])
+    # Free once the inverse is read: its scratch holds the square cotangents.
+    raw = dict(s, sq_gram=s["off"], sq_within=s["half"], sq_attn=s["inverse"], group=group)
     raw["attn"] = Pieces(s["terms"].refs[: len(s["q"].refs)])  # once the segment sums are done
     out = {name: hbm.pop(name) for name in names[len(inputs) :]}
     raw["zero_ref"] = hbm.pop("zero")
     raw["zero"] = raw["zero_ref"][0]  # a 0 the compiler cannot see: loops of one trip stay loops
-    s = _views(raw)
     chunk, head, block = (jax.lax.axis_index(axis) for axis in ("chunk", "head", "block"))
     value_block = s["d_y"].refs[0].shape[-1]
-    _load_grads_tiles(hbm, s, head=head, group=group, block=block, value_block=value_block)
-    tokens = pl.ds(chunk * CHUNK, CHUNK)
-    index = (tokens, head, block * value_block)
+    index = (pl.ds(chunk * CHUNK, CHUNK), head, block * value_block)
+    shares = dict(d_q=out["d_q"].at[block], d_k=out["d_k"].at[block], d_v=out["d_v"],
+                  d_gates=out["d_gates"].at[block])  # fmt: skip
+    key_dim = s["q"].refs[0].shape[-1]
+    middle = key_dim - key_dim // CHUNK // 2 * CHUNK  # the keys' side takes an odd block
+    side = jax.lax.axis_index(tiles.WARPGROUP)
+    args = (raw, hbm, shares, index)
+    pl.when(side == KEYS)(lambda: _keys_side(*args, (0, middle), block))
+    pl.when(side == VALUES)(lambda: _values_side(*args, (middle, key_dim), block))
+    tiles.finish_together(s["done"])
 
-    def v_hbm(first):  # v is read twice, straight from HBM: a tile of it would not fit
-        values = pl.ds(block * value_block + first, CHUNK)
-        return tiles.load_global([ref.at[tokens, head, values] for ref in hbm["v"]])
 
-    # Q K^T * Gamma as soon as the decays are made: Gamma [C, C] held in registers through
-    # the inverse and the corrections until dU needed it, and ptxas spilled.
-    s = _views(raw)
-    decays = in_chunk.chunk_decays(s["gates"], s)
-    tiles.store(s["attn"], tiles.product((CHUNK, CHUNK), (s["q"], s["k"].T)) * decays.within)
-    beta = plgpu.load(s["gates"].at[1], layout=tiles.ROWS)
-    _corrections(raw, decays, beta, v_hbm)
-    d_beta = _value_grads(raw, out, decays, beta, index, v_hbm)
-    decays, d_beta_system = _square_grads(raw)
-    shares = dict(d_q=out["d_q"].at[block], d_k=out["d_k"].at[block])
-    d_from_start, d_to_end, d_k_proj = _key_grads(raw, shares, decays, beta, index)
-    d_log_alpha = _gate_grads(raw, decays, d_from_start + beta * d_k_proj, d_to_end)
-    d_beta = d_beta + d_beta_system + decays.from_start * d_k_proj
-    out["d_gates"].at[block, 0, head, tokens][...] = d_log_alpha
-    out["d_gates"].at[block, 1, head, tokens][...] = d_beta
-    plgpu.wait_smem_to_gmem(0)
+def _out_tiles(d_v_dtype, d_key_dtype) -> dict:
+    """The tiles of the TMA stores of outputs narrower than float32 (``_write_tile``): the
+    values' side's (dv, and its share of dq and dk), the keys' side's (its share of dq and
+    dk). Float32 outputs leave from registers and need none: the widest kernels have no
+    shared memory for them."""
+    out = {}
+    if d_v_dtype != F32:
+        out["out_tile"] = tiles.smem((CHUNK, CHUNK), d_v_dtype)
+    if d_key_dtype != F32:
+        out["out_keys"] = tiles.smem((CHUNK, CHUNK), d_key_dtype)
+    return out
 
 
 def grads(q, k, v, d_y, gates, starts, d_ends, inverses, *, dtypes=(F32, F32), interpret):
@@ -281,9 +364,12 @@ def grads(q, k, v, d_y, gates, starts, d_ends, inverses, *, dtypes=(F32, F32), i
         gates=plgpu.SMEM((in_chunk.GATES, CHUNK), F32),
         du=tiles.pieces(count, (CHUNK, value_block)),
         loaded=plgpu.Barrier(num_arrivals=6 * count + 1),
-        strict=tiles.pieces(1, (CHUNK, CHUNK)),
-        out_tile=tiles.smem((CHUNK, CHUNK), d_v_dtype),
         write=tiles.pieces(count, (CHUNK, value_block)),
+        rows=plgpu.SMEM((5, CHUNK), F32),  # the values' side's sums, for the gates
+        **{name: plgpu.Barrier() for name in ("attn_ready", "dvb_ready", "squares_ready")},
+        rows_ready=plgpu.Barrier(),
+        done=plgpu.Barrier(num_arrivals=2),
+        **_out_tiles(d_v_dtype, d_key_dtype),
         **system_scratch(count),
     )
     scratch = {  # a leading axis of one, for _views
@@ -304,6 +390,7 @@ def grads(q, k, v, d_y, gates, starts, d_ends, inverses, *, dtypes=(F32, F32), i
         scratch=scratch,
         grid=dict(block=blocks, head=v_heads, chunk=tokens // CHUNK),
         interpret=interpret,
+        warpgroups=2,
     )
     inputs = (tuple(q), tuple(k), tuple(v), tuple(d_y), gates, tuple(starts), tuple(d_ends))
     return call(*inputs, tuple(inverses), jnp.zeros((1,), jnp.int32))
