@@ -233,6 +233,16 @@ def operand(x, count: int) -> tuple:
     return tuple(split(x.astype(F32), count))
 
 
+def hand_over(barrier) -> None:
+    """Arrive at ``barrier`` (one arrival a warpgroup) once every thread of the warpgroup has
+    stored what another warpgroup will read after waiting on it. One thread arrives for the
+    warpgroup, and its release orders only its own stores: ``commit``'s warpgroup barrier
+    puts the other threads' stores before it, and its fence makes them visible to the
+    reader's wgmma and TMA too."""
+    commit()
+    plgpu.barrier_arrive(barrier)
+
+
 def finish_together(done) -> None:
     """Every warpgroup of the program arrives at ``done`` (a barrier of one arrival a
     warpgroup) and waits for the others: a warpgroup that left the kernel while another

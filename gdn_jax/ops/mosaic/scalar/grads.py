@@ -12,8 +12,8 @@ loads the chunk and makes what needs only q, k and the gates (the decays, ``Q K^
 ``K K^T``) while the values' side makes ``U`` and then ``dU``, ``dVb`` and dv; the square
 cotangents follow on the keys' side, and then each side makes dq and dk over half of the key
 channels. Barriers pass each product on (``attn_ready``, ``dvb_ready``, ``squares_ready``,
-``rows_ready``); the writer commits its shared-memory stores before it arrives, since the
-reader's wgmma reads them through the async proxy.
+``rows_ready``), each arrived at by ``tiles.hand_over`` once the whole warpgroup has stored
+and fenced what the other reads.
 
 Each stage, and each step of a loop, reads its operands through views of its own at a 0
 read from HBM (``_views``), and every loop's trip count adds that 0 (``tiles.over_blocks``):
@@ -150,8 +150,7 @@ def _square_grads(raw, gram):
     beta = tiles.by_row(plgpu.load(gates.at[1], layout=tiles.ROWS), shape)
     tiles.store(s["sq_gram"], d_strict * beta)
     tiles.store(s["sq_within"], d_within + d_strict * beta * gram)
-    tiles.commit()
-    return decays, d_beta
+    return decays, d_beta  # the caller hands the tiles over (commits)
 
 
 def _key_grads(raw, out, decays, beta, index, channels):
@@ -246,13 +245,12 @@ def _keys_side(raw, hbm, out, index, channels, block) -> None:
     shape = (CHUNK, CHUNK)
     decays = in_chunk.chunk_decays(s["gates"], s)
     tiles.store(s["attn"], tiles.product(shape, (s["q"], s["k"].T)) * decays.within)
-    tiles.commit()
-    plgpu.barrier_arrive(raw["attn_ready"])
+    tiles.hand_over(raw["attn_ready"])
     s = _views(raw)
     gram = tiles.product(shape, (s["k"], s["k"].T))
     plgpu.barrier_wait(raw["dvb_ready"])
     decays, d_beta_system = _square_grads(raw, gram)
-    plgpu.barrier_arrive(raw["squares_ready"])
+    tiles.hand_over(raw["squares_ready"])
     beta = plgpu.load(s["gates"].at[1], layout=tiles.ROWS)
     keys = dict(raw, out_tile=raw.get("out_keys"))
     d_from_start, d_to_end, d_k_proj = _key_grads(keys, out, decays, beta, index, channels)
@@ -286,14 +284,13 @@ def _values_side(raw, hbm, out, index, channels, block) -> None:
     _corrections(raw, decays, beta, v_hbm)
     plgpu.barrier_wait(raw["attn_ready"])
     d_beta = _value_grads(raw, out, decays, beta, index, v_hbm)
-    tiles.commit()  # dVb and U, read by the keys' side's products
-    plgpu.barrier_arrive(raw["dvb_ready"])
+    tiles.hand_over(raw["dvb_ready"])  # dVb and U, read by the keys' side's products
     d_whole = _whole_grad(raw)  # while the keys' side makes the square cotangents
     plgpu.barrier_wait(raw["squares_ready"])
     sums = _key_grads(raw, out, decays, beta, index, channels)
     for i, row in enumerate((d_beta, *sums, d_whole)):
         raw["rows"].at[i][...] = row
-    plgpu.barrier_arrive(raw["rows_ready"])
+    tiles.hand_over(raw["rows_ready"])
     plgpu.wait_smem_to_gmem(0)
 
 
