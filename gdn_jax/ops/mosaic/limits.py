@@ -49,18 +49,25 @@ def interpreter_pool() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
+def interpreter_threads(warpgroups: int) -> int:
+    """The pool a kernel of ``warpgroups`` warpgroups needs interpreted: one of one runs in
+    the caller's computation, more each run beside it."""
+    return warpgroups + 1 if warpgroups > 1 else 1
+
+
 def give_interpreter_threads() -> None:
     """Set ``PJRT_NPROC`` so that XLA's CPU pool has the threads the interpreter needs for
     every kernel here, where this JAX has the interpreter and the pool would be smaller;
     call it before the CPU backend starts (a test session, a script that interprets)."""
-    if HAS_KERNELS and interpreter_pool() <= MOST_WARPGROUPS:
-        os.environ["PJRT_NPROC"] = str(MOST_WARPGROUPS + 1)
+    needed = interpreter_threads(MOST_WARPGROUPS)
+    if HAS_KERNELS and interpreter_pool() < needed:
+        os.environ["PJRT_NPROC"] = str(needed)
 
 
 def interpreter_refusal(name: str, warpgroups: int) -> str | None:
     """Why kernel ``name`` of ``warpgroups`` warpgroups cannot run interpreted in this
     process (None: it can)."""
-    needed = warpgroups + 1 if warpgroups > 1 else 1
+    needed = interpreter_threads(warpgroups)
     pool = interpreter_pool()
     if pool >= needed:
         return None

@@ -193,7 +193,8 @@ def _key_grads(raw, out, decays, beta, index, channels):
     if first == end:  # K = 64: the keys' side takes the one block
         return zero, zero, zero
     d_from_start = tiles.over_blocks(end, query_block, zero, raw["zero"], start=first)
-    d_to_end, d_k_proj = tiles.over_blocks(end, key_block, (zero, zero), raw["zero"], first)
+    sums = tiles.over_blocks(end, key_block, (zero, zero), raw["zero"], start=first)
+    d_to_end, d_k_proj = sums
     return d_from_start, d_to_end, d_k_proj
 
 
