@@ -89,6 +89,29 @@ def test_loops_of_two_trips_on_a_flag_and_a_step_through_a_copy_are_read():
         (1, "EXIT"),
     )
     assert sass.floor(carried).stall_path == 1 + 4 * 5 + 1
+    uniform = code(  # the flag in a uniform predicate, cleared by a table of bit 7 clear
+        (1, "UPLOP3.LUT UP0, UPT, UPT, UPT, UPT, 0x80, 0x0"),  # true
+        ".L_x_0:",
+        (1, "PLOP3.LUT P3, PT, PT, PT, UP0, 0x80, 0x0"),
+        (6, "FFMA R1, R2, R3, R1"),
+        (1, "UPLOP3.LUT UP0, UPT, UPT, UPT, UPT, 0x40, 0x0"),  # false
+        (1, "@P3 BRA `(.L_x_0)"),
+        (1, "EXIT"),
+    )
+    assert sass.floor(uniform).stall_path == 1 + 2 * 9 + 1
+    in_a_bit = code(  # and copied into bit 25 of a register, tested before the branch
+        (1, "UPLOP3.LUT UP0, UPT, UPT, UPT, UPT, 0x80, 0x0"),
+        ".L_x_0:",
+        (1, "PLOP3.LUT P0, PT, PT, PT, UP0, 0x80, 0x0"),
+        (1, "LOP3.LUT R0, R0, 0xfdffffff, RZ, 0xc0, !PT"),
+        (1, "@P0 LOP3.LUT R0, R0, 0x2000000, RZ, 0xfc, !PT"),
+        (6, "FFMA R1, R2, R3, R1"),
+        (1, "LOP3.LUT P3, RZ, R0, 0x2000000, RZ, 0xc0, !PT"),
+        (1, "UPLOP3.LUT UP0, UPT, UPT, UPT, UPT, 0x40, 0x0"),
+        (1, "@P3 BRA `(.L_x_0)"),
+        (1, "EXIT"),
+    )
+    assert sass.floor(in_a_bit).stall_path == 1 + 2 * 12 + 1
 
 
 def test_a_bound_read_at_run_time_must_be_given():

@@ -192,10 +192,10 @@ _STEP = re.compile(
 _SET = re.compile(
     r"^(?:UMOV|MOV|IMAD\.MOV\.U32)\s+(?P<d>U?R\d+),\s*(?:RZ,\s*RZ,\s*)?(?P<k>0x[0-9a-f]+|\d+)\b"
 )
-# PLOP3.LUT with the table 0x80 (a and b and c) of one predicate and two PT: a copy of it;
-# of three PT, true; with the table 0x8, false.
+# (U)PLOP3.LUT with the table 0x80 (a and b and c) of one predicate and two PT: a copy of it.
+# Of three PT: its table's bit 7 (the entry of three trues), true or false.
 _PLOP = re.compile(
-    r"^PLOP3\.LUT\s+(?P<d>U?P\d+),\s*U?PT,\s*(?P<a>U?P\w+),\s*(?P<b>U?P\w+),\s*(?P<c>U?P\w+),"
+    r"^U?PLOP3\.LUT\s+(?P<d>U?P\d+),\s*U?PT,\s*(?P<a>U?P\w+),\s*(?P<b>U?P\w+),\s*(?P<c>U?P\w+),"
     r"\s*(?P<table>0x[0-9a-f]+),\s*0x0"
 )
 _MOVE = re.compile(
@@ -226,13 +226,10 @@ def _plop(text: str):
     if found is None:
         return None
     sources = [found[x] for x in "abc" if found[x] not in ("PT", "UPT")]
-    if found["table"] == "0x80":
-        if not sources:
-            return "true", None
-        if len(sources) == 1 and not sources[0].startswith("!"):
-            return "copy", sources[0]
-    if found["table"] == "0x8" and not sources:
-        return "false", None
+    if not sources:
+        return ("true", None) if int(found["table"], 16) & 0x80 else ("false", None)
+    if found["table"] == "0x80" and len(sources) == 1 and not sources[0].startswith("!"):
+        return "copy", sources[0]
     return None
 
 
@@ -247,13 +244,17 @@ def _static_trips(instructions, blocks, header, latch, body) -> int | None:
     name = branch.predicate.lstrip("!")
     lo, hi = blocks[header].first, blocks[latch].last
     compare = None
-    for i in range(hi - 1, lo - 1, -1):
+    i = hi
+    while (i := i - 1) >= lo:
         text = instructions[i].text
         if not _defines(text, name):
             continue
         kind = _plop(text)
         if kind is not None and kind[0] == "copy":
             name = kind[1]  # a predicate copied: follow it
+            continue
+        if (kept := _kept_bit(instructions, lo, i)) is not None:
+            i, name = kept  # a predicate kept in a register's bit: follow the one set there
             continue
         compare = _COMPARE.match(text)
         break
@@ -297,6 +298,31 @@ def _static_trips(instructions, blocks, header, latch, body) -> int | None:
         return span // step if span % step == 0 and span // step > 0 else None
     trips = math.ceil(span / step)
     return trips if trips > 0 else None
+
+
+# A predicate kept in one bit of a register: ``LOP3.LUT P, RZ, R, bit, RZ, 0xc0`` tests it,
+# ``@Q LOP3.LUT R, R, bit, RZ, 0xfc`` sets it where ``Q``.
+_BIT_TEST = re.compile(
+    r"^LOP3\.LUT\s+U?P\d+,\s*U?RZ,\s*(?P<r>U?R\d+),\s*(?P<bit>0x[0-9a-f]+),\s*U?RZ,\s*0xc0,"
+)
+_BIT_SET = re.compile(
+    r"^LOP3\.LUT\s+(?P<d>U?R\d+),\s*(?P<r>U?R\d+),\s*(?P<bit>0x[0-9a-f]+),\s*U?RZ,\s*0xfc,"
+)
+
+
+def _kept_bit(instructions, lo, at) -> tuple[int, str] | None:
+    """For a predicate set at ``at`` by testing one bit of a register: the index of the
+    instruction of the loop (from ``lo``) that last set that bit and the predicate it was
+    set under; None otherwise."""
+    test = _BIT_TEST.match(instructions[at].text)
+    if test is None or int(test["bit"], 16).bit_count() != 1:
+        return None
+    for i in range(at - 1, lo - 1, -1):
+        found = _BIT_SET.match(instructions[i].text)
+        if found and found["d"] == test["r"] == found["r"] and found["bit"] == test["bit"]:
+            guard = instructions[i].predicate
+            return (i, guard) if guard and not guard.startswith("!") else None
+    return None
 
 
 def _flag_trips(instructions, lo, hi, flag) -> int | None:
