@@ -27,7 +27,7 @@ from gdn_jax.ops.chunked.channel_decays import channel_scores
 from gdn_jax.ops.chunked.scalar import state_pass_bwd
 from gdn_jax.ops.chunked.wy import two_products
 from gdn_jax.ops.mosaic import tiles
-from gdn_jax.ops.mosaic.channel import factors, grads, reverse
+from gdn_jax.ops.mosaic.channel import grads, reverse
 from gdn_jax.ops.mosaic.limits import CHUNK
 
 # Chunks a sequence: three sequences, the second empty (its state's cotangent passes through).
@@ -68,15 +68,15 @@ def by_value_head(x, heads):
 
 def chunk_factors(q, k, e, x, g):
     """Stage 1 of one chunk in XLA (``chunked/channel.py``'s ``chunk_factors`` with ``e`` and ``x``
-    given): ``(M, decays, w, u)``."""
+    given): ``(M, decays, w, u, T)``."""
     (scores, erase_scores), decays = channel_scores((q, e), k, g)
-    w, u, _ = two_products(jnp.tril(erase_scores, -1), e * decays.from_start, x)
-    return scores, decays, w, u
+    w, u, inverse = two_products(jnp.tril(erase_scores, -1), e * decays.from_start, x)
+    return scores, decays, w, u, inverse
 
 
 def chunk_outputs(q, k, e, x, g, start):
     """One chunk's outputs and end state from its start state, in XLA."""
-    scores, decays, w, u = chunk_factors(q, k, e, x, g)
+    scores, decays, w, u, _ = chunk_factors(q, k, e, x, g)
     corrections = u - w @ start.T
     y = (q * decays.from_start) @ start.T + scores @ corrections
     return y, start * decays.whole[None, :] + corrections.T @ (k * decays.to_end)
@@ -85,13 +85,14 @@ def chunk_outputs(q, k, e, x, g, start):
 def xla_factors(q, k, e, x, g, heads):
     """The forward's factors per chunk and value head from the XLA form
     (``chunked/channel.py``'s ``chunk_factors``): ``q_start``, ``k_end``, ``w``, ``u`` ``[tokens, HV,
-    D]``, the scores ``M [tokens, HV, C]`` and ``whole [chunks, HV, K]``."""
+    D]``, the scores ``M`` and the inverse ``T [tokens, HV, C]`` and ``whole [chunks, HV,
+    K]``."""
     q, k = by_value_head(q, heads), by_value_head(k, heads)
     tokens, hv = q.shape[:2]
 
     def per_chunk(q, k, e, x, g):
-        scores, decays, w, u = chunk_factors(q, k, e, x, g)
-        return (q * decays.from_start, k * decays.to_end, w, u, scores, decays.whole)
+        scores, decays, w, u, inverse = chunk_factors(q, k, e, x, g)
+        return (q * decays.from_start, k * decays.to_end, w, u, scores, inverse, decays.whole)
 
     def chunked(a):  # [tokens, HV, D] -> [chunks, HV, C, D]
         return a.reshape(tokens // CHUNK, CHUNK, hv, -1).transpose(0, 2, 1, 3)
@@ -131,7 +132,7 @@ def test_reverse_pass_equals_the_xla_state_pass_backward(dtype):
     heads, key_dim, value_dim = (1, 2), 64, 128
     table = table_of(COUNTS)
     inputs = contract_inputs(0, sum(COUNTS), heads, key_dim, value_dim)
-    q_start, k_end, w, _, scores, whole = xla_factors(*inputs, heads)
+    q_start, k_end, w, _, scores, _, whole = xla_factors(*inputs, heads)
     rng = np.random.default_rng(1)
     d_y = jnp.asarray(rng.standard_normal((sum(COUNTS) * CHUNK, heads[1], value_dim)))
     d_finals = jnp.asarray(rng.standard_normal((len(COUNTS), heads[1], value_dim, key_dim)))
@@ -198,10 +199,8 @@ def test_grads_kernel_equals_the_vjp_of_each_chunk(dtype, key_dim, value_dim):
     count = 1 if dtype == jnp.bfloat16 else 2
     pieces = [tiles.operand(a, count) for a in (q, k, e, x, d_y, starts, d_ends)]
     q, k, e, x, d_y, starts, d_ends = (sum(p.astype(jnp.float32) for p in a) for a in pieces)
-    scores = tiles.operand(xla_factors(q, k, e, x, g, heads)[4], count)
-    actual = grads.chunk_grads(
-        *pieces[:4], factors.gate_pieces(g), scores, *pieces[4:], interpret=True
-    )
+    scores, inverse = (tiles.operand(a, count) for a in xla_factors(q, k, e, x, g, heads)[4:6])
+    actual = grads.chunk_grads(*pieces[:4], g, scores, inverse, *pieces[4:], interpret=True)
     expected = xla_grads(q, k, e, x, g, d_y, starts, d_ends, heads)
     for name, a, b in zip(("q", "k", "e", "x", "g"), actual, expected, strict=True):
         assert a.shape == b.shape, (name, a.shape, b.shape)

@@ -6,16 +6,18 @@ A chunk's log-decays ``g [C, K]`` (float32, one per token and key channel, each 
 in shared memory as ``SEGMENT_PIECES`` bf16 pieces, which hold them exactly. The halving
 levels of ``chunked/channel_decays.py`` need, for half-blocks of ``h`` tokens, the sums within blocks
 of ``h``: ``P_h[t]``, the gates of ``t``'s block up to and including ``t``, and ``S_h[t]``,
-those after ``t`` in it. Each is one product of a 0/1 mask ``[C, C]`` with the gates' pieces
-(``block_sums``): a sum of the gates of its own segment, never a difference of running sums,
-so that a -1e4 reset rounds nothing after it away. The blocks of ``C`` (``h = C``) give the
-chunk's decays, ``exp(P_C)`` from its start and ``exp(S_C)`` to its end.
+those after ``t`` in it. They are products of 0/1 masks ``[C, C]`` with the gates' pieces: a
+sum of the gates of its own segment, never a difference of running sums, so that a -1e4 reset
+rounds nothing after it away. A level needs ``P_h`` only on the second halves of its blocks of
+``2h`` and ``S_h`` only on the first, so one mask gives both (``write_level_mask``), and one
+``exp`` the level's factor of every row. The blocks of ``C`` (``h = C``) give the chunk's
+decays, ``exp(P_C)`` from its start and ``exp(S_C)`` to its end (``write_chunk_masks``).
 
 The scores ``M_ti = sum_c x_tc k_ic exp(G_tc - G_ic)`` (``i <= t``) are the diagonal ``x_t .
 k_t`` plus one product a level (``channel_scores``): for half ``h`` the rows ``x_t
 exp(P_h[t])`` of each block's second half against the columns ``k_i exp(S_h[i])`` of its first
-half, kept where ``t`` and ``i`` are the two halves of one ``2h``-block (``t ^ i`` in ``[h,
-2h)``). Every ``exp`` is of a sum of gates, ``<= 0``: no level overflows, however strongly a
+half, kept where ``t`` and ``i`` are the second and the first half of one ``2h``-block
+(``level_pairs``). Every ``exp`` is of a sum of gates, ``<= 0``: no level overflows, however strongly a
 chunk decays. Elementwise work runs over blocks of 64 key channels (``tiles.over_blocks``)
 so that a register tile is ``[64, 64]``.
 """
@@ -69,57 +71,55 @@ def write_sum_masks(masks: tuple[Pieces, Pieces], half) -> None:
     tiles.commit()
 
 
-def block_sums(masks: tuple[Pieces, Pieces], gates: Pieces):
-    """``(P, S)``: the sums within the blocks of ``masks`` (``write_sum_masks``) of the gates
-    ``gates`` (a ``[C, 64]`` view of their pieces), float32 ``[C, 64]`` tiles (WGMMA)."""
+def write_level_mask(mask: Pieces, half) -> None:
+    """The mask of the level with half-blocks of ``half`` tokens (a power of two, possibly
+    traced) into ``mask`` (a ``[C, C]`` operand of one piece), committed by the product
+    that reads it. Row ``t`` sums the gates of ``t``'s block of ``half`` that its factor
+    needs: on a second half of a ``2 half``-block those up to and including ``t`` (``P``),
+    on a first half those after ``t`` (``S``). A row is a row factor or a column factor,
+    never both (``level_pairs``), so one product gives both sums."""
+    rows, cols = indices()
+    row, col = tiles.by_row(rows, SQUARE), tiles.by_col(cols, SQUARE)
+    upto = col <= row
+    second = tiles.by_row((rows & half) != 0, SQUARE)
+    keep = same_block(half) & ((second & upto) | (~second & ~upto))
+    mask.refs[0][...] = jnp.where(keep, 1.0, 0.0).astype(BF16)
+
+
+def level_factor(mask: Pieces, gates: Pieces):
+    """``exp`` of the sums of ``write_level_mask``'s mask over the gates ``gates`` (a ``[C,
+    64]`` view of their pieces): ``exp(P)`` on the second halves, ``exp(S)`` on the first, a
+    float32 ``[C, 64]`` tile (WGMMA). Every sum is ``<= 0``: no factor overflows."""
     shape = (CHUNK, gates.refs[0].shape[1])
-    return tiles.product(shape, (masks[0], gates)), tiles.product(shape, (masks[1], gates))
+    return jnp.exp(tiles.product(shape, (mask, gates)))
 
 
-def second_halves(half, shape):
-    """``[C, n]`` float32: 1 on the rows of the second half of each block of ``2 half``
-    tokens, 0 on the first."""
-    rows, _ = indices()
-    return tiles.by_row(jnp.minimum(rows & half, 1).astype(jnp.float32), shape)
-
-
-def level_factors(sums, half):
-    """The factors of the level with half-blocks of ``half`` tokens from the sums within
-    blocks of ``half`` (``block_sums``): ``(rows, cols)``, ``rows = exp(P)`` on the second
-    half of each ``2 half``-block and 0 on the first, ``cols = exp(S)`` on the first half and
-    0 on the second. Both sums are ``<= 0``, so the exps are finite before the mask."""
-    p, s = sums
-    second = second_halves(half, p.shape)
-    return jnp.exp(p) * second, jnp.exp(s) * (1.0 - second)
-
-
-def in_level(half):
-    """``[C, C]`` bool: where the level with half-blocks of ``half`` puts its products
-    (``t`` and ``i`` in one ``2 half``-block; its factors are 0 but on ``t``'s second half
-    and ``i``'s first)."""
-    return same_block(2 * half)
+def level_pairs(half):
+    """``[C, C]`` bool: the ``(t, i)`` a level with half-blocks of ``half`` adds to: ``t`` in
+    the second half and ``i`` in the first of one ``2 half``-block. Elsewhere its products
+    pair a row factor with a row factor (or columns with columns) and are dropped."""
+    rows, cols = indices()
+    row_block = tiles.by_row(rows & -half, SQUARE)
+    col_block = tiles.by_col(cols & -half, SQUARE)
+    second = tiles.by_row((rows & half) != 0, SQUARE)
+    return second & (row_block - col_block == half)
 
 
 def _level_operands(s: dict, xs: tuple[Pieces, ...], k: Pieces, gates: Pieces, half) -> None:
     """The decayed operands of one level into ``s["rows"]`` (one per ``x``) and
-    ``s["cols"]``, committed. The row factor is used up before the column factor is made,
-    so that one ``[C, 64]`` factor is live at a time (registers)."""
-    write_sum_masks(s["masks"], half)
+    ``s["cols"]``: each ``x`` and ``k`` times the level's one factor (``level_factor``).
+    The mask is in ``s["masks"][0]``."""
+    write_level_mask(s["masks"][0], half)
 
     def block(first, carry):
         keys = key_block(first)
-        second = second_halves(half, SQUARE)
-        sums = tiles.product(SQUARE, (s["masks"][0], gates.at(*keys)))
-        factor = jnp.exp(sums) * second  # exp(P) <= 1: no inf meets the mask
+        factor = level_factor(s["masks"][0], gates.at(*keys))
         for x, dst in zip(xs, s["rows"], strict=True):
             tiles.store(dst.at(*keys), tiles.load(x.at(*keys)) * factor)
-        sums = tiles.product(SQUARE, (s["masks"][1], gates.at(*keys)))
-        factor = jnp.exp(sums) * (1.0 - second)
         tiles.store(s["cols"].at(*keys), tiles.load(k.at(*keys)) * factor)
         return carry
 
     tiles.over_blocks(k.refs[0].shape[1], block, 0)
-    tiles.commit()
 
 
 def channel_scores(s: dict, xs: tuple[Pieces, ...], k: Pieces, gates: Pieces, *, diagonal=True):
@@ -127,8 +127,9 @@ def channel_scores(s: dict, xs: tuple[Pieces, ...], k: Pieces, gates: Pieces, *,
     ``k`` (``[C, K]`` operands), ``i <= t`` with ``diagonal``, else ``i < t`` (the WY system's
     ``A``), 0 elsewhere: float32 ``[C, C]`` tiles (WGMMA), one per ``x``. ``gates``: the
     chunk's log-decays ``[C, K]`` in ``SEGMENT_PIECES`` pieces. Scratch in ``s``: ``masks``
-    (two ``[C, C]`` operands of one piece), ``rows`` (one ``[C, K]`` operand per ``x``) and
-    ``cols`` (``[C, K]``). ``diagonal`` is one bool or one per ``x``."""
+    (its first, a ``[C, C]`` operand of one piece), ``rows`` (one ``[C, K]`` operand per
+    ``x``) and ``cols`` (``[C, K]``). ``diagonal`` is one bool or one per ``x``. Every ``x``
+    shares a level's factor: one pass over the levels makes them all."""
     flags = diagonal if isinstance(diagonal, tuple) else (diagonal,) * len(xs)
     eye = same_block(1)
     zero = tiles.by_row(indices()[0].astype(jnp.float32) * 0.0, SQUARE)  # in a WGMMA layout
@@ -140,13 +141,28 @@ def channel_scores(s: dict, xs: tuple[Pieces, ...], k: Pieces, gates: Pieces, *,
     def level(j, totals):
         half = jax.lax.shift_left(jnp.int32(1), j)
         _level_operands(s, xs, k, gates, half)
-        kept = in_level(half)
+        kept = level_pairs(half)
         return tuple(
             total + jnp.where(kept, tiles.product(SQUARE, (x_rows, s["cols"].T)), 0.0)
             for total, x_rows in zip(totals, s["rows"], strict=True)
         )
 
     return jax.lax.fori_loop(jnp.int32(0), jnp.int32(LEVELS), level, totals)
+
+
+def load_gates(g_hbm, gates: Pieces) -> None:
+    """The chunk's log-decays ``g_hbm`` (a float32 ``[C, K]`` block in HBM) into ``gates``,
+    their ``SEGMENT_PIECES`` bf16 pieces, 64 key channels at a time: split here, no array
+    of the pieces is made in HBM (three bf16 copies of g, 192 MiB of KDA's peak at B=4,
+    T=4096, H=16, K=128)."""
+
+    def block(first, carry):
+        keys = key_block(first)
+        tile = plgpu.load(g_hbm.at[keys], layout=tiles.WGMMA, optimized=False)
+        tiles.store(gates.at(*keys), tile)
+        return carry
+
+    tiles.over_blocks(g_hbm.shape[1], block, 0)
 
 
 def write_chunk_masks(masks: tuple[Pieces, Pieces]) -> None:

@@ -12,7 +12,8 @@ Interfaces (``tokens`` a multiple of the chunk ``C = 64``, laid out by ``layout.
 ``K`` and ``V`` multiples of 64; "pieces" is a tuple of ``count`` bf16 arrays that sum to the
 operand, ``tiles.operand``, ``count`` 1 for bf16 inputs and 2 for float32)::
 
-    factors(q, k, e, x, g, *, interpret) -> Factors(w, u, q_start, k_end, scores, whole)
+    factors(q, k, e, x, g, *, keep_inverse, interpret)
+        -> Factors(w, u, q_start, k_end, scores, whole, inverse)
       q, k      pieces [tokens, H, K]   key heads; value head h reads key head h // (HV // H)
       e         pieces [tokens, HV, K]  erase vectors b * k
       x         pieces [tokens, HV, V]  writes w * v
@@ -20,8 +21,10 @@ operand, ``tiles.operand``, ``count`` 1 for bf16 inputs and 2 for float32)::
       w, q_start, k_end pieces [tokens, HV, K];  u pieces [tokens, HV, V]
       scores    pieces [tokens, HV, C]  M of each chunk's rows (row t of a chunk: M[t, :])
       whole     float32 [chunks, HV, K] exp(G_C)
+      inverse   pieces [tokens, HV, C]  T of each chunk's rows, with keep_inverse (else None)
 
-``gate_pieces(g)`` is ``g`` as the ``SEGMENT_PIECES`` bf16 pieces that the kernels' sums read.
+The kernel splits ``g`` into the ``SEGMENT_PIECES`` bf16 pieces that its sums read
+(``chunk.load_gates``).
 """
 
 from __future__ import annotations
@@ -48,12 +51,7 @@ class Factors(NamedTuple):
     k_end: tuple
     scores: tuple
     whole: jax.Array
-
-
-def gate_pieces(g) -> tuple:
-    """The log-decays ``g`` (float32) as ``SEGMENT_PIECES`` bf16 pieces, which hold it
-    exactly."""
-    return tuple(tiles.split(g.astype(F32), tiles.SEGMENT_PIECES))
+    inverse: tuple | None
 
 
 def chunk_wholes(g):
@@ -94,27 +92,29 @@ def _times_inverse(s, src: tiles.Pieces, dst: tiles.Pieces) -> None:
 
 
 def _factors_kernel(q_hbm, k_hbm, e_hbm, x_hbm, g_hbm, *out, group: int, **s):
-    """One chunk of one value head: its ``w``, ``u``, ``q_start``, ``k_end`` and ``M``."""
-    w_hbm, u_hbm, q_start_hbm, k_end_hbm, scores_hbm = out
+    """One chunk of one value head: its ``w``, ``u``, ``q_start``, ``k_end`` and ``M``, and
+    ``T`` where ``out`` has room for it."""
+    w_hbm, u_hbm, q_start_hbm, k_end_hbm, scores_hbm, *t_hbm = out
     chunk, head = jax.lax.axis_index("chunk"), jax.lax.axis_index("head")
     tokens = pl.ds(chunk * CHUNK, CHUNK)
     sources = (
         *(ref.at[tokens, head // group] for ref in (*q_hbm, *k_hbm)),
-        *(ref.at[tokens, head] for ref in (*e_hbm, *x_hbm, *g_hbm)),
+        *(ref.at[tokens, head] for ref in (*e_hbm, *x_hbm)),
     )
-    names = ("q", "k", "e", "x", "g")
+    names = ("q", "k", "e", "x")
     dsts = tuple(ref for name in names for ref in s[name].refs)
     for src, dst in zip(sources, dsts, strict=True):
         plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
-    in_chunk.write_chunk_masks(s["chunk_masks"])  # while the tiles load
+    in_chunk.load_gates(g_hbm.at[tokens, head], s["g"])  # while the tiles load
+    in_chunk.write_chunk_masks(s["chunk_masks"])
     plgpu.barrier_wait(s["loaded"])
-    # One score a pass over the levels: both at once held more registers than ptxas had.
-    (scores,) = in_chunk.channel_scores(s, (s["q"],), s["k"], s["g"])
+    scores, strict = in_chunk.channel_scores(
+        s, (s["q"], s["e"]), s["k"], s["g"], diagonal=(True, False)
+    )
     tiles.store(s["off"], scores)
     tiles.copy_out(
         *((src, dst.at[tokens, head]) for src, dst in zip(s["off"].refs, scores_hbm, strict=True))
     )
-    (strict,) = in_chunk.channel_scores(s, (s["e"],), s["k"], s["g"], diagonal=False)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the inverse writes over ``off``
     inverse = tiles.unit_lower_inverse(strict, s["off"], s["inverse"], s["half"])
     tiles.store(s["inverse"], inverse)
@@ -127,6 +127,7 @@ def _factors_kernel(q_hbm, k_hbm, e_hbm, x_hbm, g_hbm, *out, group: int, **s):
         (s["x"], u_hbm),
         (s["rows"][0], q_start_hbm),
         (s["cols"], k_end_hbm),
+        *((s["inverse"], t) for t in t_hbm),
     )
     tiles.copy_out(
         *(
@@ -138,8 +139,10 @@ def _factors_kernel(q_hbm, k_hbm, e_hbm, x_hbm, g_hbm, *out, group: int, **s):
     plgpu.wait_smem_to_gmem(0)
 
 
-def factors(q, k, e, x, g, *, interpret) -> Factors:
-    """The factors of every chunk (module docstring)."""
+def factors(q, k, e, x, g, *, keep_inverse: bool, interpret) -> Factors:
+    """The factors of every chunk (module docstring), with ``keep_inverse`` each chunk's
+    ``T`` too, pieces ``[tokens, HV, C]`` (for the backward, which would otherwise make it
+    again: a pass over the levels and the doubling inverse)."""
     count = len(q)
     tokens, heads, key_dim = q[0].shape
     v_heads, value_dim = x[0].shape[1:]
@@ -150,17 +153,18 @@ def factors(q, k, e, x, g, *, interpret) -> Factors:
         e=tiles.pieces(count, tile),
         x=tiles.pieces(count, (CHUNK, value_dim)),
         g=tiles.pieces(tiles.SEGMENT_PIECES, tile),
-        masks=(tiles.pieces(1, in_chunk.SQUARE), tiles.pieces(1, in_chunk.SQUARE)),
+        masks=(tiles.pieces(1, in_chunk.SQUARE),),
         chunk_masks=(tiles.pieces(1, in_chunk.SQUARE), tiles.pieces(1, in_chunk.SQUARE)),
-        rows=(tiles.pieces(count, tile),),
+        rows=(tiles.pieces(count, tile), tiles.pieces(count, tile)),
         cols=tiles.pieces(count, tile),
         off=tiles.pieces(count, in_chunk.SQUARE),
         inverse=tiles.pieces(count, in_chunk.SQUARE),
         half=tiles.pieces(count, in_chunk.SQUARE),
-        loaded=plgpu.Barrier(num_arrivals=4 * count + tiles.SEGMENT_PIECES),
+        loaded=plgpu.Barrier(num_arrivals=4 * count),
     )
     shapes = [(tokens, v_heads, key_dim), (tokens, v_heads, value_dim)]
     shapes += [shapes[0], shapes[0], (tokens, v_heads, CHUNK)]
+    shapes += [(tokens, v_heads, CHUNK)] * keep_inverse
     out_type = tuple(
         tuple(jax.ShapeDtypeStruct(x, tiles.BF16) for _ in range(count)) for x in shapes
     )
@@ -172,5 +176,5 @@ def factors(q, k, e, x, g, *, interpret) -> Factors:
         grid=dict(head=v_heads, chunk=tokens // CHUNK),
         interpret=interpret,
     )
-    outs = call(tuple(q), tuple(k), tuple(e), tuple(x), gate_pieces(g))
-    return Factors(*outs, chunk_wholes(g))
+    outs = call(tuple(q), tuple(k), tuple(e), tuple(x), g.astype(F32))
+    return Factors(*outs[:5], chunk_wholes(g), outs[5] if keep_inverse else None)

@@ -3,18 +3,18 @@ cotangents ``dM`` and ``dA`` back through the halving levels of
 ``channel/chunk.channel_scores`` to q, k, e and the gates; and what the kernel's
 stages share.
 
-The level with half-blocks of ``h`` adds ``L = (X * R) (K * Cc)^T`` where ``t`` and ``i`` are
-the two halves of one ``2h``-block (``X`` the queries for ``M``, the erase vectors for ``A``;
-``R = exp(P)`` on second halves, ``Cc = exp(S)`` on first halves, ``P`` and ``S`` the gates'
-sums within blocks of ``h`` up to and after a token). With ``D = dL`` (``dM`` or ``dA``
-there) it sends ``d(X * R) = D (K * Cc)`` and ``d(K * Cc) = D^T (X * R)``, so to x, k and the
-sums; each sum is a mask product with the gates, ``P = B_P g``, so the gates get ``B_P^T dP
-+ B_S^T dS``, a product with the transposed masks on the tensor cores. ``D`` is ``dM`` times
-the mask of ``i <= t`` within blocks of ``2h``: where ``t`` and ``i`` share a half, the
-factors are 0.
+The level with half-blocks of ``h`` adds ``L = (X * F) (K * F)^T`` where ``t`` is in the second
+half and ``i`` in the first of one ``2h``-block (``X`` the queries for ``M``, the erase vectors
+for ``A``; ``F`` the level's factor, ``chunk.level_factor``: ``exp(P)`` on second halves,
+``exp(S)`` on first halves). With ``D = dL``, ``dM`` or ``dA`` on those pairs and 0 elsewhere,
+it sends ``d(X * F) = D (K * F)`` to the rows and ``d(K * F) = D^T (X * F)`` to the columns, so
+``F dX`` to x and ``F dK`` to k. The gates' share follows from x's and k's
+(``levels_stage``).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,75 +60,97 @@ def token_rows(test):
     return tiles.by_row(jnp.where(test(tokens), 1.0, 0.0), SQUARE)
 
 
-def _write_level_masks(masks: tuple[Pieces, Pieces, Pieces], j) -> None:
-    """The masks of the level with half-blocks of ``h = 2^j`` (``j`` traced): the sums'
-    within blocks of ``h`` (``[t, i] = 1`` where ``i`` is in ``t``'s block, ``i <= t``, and
-    ``i > t``) and, in the third, ``i <= t`` within blocks of ``2 h``. Each test depends on
-    ``j``, so that LLVM hoists no ``[C, C]`` tile of them out of the loop over the levels."""
-    rows, cols = tiles.iotas(SQUARE)
+class Space(NamedTuple):
+    """The scratch of one warpgroup's levels (``levels_stage``): the level's ``mask`` (one
+    piece), its ``D`` tiles of ``dM`` and ``dA`` (``d_m``, ``d_a``, which ``gates_stage``
+    takes for ``dG`` after the levels), the row factors of q and e (``rows``) and the
+    column factors of k (``cols``), all ``[C, C]``."""
+
+    mask: Pieces
+    d_m: Pieces
+    d_a: Pieces
+    rows: tuple[Pieces, Pieces]
+    cols: Pieces
+
+
+def _level(scratch, j, outputs, keys: tuple[int, int], space) -> None:
+    """One level's terms, added to ``outputs(first)`` (the ``d_q, d_k, d_e`` blocks in HBM
+    of the 64 key channels from ``first``) for the key channels ``keys = (start, stop)``, 64
+    at a time: the level's mask and its ``D`` tiles once, then a factor and three products
+    a block. ``dM`` and ``dA`` are in ``u`` and ``inverse``; ``space(views)``: the
+    warpgroup's ``Space``."""
+    s = views(scratch, scratch["zero"])
+    at = space(s)
     half = jax.lax.shift_left(jnp.int32(1), j)
-    for dst, size, after in zip(masks, (half, half, 2 * half), (False, True, False), strict=True):
-        same = (rows & -size) == (cols & -size)
-        later = (cols & (size - 1)) > (rows & (size - 1))
-        keep = same & (later if after else ~later)
-        dst.refs[0][...] = jnp.where(keep, 1.0, 0.0).astype(tiles.BF16)
-    tiles.commit()
+    in_chunk.write_level_mask(at.mask, half)
+    pairs = in_chunk.level_pairs(half)
+    tiles.store(at.d_m, jnp.where(pairs, tiles.load(s["u"]), 0.0))
+    tiles.store(at.d_a, jnp.where(pairs, tiles.load(s["inverse"]), 0.0))
+
+    def block(first, carry):
+        s = views(scratch, scratch["zero"])
+        at = space(s)
+        d_q, d_k, d_e = outputs(first)[:3]
+        channels = in_chunk.key_block(first)
+        factor = in_chunk.level_factor(at.mask, s["g"].at(*channels))
+        tiles.store(at.rows[0], tiles.load(s["q"].at(*channels)) * factor)
+        tiles.store(at.rows[1], tiles.load(s["e"].at(*channels)) * factor)
+        tiles.store(at.cols, tiles.load(s["k"].at(*channels)) * factor)
+        terms = ((at.d_m.T, at.rows[0]), (at.d_a.T, at.rows[1]))
+        add(d_k, tiles.product(SQUARE, *terms) * factor)
+        add(d_q, tiles.product(SQUARE, (at.d_m, at.cols)) * factor)
+        add(d_e, tiles.product(SQUARE, (at.d_a, at.cols)) * factor)
+        return carry
+
+    tiles.over_blocks(keys[1], block, 0, start=keys[0])
 
 
-def _level(s, keys, j, outputs) -> None:
-    """One level's terms of the 64 key channels ``keys``, added to ``outputs`` (``d_q, d_k,
-    d_e, d_g`` blocks in HBM). ``dM`` and ``dA`` are in ``u`` and ``inverse``; ``m``, ``x``,
-    ``d_y`` and the first 64 columns of ``rows[0]`` and ``cols`` are scratch."""
-    d_q, d_k, d_e, d_g = outputs
-    d_m_level, d_a_level = s["m"], s["x"]
-    x_rows = (s["d_y"], s["rows"][0].at(*in_chunk.key_block(0)))
-    k_cols = s["cols"].at(*in_chunk.key_block(0))
-    masks = s["masks"]
-    gates = s["g"].at(*keys)
-    half = jax.lax.shift_left(jnp.int32(1), j)
-    _write_level_masks((*masks, s["block_mask"]), j)
-    block = tiles.load(s["block_mask"])
-    tiles.store(d_m_level, tiles.load(s["u"]) * block)
-    tiles.store(d_a_level, tiles.load(s["inverse"]) * block)
-    second = token_rows(lambda t: (t & half) != 0)
-    rows = jnp.exp(tiles.product(SQUARE, (masks[0], gates))) * second  # exp(P), second halves
-    tiles.store(x_rows[0], tiles.load(s["q"].at(*keys)) * rows)
-    tiles.store(x_rows[1], tiles.load(s["e"].at(*keys)) * rows)
-    cols = jnp.exp(tiles.product(SQUARE, (masks[1], gates))) * (1.0 - second)  # exp(S), first
-    tiles.store(k_cols, tiles.load(s["k"].at(*keys)) * cols)
-    tiles.commit()
-    d_k_cols = tiles.product(SQUARE, (d_m_level.T, x_rows[0]), (d_a_level.T, x_rows[1]))
-    add(d_k, d_k_cols * cols)
-    sums = x_rows  # the sums' cotangents take the row factors' place, read by now
-    tiles.store(sums[1], d_k_cols * tiles.load(s["k"].at(*keys)) * cols)
-    d_q_rows = tiles.product(SQUARE, (d_m_level, k_cols))
-    add(d_q, d_q_rows * rows)
-    d_sum = d_q_rows * tiles.load(s["q"].at(*keys))
-    d_e_rows = tiles.product(SQUARE, (d_a_level, k_cols))
-    add(d_e, d_e_rows * rows)
-    tiles.store(sums[0], (d_sum + d_e_rows * tiles.load(s["e"].at(*keys))) * rows)
-    tiles.commit()
-    add(d_g, tiles.product(SQUARE, (masks[0].T, sums[0]), (masks[1].T, sums[1])))
-
-
-def levels_stage(scratch, out, outputs, index) -> None:
-    """Every level's terms, added to the gradients, 64 key channels at a time (the levels
-    inside). ``dM`` and ``dA``, summed over the value blocks in ``out["d_scores"]``, go into
-    ``u`` and ``inverse``; ``outputs(first)``: the blocks of the gradients in HBM."""
+def load_scores(scratch, out, index) -> None:
+    """``dM`` and ``dA``, summed over the value blocks in ``out["d_scores"]``, into ``u``
+    and ``inverse``, for ``levels_stage``."""
     tokens, head = index
     s = views(scratch, scratch["zero"])
     for i, name in enumerate(("u", "inverse")):
         d_scores = out["d_scores"].at[i, tokens, head]
         tiles.store(s[name], plgpu.load(d_scores, layout=tiles.WGMMA, optimized=False))
-    tiles.commit()
 
-    def key_block(first, carry):
-        keys = in_chunk.key_block(first)
 
-        def level(j, carry):
-            _level(views(scratch, scratch["zero"]), keys, j, outputs(first))
-            return carry
+def levels_stage(scratch, outputs, keys: tuple[int, int], space) -> None:
+    """Every level's terms in the gradients of the key channels ``keys = (start, stop)``
+    (``_level``; ``load_scores`` first), then their gates' gradient (``gates_stage``).
+    ``outputs(first)``: the blocks of the gradients in HBM, ``d_q, d_k, d_e, d_g``."""
 
-        return jax.lax.fori_loop(jnp.int32(0), jnp.int32(in_chunk.LEVELS), level, carry)
+    def level(j, carry):
+        _level(scratch, j, outputs, keys, space)
+        return carry
 
-    tiles.over_blocks(s["q"].refs[0].shape[1], key_block, 0)
+    jax.lax.fori_loop(jnp.int32(0), jnp.int32(in_chunk.LEVELS), level, 0)
+    _gates_stage(scratch, outputs, keys, space)
+
+
+def _gates_stage(scratch, outputs, keys: tuple[int, int], space) -> None:
+    """The gates' gradient of the key channels ``keys``, once every other is complete.
+
+    Every decay of the chunk is ``exp`` of a difference of ``G`` (the gates' sums from the
+    chunk's start) and multiplies a q, e or k (``exp(G_t - G_i)`` of a score ``x_t k_i``,
+    ``exp(G)`` of ``q_start`` and ``E exp(G)``, ``exp(G_C - G)`` of ``k_end``), so the
+    cotangent of ``G`` is ``q dq + e de - k dk`` (M's diagonal sends ``q`` and ``k`` the
+    same product and cancels), plus what ``G_C`` gets, on the last row, which ``d_g``'s
+    block holds from the value blocks' stages. Then ``dg_j = sum_{t >= j} dG_t``: one
+    product with the transposed mask of the sums from the chunk's start (``masks[0]``)."""
+
+    def block(first, carry):
+        s = views(scratch, scratch["zero"])
+        channels = in_chunk.key_block(first)
+        d_g = outputs(first)[3]
+        d_big_g = plgpu.load(d_g, layout=tiles.WGMMA, optimized=False)
+        signs = (1.0, -1.0, 1.0)
+        for ref, name, sign in zip(outputs(first)[:3], "qke", signs, strict=True):
+            grad = plgpu.load(ref, layout=tiles.WGMMA, optimized=False)
+            d_big_g = d_big_g + sign * tiles.load(s[name].at(*channels)) * grad
+        summed = space(s).d_a
+        tiles.store(summed, d_big_g)
+        d_g[...] = tiles.product(SQUARE, (s["masks"][0].T, summed))
+        return carry
+
+    tiles.over_blocks(keys[1], block, 0, start=keys[0])

@@ -82,7 +82,7 @@ def _forward(q, k, v, gates, initial_states, table, *, keep_starts, interpret):
     ``residuals = (operands, g, factors, starts)`` with ``keep_starts``, else None."""
     key_dim, value_dim = q.shape[-1], v.shape[-1]
     operands, g = kernel_operands(q, k, v, gates)
-    f = factors.factors(*operands, g, interpret=interpret)
+    f = factors.factors(*operands, g, keep_inverse=keep_starts, interpret=interpret)
     h0 = padded_states(initial_states)
     y, finals, *starts = states.states(
         table, f.q_start, f.k_end, f.w, f.u, f.scores, f.whole, h0,
@@ -124,8 +124,9 @@ def _core_bwd(static, saved, cotangents):
         padded_states(d_finals), interpret=static[1],
     )  # fmt: skip
     contract_grads = grads.chunk_grads(
-        *operands, factors.gate_pieces(g), f.scores, d_y, starts, d_ends, interpret=static[1]
-    )
+        *operands, g, f.scores, f.inverse, d_y, starts, d_ends,
+        interpret=static[1],
+    )  # fmt: skip
     widths = (key_dim, key_dim, key_dim, value_dim, key_dim)
     contract_grads = tuple(
         d[..., :width].astype(F32) for d, width in zip(contract_grads, widths, strict=True)
