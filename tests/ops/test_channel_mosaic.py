@@ -43,30 +43,47 @@ pytestmark = pytest.mark.usefixtures("detecting_races")
 
 
 def _scores_kernel(count: int, key_dim: int):
-    """A kernel of one chunk: the scores of q (diagonal kept) and of e (strictly lower)
-    against k, and the decays from the start and to the end, all float32."""
+    """A kernel of one chunk on the factors kernel's two warpgroups: the scores of q
+    (diagonal kept) and of e (strictly lower) against k, each side making the levels'
+    operands over its key channels, and the decays from the start and to the end, all
+    float32."""
+    middle = key_dim - key_dim // CHUNK // 2 * CHUNK
 
     def body(q_hbm, e_hbm, k_hbm, g_hbm, m_out, a_out, start_out, end_out, **s):
-        sources, dsts = (*q_hbm, *e_hbm, *k_hbm, *g_hbm), ()
-        for name in ("q", "e", "k", "g"):
-            dsts += s[name].refs
-        for src, dst in zip(sources, dsts, strict=True):
-            plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
-        plgpu.barrier_wait(s["loaded"])
-        m_out[...], a_out[...] = in_chunk.channel_scores(
-            s, (s["q"], s["e"]), s["k"], s["g"], diagonal=(True, False)
-        )
-        in_chunk.write_chunk_masks(s["masks"])
+        sync = in_chunk.Sync(s["mask_ready"], (s["operands_0"], s["operands_1"]), s["read"])
+        xs, flags = (s["q"], s["e"]), (True, False)
 
-        def block(first, carry):
-            from_start, to_end = in_chunk.chunk_decays(
-                s["masks"], s["g"].at(*in_chunk.key_block(first))
+        def main():
+            dsts = (*s["q"].refs, *s["e"].refs, *s["k"].refs)
+            for src, dst in zip((*q_hbm, *e_hbm, *k_hbm), dsts, strict=True):
+                plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
+            in_chunk.load_gates(g_hbm, s["g"])
+            plgpu.barrier_wait(s["loaded"])
+            m_out[...] = in_chunk.channel_scores(
+                s, xs, s["k"], s["g"], diagonal=flags, side=0, keys=(0, middle), sync=sync
             )
-            start_out.at[:, pl.ds(first, CHUNK)][...] = from_start
-            end_out.at[:, pl.ds(first, CHUNK)][...] = to_end
-            return carry
+            in_chunk.write_chunk_masks(s["masks"])  # the levels' mask is read by now
 
-        tiles.over_blocks(key_dim, block, 0)
+            def block(first, carry):
+                from_start, to_end = in_chunk.chunk_decays(
+                    s["masks"], s["g"].at(*in_chunk.key_block(first))
+                )
+                start_out.at[:, pl.ds(first, CHUNK)][...] = from_start
+                end_out.at[:, pl.ds(first, CHUNK)][...] = to_end
+                return carry
+
+            tiles.over_blocks(key_dim, block, 0)
+
+        def second():
+            plgpu.barrier_wait(s["loaded"])
+            a_out[...] = in_chunk.channel_scores(
+                s, xs, s["k"], s["g"], diagonal=flags, side=1, keys=(middle, key_dim), sync=sync
+            )
+
+        side = jax.lax.axis_index(tiles.WARPGROUP)
+        pl.when(side == 0)(main)
+        pl.when(side == 1)(second)
+        tiles.finish_together(s["done"])
 
     tile = (CHUNK, key_dim)
     scratch = dict(
@@ -77,7 +94,9 @@ def _scores_kernel(count: int, key_dim: int):
         masks=(tiles.pieces(1, in_chunk.SQUARE), tiles.pieces(1, in_chunk.SQUARE)),
         rows=(tiles.pieces(count, tile), tiles.pieces(count, tile)),
         cols=tiles.pieces(count, tile),
-        loaded=plgpu.Barrier(num_arrivals=3 * count + tiles.SEGMENT_PIECES),
+        loaded=plgpu.Barrier(num_arrivals=3 * count),
+        **{name: plgpu.Barrier() for name in ("mask_ready", "operands_0", "operands_1", "read")},
+        done=plgpu.Barrier(num_arrivals=2),
     )
     shapes = (in_chunk.SQUARE, in_chunk.SQUARE, tile, tile)
     return tiles.kernel_call(
@@ -87,6 +106,7 @@ def _scores_kernel(count: int, key_dim: int):
         scratch=scratch,
         grid=dict(one=1),
         interpret=True,
+        warpgroups=2,
     )
 
 
@@ -102,9 +122,7 @@ def test_scores_and_decays_of_a_chunk_equal_channel_decays(lowest):
     g[5, 3] = -1e4
     q, e, k, g = (as_array(x, F32) for x in (q, e, k, g))
     kernel = _scores_kernel(2, 128)
-    got = kernel(
-        tiles.operand(q, 2), tiles.operand(e, 2), tiles.operand(k, 2), tuple(tiles.split(g, 3))
-    )
+    got = kernel(tiles.operand(q, 2), tiles.operand(e, 2), tiles.operand(k, 2), g)
     (scores, erase_scores), decays = channel_scores((q, e), k, g)
     expected = (scores, jnp.tril(erase_scores, -1), decays.from_start, decays.to_end)
     for name, a, b in zip(("M", "A", "from_start", "to_end"), got, expected, strict=True):

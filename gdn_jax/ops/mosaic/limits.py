@@ -151,10 +151,11 @@ def run_time_trips(chunks: int, key_dim: int, value_dim: int) -> dict[str, tuple
     a 0 from HBM to its loops over 64 channels at a time (``tiles.over_blocks``): on its
     keys' side the queries' and the keys' (its share of the key channels) and the state's
     rows (value channels), on its values' side the corrections' and the values' (value
-    channels), the queries' and the keys' (the other share)."""
+    channels), the queries' and the keys' (the other share); the channel rules' grads kernel
+    to its two warpgroups' loops over the value blocks."""
     passes = {f"{kind}_mosaic_{name}": (chunks,) for kind in ("gdn", "channel")
               for name in ("states", "reverse")}  # fmt: skip
     keys, values = padded_width(key_dim) // PAD, padded_width(value_dim) // PAD
     first, second = keys - keys // 2, keys // 2  # scalar/grads.py: the keys' side's, the other
     trips = (first, first, values, values, values, *(second, second)[: 2 * (second > 0)])
-    return {**passes, "gdn_mosaic_grads": trips}
+    return {**passes, "gdn_mosaic_grads": trips, "channel_mosaic_grads": (values, values)}

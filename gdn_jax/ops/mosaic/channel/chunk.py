@@ -24,6 +24,8 @@ so that a register tile is ``[64, 64]``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -105,49 +107,68 @@ def level_pairs(half):
     return second & (row_block - col_block == half)
 
 
-def _level_operands(s: dict, xs: tuple[Pieces, ...], k: Pieces, gates: Pieces, half) -> None:
-    """The decayed operands of one level into ``s["rows"]`` (one per ``x``) and
-    ``s["cols"]``: each ``x`` and ``k`` times the level's one factor (``level_factor``).
-    The mask is in ``s["masks"][0]``."""
-    write_level_mask(s["masks"][0], half)
+def _level_operands(s: dict, xs: tuple[Pieces, ...], k: Pieces, gates: Pieces, keys) -> None:
+    """The decayed operands of one level over the key channels ``keys = (start, stop)``
+    into ``s["rows"]`` (one per ``x``) and ``s["cols"]``: each ``x`` and ``k`` times the
+    level's one factor (``level_factor``, its mask in ``s["masks"][0]``)."""
 
     def block(first, carry):
-        keys = key_block(first)
-        factor = level_factor(s["masks"][0], gates.at(*keys))
+        channels = key_block(first)
+        factor = level_factor(s["masks"][0], gates.at(*channels))
         for x, dst in zip(xs, s["rows"], strict=True):
-            tiles.store(dst.at(*keys), tiles.load(x.at(*keys)) * factor)
-        tiles.store(s["cols"].at(*keys), tiles.load(k.at(*keys)) * factor)
+            tiles.store(dst.at(*channels), tiles.load(x.at(*channels)) * factor)
+        tiles.store(s["cols"].at(*channels), tiles.load(k.at(*channels)) * factor)
         return carry
 
-    tiles.over_blocks(k.refs[0].shape[1], block, 0)
+    tiles.over_blocks(keys[1], block, 0, start=keys[0])
 
 
-def channel_scores(s: dict, xs: tuple[Pieces, ...], k: Pieces, gates: Pieces, *, diagonal=True):
-    """``M_ti = sum_c x_tc k_ic exp(G_tc - G_ic)`` for each row factor ``x`` of ``xs`` against
-    ``k`` (``[C, K]`` operands), ``i <= t`` with ``diagonal``, else ``i < t`` (the WY system's
-    ``A``), 0 elsewhere: float32 ``[C, C]`` tiles (WGMMA), one per ``x``. ``gates``: the
-    chunk's log-decays ``[C, K]`` in ``SEGMENT_PIECES`` pieces. Scratch in ``s``: ``masks``
-    (its first, a ``[C, C]`` operand of one piece), ``rows`` (one ``[C, K]`` operand per
-    ``x``) and ``cols`` (``[C, K]``). ``diagonal`` is one bool or one per ``x``. Every ``x``
-    shares a level's factor: one pass over the levels makes them all."""
-    flags = diagonal if isinstance(diagonal, tuple) else (diagonal,) * len(xs)
-    eye = same_block(1)
-    zero = tiles.by_row(indices()[0].astype(jnp.float32) * 0.0, SQUARE)  # in a WGMMA layout
-    totals = tuple(
-        jnp.where(eye, tiles.product(SQUARE, (x, k.T)), 0.0) if flag else zero
-        for x, flag in zip(xs, flags, strict=True)
-    )
+class Sync(NamedTuple):
+    """The barriers of ``channel_scores``' two warpgroups (one arrival each): ``mask`` (the
+    level's mask is written), ``operands`` (each side's share of the level's operands is
+    stored) and ``read`` (the second side's product has read them)."""
 
-    def level(j, totals):
+    mask: object
+    operands: tuple
+    read: object
+
+
+def channel_scores(s: dict, xs, k: Pieces, gates: Pieces, *, diagonal, side: int, keys, sync):
+    """One of two warpgroups' share of the scores ``M_ti = sum_c x_tc k_ic exp(G_tc - G_ic)``
+    of ``xs = (x_0, x_1)`` against ``k`` (``[C, K]`` operands): warpgroup ``side`` makes
+    every level's decayed operands over its key channels ``keys = (start, stop)`` and the
+    score of ``xs[side]``, ``i <= t`` where ``diagonal[side]``, else ``i < t`` (the WY
+    system's ``A``), 0 elsewhere, a float32 ``[C, C]`` tile (WGMMA). ``gates``: the
+    chunk's log-decays ``[C, K]`` in ``SEGMENT_PIECES`` pieces. Scratch in ``s``:
+    ``masks`` (its first, a ``[C, C]`` operand of one piece, which side 0 writes), ``rows``
+    (one ``[C, K]`` operand per ``x``) and ``cols`` (``[C, K]``); ``sync``: a ``Sync``.
+    Side 0 must have every operand loaded before it calls this; a level's operands are
+    written over only once the other side's product has read them."""
+    x = xs[side]
+    if diagonal[side]:
+        total = jnp.where(same_block(1), tiles.product(SQUARE, (x, k.T)), 0.0)
+    else:
+        total = tiles.by_row(indices()[0].astype(jnp.float32) * 0.0, SQUARE)  # WGMMA layout
+
+    def level(j, total):
         half = jax.lax.shift_left(jnp.int32(1), j)
-        _level_operands(s, xs, k, gates, half)
+        if side == 0:
+            write_level_mask(s["masks"][0], half)
+            tiles.hand_over(sync.mask)
+        else:
+            plgpu.barrier_wait(sync.mask)
+        _level_operands(s, xs, k, gates, keys)
+        tiles.hand_over(sync.operands[side])
+        plgpu.barrier_wait(sync.operands[1 - side])
         kept = level_pairs(half)
-        return tuple(
-            total + jnp.where(kept, tiles.product(SQUARE, (x_rows, s["cols"].T)), 0.0)
-            for total, x_rows in zip(totals, s["rows"], strict=True)
-        )
+        total = total + jnp.where(kept, tiles.product(SQUARE, (s["rows"][side], s["cols"].T)), 0.0)
+        if side == 0:
+            plgpu.barrier_wait(sync.read)  # before the next level's mask and operands
+        else:
+            plgpu.barrier_arrive(sync.read)
+        return total
 
-    return jax.lax.fori_loop(jnp.int32(0), jnp.int32(LEVELS), level, totals)
+    return jax.lax.fori_loop(jnp.int32(0), jnp.int32(LEVELS), level, total)
 
 
 def load_gates(g_hbm, gates: Pieces) -> None:

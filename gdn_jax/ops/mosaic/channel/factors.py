@@ -8,6 +8,11 @@ blocks (``tiles.unit_lower_inverse``), the decays from the chunk's start and to 
 written to HBM as bf16 pieces with ``M``. ``whole = exp(G_C)`` is a sum of each chunk's gates
 in XLA.
 
+Two warpgroups a program: each makes every level's decayed operands over half the key
+channels, then the main one adds the level to ``M`` and the second to ``A``
+(``chunk.channel_scores``); the second makes ``T`` and ``u`` while the main one makes the
+decays' factors, then ``w`` with the second's ``T``.
+
 Interfaces (``tokens`` a multiple of the chunk ``C = 64``, laid out by ``layout.token_layout``;
 ``K`` and ``V`` multiples of 64; "pieces" is a tuple of ``count`` bf16 arrays that sum to the
 operand, ``tiles.operand``, ``count`` 1 for bf16 inputs and 2 for float32)::
@@ -40,6 +45,9 @@ from gdn_jax.ops.mosaic import tiles
 from gdn_jax.ops.mosaic.channel import chunk as in_chunk
 from gdn_jax.ops.mosaic.limits import CHUNK
 from gdn_jax.ops.mosaic.tiles import F32
+
+MAIN, SECOND = 0, 1  # the warpgroups
+_BARRIERS = ("mask_ready", "main_operands", "second_operands", "read", "inverse_ready")
 
 
 class Factors(NamedTuple):
@@ -91,52 +99,80 @@ def _times_inverse(s, src: tiles.Pieces, dst: tiles.Pieces) -> None:
     tiles.commit()
 
 
-def _factors_kernel(q_hbm, k_hbm, e_hbm, x_hbm, g_hbm, *out, group: int, **s):
-    """One chunk of one value head: its ``w``, ``u``, ``q_start``, ``k_end`` and ``M``, and
-    ``T`` where ``out`` has room for it."""
-    w_hbm, u_hbm, q_start_hbm, k_end_hbm, scores_hbm, *t_hbm = out
-    chunk, head = jax.lax.axis_index("chunk"), jax.lax.axis_index("head")
-    tokens = pl.ds(chunk * CHUNK, CHUNK)
+def _sync(s) -> in_chunk.Sync:
+    return in_chunk.Sync(s["mask_ready"], (s["main_operands"], s["second_operands"]), s["read"])
+
+
+def _main_side(s, hbm, out, index, keys) -> None:
+    """The loads, ``M`` (the levels' operands over the key channels ``keys``), the decays'
+    factors ``q_start``, ``E * exp(G)`` and ``k_end``, and ``w`` once the second side has
+    made ``T``."""
+    (q_hbm, k_hbm, e_hbm, x_hbm, g_hbm), (tokens, head, group) = hbm, index
+    w_hbm, _, q_start_hbm, k_end_hbm, scores_hbm, *_ = out
     sources = (
         *(ref.at[tokens, head // group] for ref in (*q_hbm, *k_hbm)),
         *(ref.at[tokens, head] for ref in (*e_hbm, *x_hbm)),
     )
-    names = ("q", "k", "e", "x")
-    dsts = tuple(ref for name in names for ref in s[name].refs)
+    dsts = tuple(ref for name in ("q", "k", "e", "x") for ref in s[name].refs)
     for src, dst in zip(sources, dsts, strict=True):
         plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
     in_chunk.load_gates(g_hbm.at[tokens, head], s["g"])  # while the tiles load
     in_chunk.write_chunk_masks(s["chunk_masks"])
     plgpu.barrier_wait(s["loaded"])
-    scores, strict = in_chunk.channel_scores(
-        s, (s["q"], s["e"]), s["k"], s["g"], diagonal=(True, False)
+    xs = (s["q"], s["e"])
+    scores = in_chunk.channel_scores(
+        s, xs, s["k"], s["g"], diagonal=(True, False), side=MAIN, keys=keys, sync=_sync(s)
     )
-    tiles.store(s["off"], scores)
+    key_dim = s["q"].refs[0].shape[1]
+    _decayed(s, key_dim)
+    plgpu.barrier_wait(s["inverse_ready"])
+    tiles.store(s["off"], scores)  # the inverse's scratch, free once T is made
+    _times_inverse(s, s["e"], s["e"])  # w, each block of E * exp(G) read before it is written
+    results = ((s["off"], scores_hbm), (s["e"], w_hbm), (s["rows"][0], q_start_hbm))
+    results += ((s["cols"], k_end_hbm),)
     tiles.copy_out(
-        *((src, dst.at[tokens, head]) for src, dst in zip(s["off"].refs, scores_hbm, strict=True))
+        *((src, dst.at[tokens, head]) for tile, hbm in results
+          for src, dst in zip(tile.refs, hbm, strict=True))
+    )  # fmt: skip
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _second_side(s, out, index, keys) -> None:
+    """``A`` (the levels' operands over the key channels ``keys``), ``T = (I + A)^{-1}`` and
+    ``u = T X``, and ``T`` out where ``out`` has room for it."""
+    _, u_hbm, _, _, _, *t_hbm = out
+    tokens, head, _ = index
+    plgpu.barrier_wait(s["loaded"])
+    xs = (s["q"], s["e"])
+    strict = in_chunk.channel_scores(
+        s, xs, s["k"], s["g"], diagonal=(True, False), side=SECOND, keys=keys, sync=_sync(s)
     )
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the inverse writes over ``off``
     inverse = tiles.unit_lower_inverse(strict, s["off"], s["inverse"], s["half"])
     tiles.store(s["inverse"], inverse)
-    key_dim = s["q"].refs[0].shape[1]
+    tiles.hand_over(s["inverse_ready"])
     _times_inverse(s, s["x"], s["x"])  # u, each block of x read before it is written
-    _decayed(s, key_dim)
-    _times_inverse(s, s["e"], s["e"])  # w, each block of E * exp(G) read before it is written
-    results = (
-        (s["e"], w_hbm),
-        (s["x"], u_hbm),
-        (s["rows"][0], q_start_hbm),
-        (s["cols"], k_end_hbm),
-        *((s["inverse"], t) for t in t_hbm),
-    )
+    results = ((s["x"], u_hbm), *((s["inverse"], t) for t in t_hbm))
     tiles.copy_out(
-        *(
-            (src, dst.at[tokens, head])
-            for tile, hbm in results
-            for src, dst in zip(tile.refs, hbm, strict=True)
-        )
-    )
+        *((src, dst.at[tokens, head]) for tile, hbm in results
+          for src, dst in zip(tile.refs, hbm, strict=True))
+    )  # fmt: skip
     plgpu.wait_smem_to_gmem(0)
+
+
+def _factors_kernel(*refs, group: int, **s):
+    """One chunk of one value head: its ``w``, ``u``, ``q_start``, ``k_end`` and ``M``, and
+    ``T`` where the outputs have room for it, by two warpgroups (``_main_side``,
+    ``_second_side``), each making the levels' operands over its share of the key
+    channels."""
+    hbm, out = refs[:5], refs[5:]
+    chunk, head = jax.lax.axis_index("chunk"), jax.lax.axis_index("head")
+    index = (pl.ds(chunk * CHUNK, CHUNK), head, group)
+    key_dim = s["q"].refs[0].shape[1]
+    middle = key_dim - key_dim // CHUNK // 2 * CHUNK  # the main side takes an odd block
+    side = jax.lax.axis_index(tiles.WARPGROUP)
+    pl.when(side == MAIN)(lambda: _main_side(s, hbm, out, index, (0, middle)))
+    pl.when(side == SECOND)(lambda: _second_side(s, out, index, (middle, key_dim)))
+    tiles.finish_together(s["done"])
 
 
 def factors(q, k, e, x, g, *, keep_inverse: bool, interpret) -> Factors:
@@ -161,6 +197,8 @@ def factors(q, k, e, x, g, *, keep_inverse: bool, interpret) -> Factors:
         inverse=tiles.pieces(count, in_chunk.SQUARE),
         half=tiles.pieces(count, in_chunk.SQUARE),
         loaded=plgpu.Barrier(num_arrivals=4 * count),
+        **{name: plgpu.Barrier() for name in _BARRIERS},
+        done=plgpu.Barrier(num_arrivals=2),
     )
     shapes = [(tokens, v_heads, key_dim), (tokens, v_heads, value_dim)]
     shapes += [shapes[0], shapes[0], (tokens, v_heads, CHUNK)]
@@ -175,6 +213,7 @@ def factors(q, k, e, x, g, *, keep_inverse: bool, interpret) -> Factors:
         scratch=scratch,
         grid=dict(head=v_heads, chunk=tokens // CHUNK),
         interpret=interpret,
+        warpgroups=2,
     )
     outs = call(tuple(q), tuple(k), tuple(e), tuple(x), g.astype(F32))
     return Factors(*outs[:5], chunk_wholes(g), outs[5] if keep_inverse else None)

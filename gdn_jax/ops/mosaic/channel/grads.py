@@ -223,7 +223,7 @@ def _main_side(scratch, hbm, out, index, keys) -> None:
         plgpu.barrier_wait(s["top_done"])  # the other side is done with the block's tiles
         return carry
 
-    tiles.over_blocks(hbm["x"][0].shape[-1], value_block, 0)
+    tiles.over_blocks(hbm["x"][0].shape[-1], value_block, 0, zero=scratch["zero"][0])
     levels.load_scores(scratch, out, (tokens, head))
     tiles.hand_over(s["value_ready"])  # once more: dM and dA, for the levels
     levels.levels_stage(scratch, outputs, keys, _main_space)
@@ -247,7 +247,7 @@ def _second_side(scratch, hbm, out, index, keys) -> None:
         tiles.hand_over(s["top_done"])
         return carry
 
-    tiles.over_blocks(hbm["x"][0].shape[-1], value_block, 0)
+    tiles.over_blocks(hbm["x"][0].shape[-1], value_block, 0, zero=scratch["zero"][0])
     plgpu.barrier_wait(scratch["value_ready"])  # dM and dA; every phase is waited for
     if keys[0] < keys[1]:  # K = 64: the main side's block is the only one
         levels.levels_stage(scratch, outputs, keys, _second_space)
