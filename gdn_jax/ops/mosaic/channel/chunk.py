@@ -1,6 +1,6 @@
 """What the channel-decay Mosaic GPU kernels (KDA, GDN-2) do inside one chunk: the per-channel
-decays of ``chunked/channel_decays.py`` and the scores they weight, on one warpgroup's register tiles
-and shared-memory operands (``ops/mosaic/tiles.py``'s products, pieces and layouts).
+decays of ``chunked/channel_decays.py`` and the scores they weight, on register tiles and
+shared-memory operands (``ops/mosaic/tiles.py``'s products, pieces and layouts).
 
 A chunk's log-decays ``g [C, K]`` (float32, one per token and key channel, each ``<= 0``) are
 in shared memory as ``SEGMENT_PIECES`` bf16 pieces, which hold them exactly. The halving
@@ -14,12 +14,13 @@ rounds nothing after it away. A level needs ``P_h`` only on the second halves of
 decays, ``exp(P_C)`` from its start and ``exp(S_C)`` to its end (``write_chunk_masks``).
 
 The scores ``M_ti = sum_c x_tc k_ic exp(G_tc - G_ic)`` (``i <= t``) are the diagonal ``x_t .
-k_t`` plus one product a level (``channel_scores``): for half ``h`` the rows ``x_t
-exp(P_h[t])`` of each block's second half against the columns ``k_i exp(S_h[i])`` of its first
-half, kept where ``t`` and ``i`` are the second and the first half of one ``2h``-block
-(``level_pairs``). Every ``exp`` is of a sum of gates, ``<= 0``: no level overflows, however strongly a
-chunk decays. Elementwise work runs over blocks of 64 key channels (``tiles.over_blocks``)
-so that a register tile is ``[64, 64]``.
+k_t`` plus one product a level (``channel_scores``, on two warpgroups, each making the
+operands over half the key channels): for half ``h`` the rows ``x_t exp(P_h[t])`` of each
+block's second half against the columns ``k_i exp(S_h[i])`` of its first half, kept where
+``t`` and ``i`` are the second and the first half of one ``2h``-block (``level_pairs``).
+Every ``exp`` is of a sum of gates, ``<= 0``: no level overflows, however strongly a chunk
+decays. Elementwise work runs over blocks of 64 key channels (``tiles.over_blocks``) so that
+a register tile is ``[64, 64]``.
 """
 
 from __future__ import annotations
