@@ -62,7 +62,7 @@ def token_rows(test):
 
 class Space(NamedTuple):
     """The scratch of one warpgroup's levels (``levels_stage``): the level's ``mask`` (one
-    piece), its ``D`` tiles of ``dM`` and ``dA`` (``d_m``, ``d_a``, which ``gates_stage``
+    piece), its ``D`` tiles of ``dM`` and ``dA`` (``d_m``, ``d_a``, which ``_gates_stage``
     takes for ``dG`` after the levels), the row factors of q and e (``rows``) and the
     column factors of k (``cols``), all ``[C, C]``."""
 
@@ -117,7 +117,7 @@ def load_scores(scratch, out, index) -> None:
 
 def levels_stage(scratch, outputs, keys: tuple[int, int], space) -> None:
     """Every level's terms in the gradients of the key channels ``keys = (start, stop)``
-    (``_level``; ``load_scores`` first), then their gates' gradient (``gates_stage``).
+    (``_level``; ``load_scores`` first), then their gates' gradient (``_gates_stage``).
     ``outputs(first)``: the blocks of the gradients in HBM, ``d_q, d_k, d_e, d_g``."""
 
     def level(j, carry):
