@@ -47,20 +47,20 @@ def _scores_kernel(count: int, key_dim: int):
     (diagonal kept) and of e (strictly lower) against k, each side making the levels'
     operands over its key channels, and the decays from the start and to the end, all
     float32."""
-    middle = key_dim - key_dim // CHUNK // 2 * CHUNK
+    main, second = tiles.key_shares(key_dim)
 
     def body(q_hbm, e_hbm, k_hbm, g_hbm, m_out, a_out, start_out, end_out, **s):
         sync = in_chunk.Sync(s["mask_ready"], (s["operands_0"], s["operands_1"]), s["read"])
         xs, flags = (s["q"], s["e"]), (True, False)
 
-        def main():
+        def main_side():
             dsts = (*s["q"].refs, *s["e"].refs, *s["k"].refs)
             for src, dst in zip((*q_hbm, *e_hbm, *k_hbm), dsts, strict=True):
                 plgpu.copy_gmem_to_smem(src, dst, s["loaded"])
             in_chunk.load_gates(g_hbm, s["g"])
             plgpu.barrier_wait(s["loaded"])
             m_out[...] = in_chunk.channel_scores(
-                s, xs, s["k"], s["g"], diagonal=flags, side=0, keys=(0, middle), sync=sync
+                s, xs, s["k"], s["g"], diagonal=flags, side=0, keys=main, sync=sync
             )
             in_chunk.write_chunk_masks(s["masks"])  # the levels' mask is read by now
 
@@ -74,15 +74,15 @@ def _scores_kernel(count: int, key_dim: int):
 
             tiles.over_blocks(key_dim, block, 0)
 
-        def second():
+        def second_side():
             plgpu.barrier_wait(s["loaded"])
             a_out[...] = in_chunk.channel_scores(
-                s, xs, s["k"], s["g"], diagonal=flags, side=1, keys=(middle, key_dim), sync=sync
+                s, xs, s["k"], s["g"], diagonal=flags, side=1, keys=second, sync=sync
             )
 
         side = jax.lax.axis_index(tiles.WARPGROUP)
-        pl.when(side == 0)(main)
-        pl.when(side == 1)(second)
+        pl.when(side == 0)(main_side)
+        pl.when(side == 1)(second_side)
         tiles.finish_together(s["done"])
 
     tile = (CHUNK, key_dim)

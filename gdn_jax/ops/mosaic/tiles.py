@@ -47,6 +47,14 @@ COLS = WGMMA.reduce(0)
 
 WARPGROUP = "warpgroup"  # the axis of a warp-specialised kernel's warpgroups
 
+
+def key_shares(key_dim: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The key channels ``(start, stop)`` of each of two warpgroups that share them by
+    blocks of 64, the first taking the odd block (at ``K = 64``, all of them)."""
+    middle = key_dim - key_dim // CHUNK // 2 * CHUNK
+    return (0, middle), (middle, key_dim)
+
+
 SEGMENT_PIECES = 3  # bf16 pieces that hold a float32 gate exactly
 
 

@@ -99,8 +99,23 @@ def _times_inverse(s, src: tiles.Pieces, dst: tiles.Pieces) -> None:
     tiles.commit()
 
 
-def _sync(s) -> in_chunk.Sync:
-    return in_chunk.Sync(s["mask_ready"], (s["main_operands"], s["second_operands"]), s["read"])
+def _scores(s, side: int, keys):
+    """Warpgroup ``side``'s score, ``M`` (main) or ``A`` (second), its share of the levels'
+    operands over the key channels ``keys`` (``chunk.channel_scores``)."""
+    sync = in_chunk.Sync(s["mask_ready"], (s["main_operands"], s["second_operands"]), s["read"])
+    xs, diagonal = (s["q"], s["e"]), (True, False)
+    return in_chunk.channel_scores(
+        s, xs, s["k"], s["g"], diagonal=diagonal, side=side, keys=keys, sync=sync
+    )
+
+
+def _copy_out(results, tokens, head) -> None:
+    """TMA stores of ``(tile, hbm pieces)`` pairs to the program's chunk and value head."""
+    tiles.copy_out(
+        *((src, dst.at[tokens, head]) for tile, hbm in results
+          for src, dst in zip(tile.refs, hbm, strict=True))
+    )  # fmt: skip
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _main_side(s, hbm, out, index, keys) -> None:
@@ -119,10 +134,7 @@ def _main_side(s, hbm, out, index, keys) -> None:
     in_chunk.load_gates(g_hbm.at[tokens, head], s["g"])  # while the tiles load
     in_chunk.write_chunk_masks(s["chunk_masks"])
     plgpu.barrier_wait(s["loaded"])
-    xs = (s["q"], s["e"])
-    scores = in_chunk.channel_scores(
-        s, xs, s["k"], s["g"], diagonal=(True, False), side=MAIN, keys=keys, sync=_sync(s)
-    )
+    scores = _scores(s, MAIN, keys)
     key_dim = s["q"].refs[0].shape[1]
     _decayed(s, key_dim)
     plgpu.barrier_wait(s["inverse_ready"])
@@ -130,11 +142,7 @@ def _main_side(s, hbm, out, index, keys) -> None:
     _times_inverse(s, s["e"], s["e"])  # w, each block of E * exp(G) read before it is written
     results = ((s["off"], scores_hbm), (s["e"], w_hbm), (s["rows"][0], q_start_hbm))
     results += ((s["cols"], k_end_hbm),)
-    tiles.copy_out(
-        *((src, dst.at[tokens, head]) for tile, hbm in results
-          for src, dst in zip(tile.refs, hbm, strict=True))
-    )  # fmt: skip
-    plgpu.wait_smem_to_gmem(0)
+    _copy_out(results, tokens, head)
 
 
 def _second_side(s, out, index, keys) -> None:
@@ -143,20 +151,12 @@ def _second_side(s, out, index, keys) -> None:
     _, u_hbm, _, _, _, *t_hbm = out
     tokens, head, _ = index
     plgpu.barrier_wait(s["loaded"])
-    xs = (s["q"], s["e"])
-    strict = in_chunk.channel_scores(
-        s, xs, s["k"], s["g"], diagonal=(True, False), side=SECOND, keys=keys, sync=_sync(s)
-    )
+    strict = _scores(s, SECOND, keys)
     inverse = tiles.unit_lower_inverse(strict, s["off"], s["inverse"], s["half"])
     tiles.store(s["inverse"], inverse)
     tiles.hand_over(s["inverse_ready"])
     _times_inverse(s, s["x"], s["x"])  # u, each block of x read before it is written
-    results = ((s["x"], u_hbm), *((s["inverse"], t) for t in t_hbm))
-    tiles.copy_out(
-        *((src, dst.at[tokens, head]) for tile, hbm in results
-          for src, dst in zip(tile.refs, hbm, strict=True))
-    )  # fmt: skip
-    plgpu.wait_smem_to_gmem(0)
+    _copy_out(((s["x"], u_hbm), *((s["inverse"], t) for t in t_hbm)), tokens, head)
 
 
 def _factors_kernel(*refs, group: int, **s):
@@ -167,11 +167,10 @@ def _factors_kernel(*refs, group: int, **s):
     hbm, out = refs[:5], refs[5:]
     chunk, head = jax.lax.axis_index("chunk"), jax.lax.axis_index("head")
     index = (pl.ds(chunk * CHUNK, CHUNK), head, group)
-    key_dim = s["q"].refs[0].shape[1]
-    middle = key_dim - key_dim // CHUNK // 2 * CHUNK  # the main side takes an odd block
+    main, second = tiles.key_shares(s["q"].refs[0].shape[1])
     side = jax.lax.axis_index(tiles.WARPGROUP)
-    pl.when(side == MAIN)(lambda: _main_side(s, hbm, out, index, (0, middle)))
-    pl.when(side == SECOND)(lambda: _second_side(s, out, index, (middle, key_dim)))
+    pl.when(side == MAIN)(lambda: _main_side(s, hbm, out, index, main))
+    pl.when(side == SECOND)(lambda: _second_side(s, out, index, second))
     tiles.finish_together(s["done"])
 
 

@@ -12,8 +12,8 @@ last block's are done with), with ``U = T (X - (E * exp(G)) S^T)`` and ``dU
 
 the last three and ``M``'s diagonal added to the gradients of q, k and e at once, and what
 ``G_C`` gets to the last row of g's. Last, ``dM`` and ``dA`` back through the scores' halving
-levels, and the gates' gradient from those of q, e and k (``ops/mosaic/channel/levels.py``). The gradients accumulate in HBM, in the program's own
-blocks of them: no value block keeps a share of its own, and no ``[C, K]`` float32 tile is
+levels, and the gates' gradient from those of q, e and k (``ops/mosaic/channel/levels.py``).
+The gradients accumulate in HBM, in the program's own blocks of them: no value block keeps a share of its own, and no ``[C, K]`` float32 tile is
 held (each ``[C, 64]`` result leaves as soon as it is made).
 
 Each stage, and each step of a loop, reads its operands through views of its own at an index
@@ -284,21 +284,20 @@ def _grads_kernel(*refs, group: int, **scratch):
     out = {name: hbm.pop(name) for name in _OUTPUTS}
     scratch["zero"] = hbm.pop("zero")
     index = (jax.lax.axis_index("chunk"), jax.lax.axis_index("head"), group)
-    key_dim = scratch["q"].refs[0].shape[-1]
-    middle = key_dim - key_dim // CHUNK // 2 * CHUNK  # the main side takes an odd block
+    main, second = tiles.key_shares(scratch["q"].refs[0].shape[-1])
     side = jax.lax.axis_index(tiles.WARPGROUP)
-    pl.when(side == MAIN)(lambda: _main_side(scratch, hbm, out, index, (0, middle)))
-    pl.when(side == SECOND)(lambda: _second_side(scratch, hbm, out, index, (middle, key_dim)))
+    pl.when(side == MAIN)(lambda: _main_side(scratch, hbm, out, index, main))
+    pl.when(side == SECOND)(lambda: _second_side(scratch, hbm, out, index, second))
     tiles.finish_together(scratch["done"])
 
 
 def grads(q, k, e, x, g, scores, inverse, d_y, starts, d_ends, *, interpret):
     """Every chunk's gradients of the contract: ``q``, ``k`` pieces ``[tokens, H, K]``,
     ``e`` pieces ``[tokens, HV, K]``, ``x`` and ``d_y`` pieces ``[tokens, HV, V]``, ``g`` the
-    log-decays' ``SEGMENT_PIECES`` pieces ``[tokens, HV, K]``
-    (``channel/factors.gate_pieces``), ``scores`` (``M``) and ``inverse`` (``T``, the
-    forward's) pieces ``[tokens, HV, C]``, ``starts`` and ``d_ends`` pieces ``[chunks, HV, V, K]``. Returns ``(d_q, d_k, d_e, d_g
-    [tokens, HV, K], d_x [tokens, HV, V])`` in float32 (those of q and k per value head),
+    log-decays, float32 ``[tokens, HV, K]`` (split into pieces in the kernel), ``scores``
+    (``M``) and ``inverse`` (``T``, the forward's) pieces ``[tokens, HV, C]``, ``starts``
+    and ``d_ends`` pieces ``[chunks, HV, V, K]``. Returns ``(d_q, d_k, d_e, d_g [tokens,
+    HV, K], d_x [tokens, HV, V])`` in float32 (those of q and k per value head),
     ``d_x`` in bf16 for operands of one bf16 piece (bf16 inputs)."""
     count = len(q)
     tokens, heads, key_dim = q[0].shape

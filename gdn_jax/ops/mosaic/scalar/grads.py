@@ -313,11 +313,11 @@ def _grads_kernel(*refs, group: int, **s):
     shares = dict(d_q=out["d_q"].at[block], d_k=out["d_k"].at[block], d_v=out["d_v"],
                   d_gates=out["d_gates"].at[block])  # fmt: skip
     key_dim = s["q"].refs[0].shape[-1]
-    middle = key_dim - key_dim // CHUNK // 2 * CHUNK  # the keys' side takes an odd block
+    keys_share, values_share = tiles.key_shares(key_dim)  # the keys' side takes an odd block
     side = jax.lax.axis_index(tiles.WARPGROUP)
     args = (raw, hbm, shares, index)
-    pl.when(side == KEYS)(lambda: _keys_side(*args, (0, middle), block))
-    pl.when(side == VALUES)(lambda: _values_side(*args, (middle, key_dim), block))
+    pl.when(side == KEYS)(lambda: _keys_side(*args, keys_share, block))
+    pl.when(side == VALUES)(lambda: _values_side(*args, values_share, block))
     tiles.finish_together(s["done"])
 
 
